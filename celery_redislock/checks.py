@@ -1,0 +1,49 @@
+"""Checks of the Redis server that the lock guarantees depend on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+#: Policies under which Redis never evicts a key to make room.
+SAFE_POLICIES = frozenset({"noeviction"})
+
+
+@dataclass(frozen=True)
+class EvictionCheck:
+    """What the server says of eviction: its policy and whether keys may go."""
+
+    policy: str | None
+    may_evict: bool
+
+    def describe(self) -> str:
+        if self.policy is None:
+            return (
+                "could not read maxmemory_policy from INFO memory; if Redis may evict keys, "
+                "liveness keys can vanish and locks be freed early"
+            )
+        if self.may_evict:
+            return (
+                f"maxmemory-policy is {self.policy!r}: Redis may evict lock or liveness keys "
+                "under memory pressure, freeing locks early; set maxmemory-policy noeviction"
+            )
+        return f"maxmemory-policy is {self.policy!r}: keys are never evicted"
+
+
+def check_eviction(client: redis.Redis) -> EvictionCheck:
+    """Read ``maxmemory_policy`` from ``INFO memory`` (works where CONFIG is disabled).
+
+    One round trip. ``may_evict`` is True for every policy but ``noeviction``,
+    and when the policy cannot be read (reported with ``policy=None``).
+    """
+    try:
+        info = client.info("memory")
+    except redis.ResponseError:
+        return EvictionCheck(None, True)
+    policy = info.get("maxmemory_policy")
+    if isinstance(policy, bytes):
+        policy = policy.decode()
+    if policy is None:
+        return EvictionCheck(None, True)
+    return EvictionCheck(str(policy), str(policy) not in SAFE_POLICIES)

@@ -1,0 +1,77 @@
+"""Exceptions raised by celery-redislock.
+
+Every error the library raises on purpose derives from :class:`LockError`::
+
+    LockError
+     ├── LockTimeout        the locks were not granted within the timeout
+     ├── LockLost           a lease's owner lost its liveness; the locks may
+     │                      now belong to someone else
+     ├── InvalidResource    a resource name or request shape was refused
+     │                      (also a ValueError)
+     ├── ConfigurationError a setting or argument was refused (also a ValueError)
+     └── RedisUnavailable   Redis could not be reached (names the URL)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class LockError(Exception):
+    """Root of every error raised by celery-redislock."""
+
+
+class LockTimeout(LockError):
+    """The requested locks were not all granted before the timeout.
+
+    Nothing is left behind: no partial grant, no queue entry.
+    """
+
+    def __init__(self, resources: Sequence[str], timeout: float | None) -> None:
+        self.resources = tuple(resources)
+        self.timeout = timeout
+        super().__init__(
+            f"locks not granted within {timeout}s: {', '.join(self.resources)}"
+        )
+
+
+class LockLost(LockError):
+    """The lease's owner lost its liveness, so its locks may have passed on.
+
+    Stop writing to what the lock protects; use the fencing token to let the
+    store refuse late writes.
+    """
+
+    def __init__(self, resources: Sequence[str], owner_id: str, fencing_token: int) -> None:
+        self.resources = tuple(resources)
+        self.owner_id = owner_id
+        self.fencing_token = fencing_token
+        super().__init__(
+            f"lease lost (owner {owner_id} lost its liveness): {', '.join(self.resources)}; "
+            f"fencing token {fencing_token} is stale"
+        )
+
+
+class InvalidResource(LockError, ValueError):
+    """A resource name or the shape of a request was refused before any I/O."""
+
+    def __init__(self, message: str, resource: object = None) -> None:
+        self.resource = resource
+        super().__init__(message)
+
+
+class ConfigurationError(LockError, ValueError):
+    """A setting or constructor argument has a value the library refuses."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        self.setting = setting
+        super().__init__(f"{setting}: {message}")
+
+
+class RedisUnavailable(LockError):
+    """Redis could not be reached or answered with a connection error."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        self.url = url
+        self.cause = cause
+        super().__init__(f"Redis at {url} is unavailable: {cause}")

@@ -1,0 +1,77 @@
+"""The per-process heartbeat thread that keeps an owner's liveness.
+
+One daemon OS thread per process (a real thread under gevent), started on
+first use and again in a forked child (the pid is checked on every start).
+Each tick calls ``beat()``, which makes one Redis round trip for every
+owner it refreshes. The thread sleeps in short slices so ``stop()`` is
+prompt, and it never lets an exception end it: a failed beat is logged and
+retried on the next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from ._threads import real_sleep, start_os_thread
+
+logger = logging.getLogger("celery_redislock.heartbeat")
+
+_SLICE = 0.05
+
+
+class Heartbeat:
+    """Calls ``beat`` every ``interval`` seconds from a background OS thread."""
+
+    def __init__(self, interval: float, beat: Callable[[], None], name: str) -> None:
+        self.interval = interval
+        self._beat = beat
+        self._name = name
+        self._pid: int | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+        #: Ticks completed by this process's thread (tests wait on it).
+        self.ticks = 0
+
+    @property
+    def running(self) -> bool:
+        return self._pid == os.getpid() and not self._stopped
+
+    def ensure_started(self) -> None:
+        """Start the thread in this process unless it already runs here."""
+        if self._pid == os.getpid() or self._stopped:
+            return
+        with self._lock:
+            if self._pid == os.getpid() or self._stopped:
+                return
+            self._pid = os.getpid()
+            self.ticks = 0
+            start_os_thread(self._run, self._name)
+
+    def stop(self) -> None:
+        """Ask the thread to end; it exits within a fraction of a second."""
+        self._stopped = True
+
+    def after_fork_in_child(self) -> None:
+        """The parent's thread does not exist here; the next use starts one."""
+        self._lock = threading.Lock()
+        self._pid = None
+        self.ticks = 0
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        next_at = time.monotonic() + self.interval
+        while not self._stopped and self._pid == pid:
+            now = time.monotonic()
+            if now < next_at:
+                real_sleep(min(_SLICE, next_at - now))
+                continue
+            next_at = now + self.interval
+            try:
+                self._beat()
+            except Exception:  # a failed beat must not end the heartbeat
+                logger.exception("heartbeat.error thread=%s", self._name)
+            self.ticks += 1

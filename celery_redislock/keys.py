@@ -1,0 +1,110 @@
+"""Key names of one namespace, and validation of resource names.
+
+Every key shares the hash tag ``{namespace}`` so each script is single-slot
+(Redis Cluster ready) and an ACL can be limited to ``~{namespace}:*``.
+
+=============================  ======  =========================================
+key                            type    holds
+=============================  ======  =========================================
+``{ns}:lock:<resource>``       hash    holder token -> ``x`` | ``s``
+``{ns}:q:<resource>``          zset    ``<mode><token>`` scored by arrival
+``{ns}:held:<owner>``          set     the owner's registry: lock keys it holds
+``{ns}:alive:<owner>``         string  the owner's liveness (TTL); value = who
+``{ns}:owners``                set     owners that may hold or wait for locks
+``{ns}:req:<token>``           hash    one request's state (queued / granted)
+``{ns}:wake:<token>``          list    wake-up pushed to one waiting request
+``{ns}:contend:<token>``       list    pushed when someone waits for a lease
+``{ns}:fence``                 string  last fencing token
+``{ns}:seq``                   string  last arrival sequence number
+=============================  ======  =========================================
+"""
+
+from __future__ import annotations
+
+import re
+
+from .exceptions import ConfigurationError, InvalidResource
+
+#: Longest resource name accepted, in UTF-8 bytes.
+MAX_RESOURCE_BYTES = 512
+#: Most resources one request may name.
+MAX_RESOURCES = 64
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def validate_namespace(namespace: object) -> str:
+    """Return ``namespace`` if usable as a hash tag, else raise ConfigurationError."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise ConfigurationError(
+            "namespace",
+            f"{namespace!r} must be 1-64 characters of letters, digits, '_', '.' or '-'",
+        )
+    return namespace
+
+
+def validate_resource(name: object) -> str:
+    """Return ``name`` if it is a valid resource name, else raise InvalidResource.
+
+    A name is a non-empty ``str`` of at most :data:`MAX_RESOURCE_BYTES` UTF-8
+    bytes without control characters. Any such name is safe: it only ever
+    becomes the suffix of a key inside the namespace.
+    """
+    if not isinstance(name, str):
+        raise InvalidResource(
+            f"resource names must be str, not {type(name).__name__}: {name!r}", name
+        )
+    if not name:
+        raise InvalidResource("resource name is empty", name)
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_RESOURCE_BYTES:
+        raise InvalidResource(
+            f"resource name longer than {MAX_RESOURCE_BYTES} bytes: {name[:40]!r}...", name
+        )
+    if _CONTROL_RE.search(name):
+        raise InvalidResource(f"resource name has control characters: {name!r}", name)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidResource(f"resource name is not valid UTF-8: {name!r}", name) from exc
+    return name
+
+
+class Keyspace:
+    """Builds every key of one namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = validate_namespace(namespace)
+        #: Prefix of every key, hash tag included: ``{ns}:``.
+        self.prefix = "{" + namespace + "}:"
+        self.owners = self.prefix + "owners"
+        self.fence = self.prefix + "fence"
+        self.seq = self.prefix + "seq"
+
+    def lock(self, resource: str) -> str:
+        return f"{self.prefix}lock:{resource}"
+
+    def queue(self, resource: str) -> str:
+        return f"{self.prefix}q:{resource}"
+
+    def held(self, owner_id: str) -> str:
+        return f"{self.prefix}held:{owner_id}"
+
+    def alive(self, owner_id: str) -> str:
+        return f"{self.prefix}alive:{owner_id}"
+
+    def req(self, token: str) -> str:
+        return f"{self.prefix}req:{token}"
+
+    def wake(self, token: str) -> str:
+        return f"{self.prefix}wake:{token}"
+
+    def contend(self, token: str) -> str:
+        return f"{self.prefix}contend:{token}"
+
+    def resource_of(self, lock_key: str) -> str:
+        """The resource name of a ``{ns}:lock:<resource>`` key."""
+        head = self.prefix + "lock:"
+        if not lock_key.startswith(head):
+            raise ValueError(f"not a lock key of namespace {self.namespace!r}: {lock_key!r}")
+        return lock_key[len(head) :]

@@ -1,0 +1,174 @@
+-- acquire.lua: try to take every lock of one request at once, in FIFO order.
+--
+-- KEYS (all in the namespace's hash tag {ns}):
+--   1        {ns}:fence          fencing counter (string)
+--   2        {ns}:seq            arrival sequence counter (string)
+--   3        {ns}:owners         set of owners that may hold or wait for locks
+--   4        {ns}:held:<owner>   this owner's registry: set of lock keys held
+--   5        {ns}:alive:<owner>  this owner's liveness key (string, TTL)
+--   6        {ns}:req:<token>    this request's state hash (state, seq, fence)
+--   7        {ns}:wake:<token>   this request's wake list
+--   8..7+n   {ns}:lock:<res>     lock hashes, one per resource
+--   8+n..7+2n {ns}:q:<res>       wait queues (zsets), same order
+-- Keys read from locks and queues (other owners' alive, req, wake, contend
+-- and held keys) are built from ARGV[8] and stay in the same hash tag.
+--
+-- ARGV:
+--   1 owner id
+--   2 token '<owner>|<request id>' (unique per acquisition)
+--   3 modes: one char per resource, 'x' exclusive or 's' shared
+--   4 '1' to join the wait queue when blocked, '0' to try once
+--   5 '1' for a nested request (waits only for holders, queued first)
+--   6 liveness TTL in ms to register the owner with (SET NX), '0' if registered
+--   7 value of the liveness key when registering (owner description)
+--   8 key prefix '{ns}:'
+--   9 request TTL in ms (queued request state, wake list)
+--  10 queue scan limit (entries looked at per queue)
+--
+-- Atomic steps:
+--   1. Register (SET NX PX) when asked; otherwise a missing liveness key means
+--      this owner was declared dead: reply {-1}.
+--   2. Idempotency: a request already granted replies its grant again.
+--   3. Holders: a conflicting holder whose owner is dead is reclaimed (token
+--      removed from the lock and, if it was the owner's last token there, the
+--      key removed from that owner's registry); a live one blocks.
+--   4. Queue (not for nested requests): an earlier queued request that
+--      conflicts blocks, unless its owner is dead or its state has expired, in
+--      which case the entry is removed.
+--   5. Not blocked: grant every lock (token -> mode), add the keys to the
+--      registry, leave the queues, record the grant, wake whoever can follow.
+--   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token.
+--
+-- Reply:
+--   {1, fence}         granted (or granted earlier: same fence)
+--   {0, wait_ms, why}  blocked; wait_ms = soonest a blocking owner's liveness
+--                      runs out (-1 if unknown); why = 'held' | 'queued'
+--   {-1}               this owner's liveness is gone: use a new identity
+
+local prefix = ARGV[8]
+local owner, token, modes = ARGV[1], ARGV[2], ARGV[3]
+local want_queue, nested = ARGV[4] == '1', ARGV[5] == '1'
+local reg_ttl = tonumber(ARGV[6])
+local req_ttl, limit = tonumber(ARGV[9]), tonumber(ARGV[10])
+local n = #modes
+local req_key, wake_key = KEYS[6], KEYS[7]
+
+-- 1. liveness
+if reg_ttl > 0 then
+  redis.call('SET', KEYS[5], ARGV[7], 'NX', 'PX', reg_ttl)
+elseif redis.call('EXISTS', KEYS[5]) == 0 then
+  return {-1}
+end
+
+-- 2. idempotency
+local state = redis.call('HMGET', req_key, 'state', 'seq', 'fence')
+if state[1] == 'g' then
+  return {1, tonumber(state[3])}
+end
+local queued = state[1] == 'q'
+
+local blocked, why = false, 'held'
+local wait_ms = -1
+local function note_wait(ms)
+  if ms >= 0 and (wait_ms < 0 or ms < wait_ms) then wait_ms = ms end
+end
+local rewake = {}
+
+-- 3. holders
+for i = 1, n do
+  local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
+  local h = redis.call('HGETALL', lock)
+  local dead_owners = {}
+  for j = 1, #h, 2 do
+    local t, hm = h[j], h[j + 1]
+    if conflicts(mode, hm) then
+      local o = owner_of(t)
+      local ms = owner_pttl(prefix, o)
+      if ms < 0 then
+        redis.call('HDEL', lock, t)
+        redis.call('DEL', prefix .. 'req:' .. t)
+        dead_owners[o] = true
+        rewake[i] = true
+      else
+        blocked = true
+        note_wait(ms)
+        contended(prefix, t, req_ttl)
+      end
+    end
+  end
+  for o, _ in pairs(dead_owners) do
+    if not owner_holds(lock, o) then
+      redis.call('SREM', prefix .. 'held:' .. o, lock)
+    end
+  end
+end
+
+-- 4. queue
+if not nested then
+  local max = '+inf'
+  if queued then max = '(' .. state[2] end
+  for i = 1, n do
+    local q, mode = KEYS[7 + n + i], string.sub(modes, i, i)
+    local ahead = redis.call('ZRANGEBYSCORE', q, '-inf', max, 'LIMIT', 0, limit)
+    for _, m in ipairs(ahead) do
+      local t = string.sub(m, 2)
+      if t ~= token and conflicts(mode, string.sub(m, 1, 1)) then
+        local ms = owner_pttl(prefix, owner_of(t))
+        if ms < 0 or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
+          redis.call('ZREM', q, m)
+          redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
+          rewake[i] = true
+        else
+          blocked, why = true, 'queued'
+          note_wait(ms)
+          break
+        end
+      end
+    end
+    if #ahead >= limit and not blocked then
+      -- Too many earlier entries to inspect: stay behind them.
+      blocked, why = true, 'queued'
+    end
+  end
+end
+
+if not blocked then
+  -- 5. grant
+  local fence = next_fence(KEYS[1])
+  for i = 1, n do
+    local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
+    redis.call('HSET', lock, token, mode)
+    redis.call('SADD', KEYS[4], lock)
+    if queued then
+      redis.call('ZREM', KEYS[7 + n + i], mode .. token)
+      rewake[i] = true
+    end
+  end
+  redis.call('SADD', KEYS[3], owner)
+  redis.call('DEL', wake_key)
+  redis.call('HSET', req_key, 'state', 'g', 'fence', string.format('%.0f', fence))
+  redis.call('PEXPIRE', req_key, req_ttl)
+  for i, _ in pairs(rewake) do
+    wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
+  end
+  return {1, fence}
+end
+
+-- 6. blocked
+for i, _ in pairs(rewake) do
+  wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
+end
+if want_queue then
+  if not queued then
+    local seq = redis.call('INCR', KEYS[2])
+    if nested then seq = seq - 1e15 end
+    for i = 1, n do
+      local mode = string.sub(modes, i, i)
+      redis.call('ZADD', KEYS[7 + n + i], string.format('%.0f', seq), mode .. token)
+    end
+    redis.call('HSET', req_key, 'state', 'q', 'seq', string.format('%.0f', seq))
+    redis.call('SADD', KEYS[3], owner)
+  end
+  redis.call('PEXPIRE', req_key, req_ttl)
+end
+return {0, wait_ms, why}

@@ -1,0 +1,95 @@
+-- cleanup_owner.lua: free every lock a dead owner still holds, walking only
+-- that owner's registry (never the keyspace).
+--
+-- KEYS (all in {ns}):
+--   1 {ns}:held:<owner>   the owner's registry (set of lock keys)
+--   2 {ns}:alive:<owner>  the owner's liveness key
+--   3 {ns}:owners         the active-owners set
+-- Lock keys come from the registry; queue and request keys are built from
+-- ARGV[2]. Only registry members of the form '{ns}:lock:<res>' are touched:
+-- any other member is reported as skipped and kept.
+--
+-- ARGV:
+--   1 owner id
+--   2 key prefix '{ns}:'
+--   3 '1' to force: the caller proved the owner dead by other means (its
+--     process is gone, or its node was evicted); its liveness key is deleted
+--     first so that the owner, if it is somehow still running, fences itself
+--   4 request TTL in ms (wake lists)
+--   5 queue scan limit
+--
+-- Atomic steps: refuse a live owner unless forced; for each registry member:
+-- a missing key is dropped from the registry (nothing held); a hash has
+-- every field of this owner deleted, the request state of each such token
+-- deleted, its waiters woken, then the key leaves the registry; a key of
+-- any other type is kept and reported. A failing key is reported and kept;
+-- the others go on. An owner with an empty registry leaves the owners set.
+--
+-- Reply: {status, released, skipped, errors, remaining}
+--   status  'alive' (nothing done) | 'cleaned' (owner gone from the owners
+--           set) | 'partial' (some keys kept: see skipped and errors)
+--   released  number of lock grants freed
+--   skipped   {key, type, ...} pairs of keys of an unexpected type
+--   errors    {key, message, ...} pairs of keys whose cleanup failed
+--   remaining registry size afterwards
+
+local owner, prefix = ARGV[1], ARGV[2]
+local force = ARGV[3] == '1'
+local req_ttl, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
+
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  if not force then
+    return {'alive', 0, {}, {}, redis.call('SCARD', KEYS[1])}
+  end
+  redis.call('DEL', KEYS[2])
+end
+
+local lock_prefix = prefix .. 'lock:'
+local p = owner .. '|'
+local released = 0
+local skipped, errors = {}, {}
+
+local function clean_one(lock)
+  if string.sub(lock, 1, #lock_prefix) ~= lock_prefix then
+    return 'skip', 'foreign-key'
+  end
+  local t = redis.call('TYPE', lock)['ok']
+  if t == 'none' then
+    redis.call('SREM', KEYS[1], lock)
+    return 'ok'
+  end
+  if t ~= 'hash' then
+    return 'skip', t
+  end
+  for _, f in ipairs(redis.call('HKEYS', lock)) do
+    if string.sub(f, 1, #p) == p then
+      redis.call('HDEL', lock, f)
+      redis.call('DEL', prefix .. 'req:' .. f, prefix .. 'contend:' .. f)
+      released = released + 1
+    end
+  end
+  local q = prefix .. 'q:' .. string.sub(lock, #lock_prefix + 1)
+  wake_front(prefix, q, lock, limit, req_ttl)
+  redis.call('SREM', KEYS[1], lock)
+  return 'ok'
+end
+
+for _, lock in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local ok, res, detail = pcall(clean_one, lock)
+  if not ok then
+    if type(res) == 'table' then res = res.err or res['err'] end
+    errors[#errors + 1] = lock
+    errors[#errors + 1] = tostring(res)
+  elseif res == 'skip' then
+    skipped[#skipped + 1] = lock
+    skipped[#skipped + 1] = detail
+  end
+end
+
+local remaining = redis.call('SCARD', KEYS[1])
+local status = 'partial'
+if remaining == 0 then
+  redis.call('SREM', KEYS[3], owner)
+  status = 'cleaned'
+end
+return {status, released, skipped, errors, remaining}

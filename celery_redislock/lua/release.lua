@@ -1,0 +1,53 @@
+-- release.lua: end one request whatever its state: release its grant,
+-- leave the wait queues, or both (a grant that landed as its waiter gave up).
+-- Every exit path of an acquisition calls this with the request's own token,
+-- so it is safe to call twice and never touches another acquisition's locks.
+--
+-- KEYS (all in {ns}):
+--   1        {ns}:held:<owner>   this owner's registry
+--   2        {ns}:req:<token>    the request's state hash
+--   3        {ns}:wake:<token>   the request's wake list
+--   4        {ns}:contend:<token> the lease's contender signal list
+--   5..4+n   {ns}:lock:<res>     lock hashes
+--   5+n..4+2n {ns}:q:<res>       wait queues, same order
+-- Keys of waiters to wake are built from ARGV[4] and stay in {ns}.
+--
+-- ARGV:
+--   1 owner id
+--   2 token
+--   3 modes, one char per resource ('x' | 's')
+--   4 key prefix '{ns}:'
+--   5 request TTL in ms (for wake lists)
+--   6 queue scan limit
+--
+-- Atomic steps, per resource: HDEL the token (delete-if-holder: only this
+-- token's field goes); drop the key from the registry once the owner holds
+-- no other token there; ZREM the request's queue entry; if anything changed,
+-- wake whoever can now proceed. Then delete the request's state, wake list
+-- and contender signal list.
+--
+-- Reply: {released, dequeued}: how many locks this token still held and how
+-- many queue entries it still had. released < n on a granted lease means
+-- some lock had already been taken from it (its owner was declared dead).
+
+local owner, token, modes, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local req_ttl, limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local n = #modes
+local released, dequeued = 0, 0
+for i = 1, n do
+  local lock, q, mode = KEYS[4 + i], KEYS[4 + n + i], string.sub(modes, i, i)
+  local r = redis.call('HDEL', lock, token)
+  if r == 1 then
+    released = released + 1
+    if not owner_holds(lock, owner) then
+      redis.call('SREM', KEYS[1], lock)
+    end
+  end
+  local d = redis.call('ZREM', q, mode .. token)
+  dequeued = dequeued + d
+  if r == 1 or d == 1 then
+    wake_front(prefix, q, lock, limit, req_ttl)
+  end
+end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+return {released, dequeued}

@@ -1,0 +1,635 @@
+"""The lock engine: :class:`LockManager` acquires, releases and cleans up.
+
+It works without Celery. One manager per process and Redis namespace is
+the normal use; it is thread-safe, fork-safe (a child gets a new owner id,
+a new heartbeat and new connections) and cancellation-safe (every exit of
+an acquisition releases or dequeues by its own token).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from .checks import EvictionCheck, check_eviction
+from .exceptions import (
+    ConfigurationError,
+    InvalidResource,
+    LockError,
+    LockTimeout,
+    RedisUnavailable,
+)
+from .heartbeat import Heartbeat
+from .identity import IdentitySource, OwnerIdentity
+from .keys import MAX_RESOURCES, Keyspace, validate_resource
+from .lease import Lease
+from .reports import CleanupReport, ReconcileReport
+from .scripts import Scripts
+
+log_acquire = logging.getLogger("celery_redislock.acquire")
+log_release = logging.getLogger("celery_redislock.release")
+log_cleanup = logging.getLogger("celery_redislock.cleanup")
+log_reconcile = logging.getLogger("celery_redislock.reconcile")
+log_heartbeat = logging.getLogger("celery_redislock.heartbeat")
+
+#: Default liveness TTL of an owner, seconds. A crashed owner's locks block
+#: others at most this long when nothing else cleans them up (in a Celery
+#: worker, the main process frees a dead child's locks within one tick).
+DEFAULT_OWNER_TTL = 30.0
+#: Default queue scan limit: entries one script looks at per wait queue.
+DEFAULT_SCAN_LIMIT = 256
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A validated request: resources, their modes and their keys."""
+
+    exclusive: tuple[str, ...]
+    shared: tuple[str, ...]
+    modes: str
+    lock_keys: tuple[str, ...]
+    queue_keys: tuple[str, ...]
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        return self.exclusive + self.shared
+
+
+class _Depth:
+    """Leases held by one thread or greenlet (to recognise nested acquires)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _names(value: str | Iterable[str] | None, kind: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (validate_resource(value),)
+    if isinstance(value, bytes):
+        raise InvalidResource(f"{kind} resources must be str names, not bytes", value)
+    out: list[str] = []
+    for name in value:
+        name = validate_resource(name)
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+class LockManager:
+    """Acquire exclusive and shared Redis locks, all or nothing, fairly.
+
+    Args:
+        redis_url: a ``redis://``, ``rediss://`` or ``unix://`` URL, or a
+            ready :class:`redis.Redis` client (its pool is reused; replies may
+            be bytes or str).
+        namespace: keys live under the hash tag ``{namespace}``; managers,
+            workers and the CLI with the same namespace share the same locks.
+        owner_ttl: seconds an owner stays alive without a heartbeat. A
+            crashed owner's locks are reclaimable this long after its last
+            beat. Default 30: long enough to ride out a GC or scheduling
+            pause of several seconds, short enough that an unattended crash
+            clears within half a minute.
+        heartbeat_interval: seconds between liveness refreshes, at most half
+            of ``owner_ttl``. Default ``owner_ttl / 3``: two beats may be
+            lost (a slow Redis, a blocked process) before the owner is dead.
+        queue_scan_limit: most wait-queue entries one script inspects per
+            resource; bounds the work of every script.
+        name: a label stored with the owner's liveness (shown by the CLI).
+
+    Redis cost: acquire (per attempt), release, heartbeat and
+    ``contenders()`` are one round trip each; nothing ever SCANs the keyspace.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | redis.Redis = "redis://127.0.0.1:6379/0",
+        namespace: str = "redislock",
+        *,
+        owner_ttl: float = DEFAULT_OWNER_TTL,
+        heartbeat_interval: float | None = None,
+        queue_scan_limit: int = DEFAULT_SCAN_LIMIT,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(owner_ttl, bool) or not isinstance(owner_ttl, (int, float)):
+            raise ConfigurationError("owner_ttl", f"must be a number of seconds, not {owner_ttl!r}")
+        if not (0.05 <= owner_ttl <= 86400):
+            raise ConfigurationError("owner_ttl", f"must be within 0.05..86400 s, not {owner_ttl}")
+        if heartbeat_interval is None:
+            heartbeat_interval = owner_ttl / 3
+        if isinstance(heartbeat_interval, bool) or not isinstance(heartbeat_interval, (int, float)):
+            raise ConfigurationError(
+                "heartbeat_interval", f"must be a number of seconds, not {heartbeat_interval!r}"
+            )
+        if not (0 < heartbeat_interval <= owner_ttl / 2):
+            raise ConfigurationError(
+                "heartbeat_interval",
+                f"must be > 0 and at most half of owner_ttl ({owner_ttl / 2}), "
+                f"not {heartbeat_interval}",
+            )
+        if not isinstance(queue_scan_limit, int) or queue_scan_limit < 1:
+            raise ConfigurationError("queue_scan_limit", f"must be a positive int, not {queue_scan_limit!r}")
+        self.keys = Keyspace(namespace)
+        self.namespace = namespace
+        self.owner_ttl = float(owner_ttl)
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.queue_scan_limit = queue_scan_limit
+        self.name = name
+        if isinstance(redis_url, str):
+            self.url = redis_url
+            try:
+                self.client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=True)
+            except ValueError as exc:
+                raise ConfigurationError("redis_url", str(exc)) from exc
+        elif isinstance(redis_url, redis.Redis):
+            self.client = redis_url
+            kw = redis_url.connection_pool.connection_kwargs
+            self.url = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+        else:
+            raise ConfigurationError(
+                "redis_url", f"must be a URL or a redis.Redis client, not {type(redis_url).__name__}"
+            )
+        timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
+        #: Longest single BLPOP: below the client's socket timeout.
+        self._block_cap = max(0.05, float(timeout) - 1.0) if timeout else 30.0
+        self._scripts = Scripts(self.client)
+        self._identity = IdentitySource(on_fork=self._after_fork_in_child)
+        self._state_lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._orphans: dict[str, _Request] = {}
+        self._local = threading.local()
+        self._hb_client: redis.Redis | None = None
+        self._hb_client_pid = 0
+        self._heartbeat = Heartbeat(self.heartbeat_interval, self._beat, "redislock-heartbeat")
+
+    # -- identity ---------------------------------------------------------
+
+    @property
+    def owner_id(self) -> str:
+        """This process's owner id; a forked child gets a different one."""
+        return self._identity.current().owner_id
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        """The background heartbeat of this process (``ticks`` counts beats)."""
+        return self._heartbeat
+
+    def _after_fork_in_child(self) -> None:
+        self._state_lock = threading.Lock()
+        for lease in self._leases.values():
+            lease._mark_lost()  # the parent's, not ours: never released from here
+        self._leases = {}
+        self._orphans = {}
+        self._local = threading.local()
+        self._hb_client = None
+        self._heartbeat.after_fork_in_child()
+
+    def _depth(self) -> _Depth:
+        depth = getattr(self._local, "depth", None)
+        if depth is None:
+            depth = self._local.depth = _Depth()
+        return depth
+
+    # -- requests ---------------------------------------------------------
+
+    def _request(
+        self, exclusive: str | Iterable[str] | None, shared: str | Iterable[str] | None
+    ) -> _Request:
+        ex = _names(exclusive, "exclusive")
+        sh = _names(shared, "shared")
+        if not ex and not sh:
+            raise InvalidResource("a lock request needs at least one resource")
+        both = set(ex) & set(sh)
+        if both:
+            raise InvalidResource(
+                f"resources requested both exclusive and shared: {sorted(both)}", sorted(both)
+            )
+        if len(ex) + len(sh) > MAX_RESOURCES:
+            raise InvalidResource(f"a request may name at most {MAX_RESOURCES} resources")
+        names = ex + sh
+        return _Request(
+            exclusive=ex,
+            shared=sh,
+            modes="x" * len(ex) + "s" * len(sh),
+            lock_keys=tuple(self.keys.lock(r) for r in names),
+            queue_keys=tuple(self.keys.queue(r) for r in names),
+        )
+
+    def _call(self, name: str, keys: list[str], args: list[Any], client: Any = None) -> Any:
+        try:
+            return self._scripts.run(name, keys, args, client=client)
+        except _REDIS_DOWN as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+
+    # -- acquire ----------------------------------------------------------
+
+    def acquire(
+        self,
+        exclusive: str | Iterable[str] | None = None,
+        shared: str | Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,
+        nested: bool | None = None,
+    ) -> Lease:
+        """Acquire every resource at once, waiting first come, first served.
+
+        Args:
+            exclusive: resource names to hold alone (writer).
+            shared: resource names to hold alongside other shared holders.
+            timeout: seconds to wait; ``0`` tries once without queueing;
+                ``None`` waits for ever.
+            nested: whether this request is made from inside a lock held by
+                the same thread or greenlet. Nested requests wait only for
+                holders, never behind queued requests (otherwise two tasks
+                would deadlock), and need a finite timeout. ``None``: detect.
+
+        Raises:
+            LockTimeout: not granted in time; nothing is left behind.
+            InvalidResource: bad names or request shape (before any I/O).
+            ValueError: negative timeout, or a nested request without one.
+            RedisUnavailable: Redis could not be reached.
+
+        Whatever ends the call (a timeout, KeyboardInterrupt, a soft time
+        limit, a gevent kill), the request's grant or queue entries are
+        released by its own token before the exception leaves this method.
+        """
+        req = self._request(exclusive, shared)
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise ValueError(f"timeout must be a number of seconds or None, not {timeout!r}")
+            if math.isnan(timeout) or timeout < 0:
+                raise ValueError(f"timeout must be >= 0 or None, not {timeout}")
+            if math.isinf(timeout):
+                timeout = None
+        depth = self._depth()
+        if nested is None:
+            nested = depth.count > 0
+        if nested and timeout is None:
+            raise ValueError(
+                "a nested acquire (made while this thread holds a lock) needs a finite "
+                "timeout: it skips the wait queue and could otherwise wait for ever"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request_id = uuid.uuid4().hex
+        ident = self._identity.current()
+        self._heartbeat.ensure_started()
+        token = f"{ident.owner_id}|{request_id}"
+        try:
+            while True:
+                reply = self._attempt(ident, token, req, timeout != 0, nested)
+                code = int(reply[0])
+                if code == 1:
+                    ident.registered = True
+                    lease = Lease(self, req, ident.owner_id, token, int(reply[1]), depth)
+                    with self._state_lock:
+                        self._leases[token] = lease
+                    depth.count += 1
+                    log_acquire.debug(
+                        "acquire.granted owner=%s resources=%s fence=%s",
+                        ident.owner_id, ",".join(req.resources), lease.fencing_token,
+                    )
+                    return lease
+                if code == -1:
+                    self._owner_lost(ident, "acquire")
+                    ident = self._identity.current()
+                    token = f"{ident.owner_id}|{request_id}"
+                    continue
+                ident.registered = True
+                if timeout == 0:
+                    raise LockTimeout(req.resources, timeout)
+                remaining = math.inf if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise LockTimeout(req.resources, timeout)
+                wait_ms = int(reply[1])
+                block = min(remaining, self._block_cap, self.owner_ttl)
+                if wait_ms >= 0:
+                    block = min(block, wait_ms / 1000.0 + 0.01)
+                self._block(token, max(block, 0.001))
+        except BaseException:
+            self._end_request(ident.owner_id, token, req)
+            raise
+
+    def _attempt(
+        self, ident: OwnerIdentity, token: str, req: _Request, queue: bool, nested: bool
+    ) -> Any:
+        ttl_ms = int(self.owner_ttl * 1000)
+        keys = [
+            self.keys.fence,
+            self.keys.seq,
+            self.keys.owners,
+            self.keys.held(ident.owner_id),
+            self.keys.alive(ident.owner_id),
+            self.keys.req(token),
+            self.keys.wake(token),
+            *req.lock_keys,
+            *req.queue_keys,
+        ]
+        args = [
+            ident.owner_id,
+            token,
+            req.modes,
+            "1" if queue else "0",
+            "1" if nested else "0",
+            "0" if ident.registered else str(ttl_ms),
+            ident.describe(self.name),
+            self.keys.prefix,
+            str(self._req_ttl_ms),
+            str(self.queue_scan_limit),
+        ]
+        return self._call("acquire", keys, args)
+
+    @property
+    def _req_ttl_ms(self) -> int:
+        return int(self.owner_ttl * 3000)
+
+    def _block(self, token: str, seconds: float) -> None:
+        try:
+            self.client.blpop([self.keys.wake(token)], timeout=seconds)
+        except _REDIS_DOWN as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+
+    @contextmanager
+    def lock(
+        self,
+        exclusive: str | Iterable[str] | None = None,
+        shared: str | Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,
+        nested: bool | None = None,
+    ) -> Iterator[Lease]:
+        """Context manager form of :meth:`acquire`; releases on exit."""
+        lease = self.acquire(exclusive, shared, timeout=timeout, nested=nested)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    # -- release ----------------------------------------------------------
+
+    def _release_keys(self, owner_id: str, token: str, req: _Request) -> list[str]:
+        return [
+            self.keys.held(owner_id),
+            self.keys.req(token),
+            self.keys.wake(token),
+            self.keys.contend(token),
+            *req.lock_keys,
+            *req.queue_keys,
+        ]
+
+    def _release_args(self, owner_id: str, token: str, req: _Request) -> list[str]:
+        return [
+            owner_id, token, req.modes, self.keys.prefix,
+            str(self._req_ttl_ms), str(self.queue_scan_limit),
+        ]
+
+    def _end_request(self, owner_id: str, token: str, req: _Request) -> None:
+        """Release or dequeue a request that is not returning a lease."""
+        try:
+            self._call(
+                "release",
+                self._release_keys(owner_id, token, req),
+                self._release_args(owner_id, token, req),
+            )
+        except BaseException as exc:  # even a second interrupt must not strand a grant
+            with self._state_lock:
+                self._orphans[token] = req
+            log_release.warning(
+                "release.deferred token=%s resources=%s error=%r",
+                token, ",".join(req.resources), exc,
+            )
+            if not isinstance(exc, Exception):
+                raise
+
+    def _release(self, lease: Lease) -> None:
+        if lease._released:
+            return
+        if lease.pid != os.getpid():
+            log_release.warning(
+                "release.skipped token=%s reason=inherited-across-fork", lease.token
+            )
+            lease._released = True
+            return
+        lease._released = True
+        lease._depth.count = max(0, lease._depth.count - 1)
+        with self._state_lock:
+            self._leases.pop(lease.token, None)
+        req = lease._request
+        try:
+            reply = self._call(
+                "release",
+                self._release_keys(lease.owner_id, lease.token, req),
+                self._release_args(lease.owner_id, lease.token, req),
+            )
+        except BaseException:
+            with self._state_lock:
+                self._orphans[lease.token] = req
+            raise
+        released = int(reply[0])
+        if released < len(req.modes) and not lease.lost:
+            lease._mark_lost()
+            log_release.warning(
+                "release.partial owner=%s released=%d of=%d (locks were reclaimed: "
+                "the owner's liveness lapsed)", lease.owner_id, released, len(req.modes),
+            )
+
+    # -- liveness ---------------------------------------------------------
+
+    def _owner_lost(self, ident: OwnerIdentity, where: str) -> None:
+        if not self._identity.retire(ident):
+            return
+        with self._state_lock:
+            lost = [l for l in self._leases.values() if l.owner_id == ident.owner_id]
+        for lease in lost:
+            lease._mark_lost()
+        log_heartbeat.error(
+            "heartbeat.lost owner=%s leases=%d where=%s: liveness key gone (paused longer "
+            "than owner_ttl, partitioned, or evicted); continuing under a new identity",
+            ident.owner_id, len(lost), where,
+        )
+
+    def _heartbeat_client(self) -> redis.Redis:
+        if self._hb_client is None or self._hb_client_pid != os.getpid():
+            kwargs = dict(self.client.connection_pool.connection_kwargs)
+            pool = self.client.connection_pool.__class__(
+                connection_class=self.client.connection_pool.connection_class, **kwargs
+            )
+            self._hb_client = redis.Redis(connection_pool=pool)
+            self._hb_client_pid = os.getpid()
+        return self._hb_client
+
+    def _beat(self) -> None:
+        """One heartbeat: extend this owner's liveness; retry deferred releases."""
+        client = self._heartbeat_client()
+        ident = self._identity.peek()
+        if ident is not None and ident.registered:
+            reply = self._call(
+                "heartbeat", [self.keys.alive(ident.owner_id)],
+                [str(int(self.owner_ttl * 1000))], client=client,
+            )
+            if int(reply[0]) == 0:
+                self._owner_lost(ident, "heartbeat")
+        with self._state_lock:
+            orphans = list(self._orphans.items())
+        for token, req in orphans:
+            owner_id = token.split("|", 1)[0]
+            self._call(
+                "release",
+                self._release_keys(owner_id, token, req),
+                self._release_args(owner_id, token, req),
+                client=client,
+            )
+            with self._state_lock:
+                self._orphans.pop(token, None)
+            log_release.info("release.retried token=%s", token)
+
+    def close(self) -> None:
+        """Stop the heartbeat and close connections (held leases stay held
+        until released or the owner's liveness runs out)."""
+        self._heartbeat.stop()
+        self.client.close()
+        if self._hb_client is not None:
+            self._hb_client.close()
+
+    # -- contention -------------------------------------------------------
+
+    def _contenders(self, lease: Lease) -> int:
+        return int(
+            self._call(
+                "contenders", list(lease._request.queue_keys),
+                [lease.token, str(self.queue_scan_limit)],
+            )
+        )
+
+    def _wait_for_contender(self, lease: Lease, timeout: float) -> bool:
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0, not {timeout}")
+        if self._contenders(lease):
+            return True
+        deadline = time.monotonic() + timeout
+        key = self.keys.contend(lease.token)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                got = self.client.blpop([key], timeout=max(0.001, min(remaining, self._block_cap)))
+            except _REDIS_DOWN as exc:
+                raise RedisUnavailable(self.url, exc) from exc
+            if got is not None:
+                return True
+
+    # -- cleanup ----------------------------------------------------------
+
+    def cleanup_owner(self, owner_id: str, *, force: bool = False) -> CleanupReport:
+        """Free every lock ``owner_id`` holds, if it is dead (or ``force``).
+
+        Walks only the owner's registry: O(its locks), no SCAN. A live owner
+        is left alone (``status="alive"``) unless ``force`` is set, which
+        also deletes its liveness key so that, if it still runs, its next
+        heartbeat finds itself dead and marks its leases lost. Keys of an
+        unexpected type are kept and reported; one failing key does not stop
+        the others.
+        """
+        if not isinstance(owner_id, str) or not owner_id or "|" in owner_id:
+            raise ValueError(f"not an owner id: {owner_id!r}")
+        reply = self._call(
+            "cleanup_owner",
+            [self.keys.held(owner_id), self.keys.alive(owner_id), self.keys.owners],
+            [owner_id, self.keys.prefix, "1" if force else "0",
+             str(self._req_ttl_ms), str(self.queue_scan_limit)],
+        )
+        status, released, skipped, errors, remaining = reply
+        skipped_l = [_text(x) for x in skipped]
+        errors_l = [_text(x) for x in errors]
+        report = CleanupReport(
+            owner_id=owner_id,
+            status=_text(status),
+            released=int(released),
+            skipped=tuple(zip(skipped_l[::2], skipped_l[1::2])),
+            errors=tuple(zip(errors_l[::2], errors_l[1::2])),
+            remaining=int(remaining),
+        )
+        for key, kind in report.skipped:
+            log_cleanup.warning(
+                "cleanup.skipped owner=%s key=%s type=%s (kept in the registry)",
+                owner_id, key, kind,
+            )
+        for key, msg in report.errors:
+            log_cleanup.error("cleanup.key-error owner=%s key=%s error=%s", owner_id, key, msg)
+        if report.status != "alive":
+            log_cleanup.info(
+                "cleanup.freed owner=%s locks=%d status=%s", owner_id, report.released,
+                report.status,
+            )
+        return report
+
+    def reconcile(self, *, batch_size: int = 500) -> ReconcileReport:
+        """Free the locks of every dead owner in the active-owners set.
+
+        Walks ``{ns}:owners`` with SSCAN in batches (one EXISTS pipeline per
+        batch), never the keyspace; cost O(owners + dead owners' locks).
+        Safe to run from many processes at once: each cleanup is atomic and
+        idempotent. An owner whose cleanup fails stays for the next pass.
+        """
+        report = ReconcileReport()
+        seen: set[str] = set()
+        cursor: int = 0
+        while True:
+            try:
+                cursor, members = self.client.sscan(self.keys.owners, cursor, count=batch_size)
+            except _REDIS_DOWN as exc:
+                raise RedisUnavailable(self.url, exc) from exc
+            batch = [m for m in (_text(x) for x in members) if m not in seen]
+            seen.update(batch)
+            if batch:
+                pipe = self.client.pipeline(transaction=False)
+                for owner in batch:
+                    pipe.exists(self.keys.alive(owner))
+                alive = pipe.execute()
+                for owner, is_alive in zip(batch, alive):
+                    report.owners_seen += 1
+                    if is_alive:
+                        report.alive += 1
+                        continue
+                    try:
+                        report.add(self.cleanup_owner(owner))
+                    except (redis.RedisError, LockError) as exc:
+                        report.errors[owner] = repr(exc)
+                        log_reconcile.error("reconcile.owner-error owner=%s error=%r", owner, exc)
+            if int(cursor) == 0:
+                break
+        log_reconcile.info(
+            "reconcile.done owners=%d alive=%d cleaned=%d partial=%d released=%d errors=%d",
+            report.owners_seen, report.alive, report.cleaned, report.partial,
+            report.released, len(report.errors),
+        )
+        return report
+
+    # -- server checks ----------------------------------------------------
+
+    def check_eviction(self) -> EvictionCheck:
+        """Whether Redis may evict keys (``maxmemory_policy`` from INFO)."""
+        try:
+            return check_eviction(self.client)
+        except _REDIS_DOWN as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+

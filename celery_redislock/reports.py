@@ -1,0 +1,67 @@
+"""Reports returned by cleanup and reconcile: what was freed, kept, failed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CleanupReport:
+    """Outcome of freeing one owner's locks.
+
+    ``status`` is ``"alive"`` (the owner is live: nothing done), ``"cleaned"``
+    (every lock freed; the owner left the active-owners set) or ``"partial"``
+    (some registry keys kept: see ``skipped`` and ``errors``; retried on the
+    next pass).
+    """
+
+    owner_id: str
+    status: str
+    released: int = 0
+    #: (key, type) of registry members of an unexpected type, kept.
+    skipped: tuple[tuple[str, str], ...] = ()
+    #: (key, message) of registry members whose cleanup failed, kept.
+    errors: tuple[tuple[str, str], ...] = ()
+    #: Registry size afterwards.
+    remaining: int = 0
+
+
+@dataclass
+class ReconcileReport:
+    """Outcome of one reconcile pass over the active-owners set."""
+
+    owners_seen: int = 0
+    alive: int = 0
+    cleaned: int = 0
+    partial: int = 0
+    released: int = 0
+    #: owner id -> error message, for owners whose cleanup raised.
+    errors: dict[str, str] = field(default_factory=dict)
+    reports: list[CleanupReport] = field(default_factory=list)
+
+    def add(self, report: CleanupReport) -> None:
+        self.reports.append(report)
+        self.released += report.released
+        if report.status == "cleaned":
+            self.cleaned += 1
+        elif report.status == "partial":
+            self.partial += 1
+        elif report.status == "alive":
+            self.alive += 1
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-friendly summary (the reconcile task's result)."""
+        return {
+            "owners_seen": self.owners_seen,
+            "alive": self.alive,
+            "cleaned": self.cleaned,
+            "partial": self.partial,
+            "released": self.released,
+            "errors": dict(self.errors),
+            "skipped": [
+                [r.owner_id, key, kind] for r in self.reports for key, kind in r.skipped
+            ],
+            "key_errors": [
+                [r.owner_id, key, msg] for r in self.reports for key, msg in r.errors
+            ],
+        }
