@@ -30,9 +30,7 @@ class LockTimeout(LockError):
     def __init__(self, resources: Sequence[str], timeout: float | None) -> None:
         self.resources = tuple(resources)
         self.timeout = timeout
-        super().__init__(
-            f"locks not granted within {timeout}s: {', '.join(self.resources)}"
-        )
+        super().__init__(f"locks not granted within {timeout}s: {', '.join(self.resources)}")
 
 
 class LockLost(LockError):

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +115,13 @@ class LockManager:
         queue_scan_limit: most wait-queue entries one script inspects per
             resource; bounds the work of every script.
         name: a label stored with the owner's liveness (shown by the CLI).
+        heartbeat: run this process's own heartbeat thread (default). Turn
+            it off only when something else refreshes the owner's liveness
+            key, as the Celery worker's main process does for its children.
+        group: a callable returning the key of a group hash
+            (``{ns}:group:<id>``) that the owner registers itself in
+            (``owner -> pid``) on its first acquire, or None. The Celery
+            integration groups a worker incarnation's owners this way.
 
     Redis cost: acquire (per attempt), release, heartbeat and
     ``contenders()`` are one round trip each; nothing ever SCANs the keyspace.
@@ -129,6 +136,8 @@ class LockManager:
         heartbeat_interval: float | None = None,
         queue_scan_limit: int = DEFAULT_SCAN_LIMIT,
         name: str | None = None,
+        heartbeat: bool = True,
+        group: Callable[[], str | None] | None = None,
     ) -> None:
         if isinstance(owner_ttl, bool) or not isinstance(owner_ttl, (int, float)):
             raise ConfigurationError("owner_ttl", f"must be a number of seconds, not {owner_ttl!r}")
@@ -147,7 +156,9 @@ class LockManager:
                 f"not {heartbeat_interval}",
             )
         if not isinstance(queue_scan_limit, int) or queue_scan_limit < 1:
-            raise ConfigurationError("queue_scan_limit", f"must be a positive int, not {queue_scan_limit!r}")
+            raise ConfigurationError(
+                "queue_scan_limit", f"must be a positive int, not {queue_scan_limit!r}"
+            )
         self.keys = Keyspace(namespace)
         self.namespace = namespace
         self.owner_ttl = float(owner_ttl)
@@ -166,7 +177,8 @@ class LockManager:
             self.url = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
         else:
             raise ConfigurationError(
-                "redis_url", f"must be a URL or a redis.Redis client, not {type(redis_url).__name__}"
+                "redis_url",
+                f"must be a URL or a redis.Redis client, not {type(redis_url).__name__}",
             )
         timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
         #: Longest single BLPOP: below the client's socket timeout.
@@ -180,6 +192,8 @@ class LockManager:
         self._hb_client: redis.Redis | None = None
         self._hb_client_pid = 0
         self._heartbeat = Heartbeat(self.heartbeat_interval, self._beat, "redislock-heartbeat")
+        self._own_heartbeat = bool(heartbeat)
+        self._group = group
 
     # -- identity ---------------------------------------------------------
 
@@ -291,7 +305,8 @@ class LockManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         request_id = uuid.uuid4().hex
         ident = self._identity.current()
-        self._heartbeat.ensure_started()
+        if self._own_heartbeat:
+            self._heartbeat.ensure_started()
         token = f"{ident.owner_id}|{request_id}"
         try:
             while True:
@@ -305,7 +320,9 @@ class LockManager:
                     depth.count += 1
                     log_acquire.debug(
                         "acquire.granted owner=%s resources=%s fence=%s",
-                        ident.owner_id, ",".join(req.resources), lease.fencing_token,
+                        ident.owner_id,
+                        ",".join(req.resources),
+                        lease.fencing_token,
                     )
                     return lease
                 if code == -1:
@@ -343,6 +360,9 @@ class LockManager:
             *req.lock_keys,
             *req.queue_keys,
         ]
+        group = self._group() if (self._group is not None and not ident.registered) else None
+        if group is not None:
+            keys.append(group)
         args = [
             ident.owner_id,
             token,
@@ -354,6 +374,7 @@ class LockManager:
             self.keys.prefix,
             str(self._req_ttl_ms),
             str(self.queue_scan_limit),
+            str(ident.pid),
         ]
         return self._call("acquire", keys, args)
 
@@ -397,8 +418,12 @@ class LockManager:
 
     def _release_args(self, owner_id: str, token: str, req: _Request) -> list[str]:
         return [
-            owner_id, token, req.modes, self.keys.prefix,
-            str(self._req_ttl_ms), str(self.queue_scan_limit),
+            owner_id,
+            token,
+            req.modes,
+            self.keys.prefix,
+            str(self._req_ttl_ms),
+            str(self.queue_scan_limit),
         ]
 
     def _end_request(self, owner_id: str, token: str, req: _Request) -> None:
@@ -414,7 +439,9 @@ class LockManager:
                 self._orphans[token] = req
             log_release.warning(
                 "release.deferred token=%s resources=%s error=%r",
-                token, ",".join(req.resources), exc,
+                token,
+                ",".join(req.resources),
+                exc,
             )
             if not isinstance(exc, Exception):
                 raise
@@ -448,7 +475,10 @@ class LockManager:
             lease._mark_lost()
             log_release.warning(
                 "release.partial owner=%s released=%d of=%d (locks were reclaimed: "
-                "the owner's liveness lapsed)", lease.owner_id, released, len(req.modes),
+                "the owner's liveness lapsed)",
+                lease.owner_id,
+                released,
+                len(req.modes),
             )
 
     # -- liveness ---------------------------------------------------------
@@ -457,13 +487,15 @@ class LockManager:
         if not self._identity.retire(ident):
             return
         with self._state_lock:
-            lost = [l for l in self._leases.values() if l.owner_id == ident.owner_id]
+            lost = [x for x in self._leases.values() if x.owner_id == ident.owner_id]
         for lease in lost:
             lease._mark_lost()
         log_heartbeat.error(
             "heartbeat.lost owner=%s leases=%d where=%s: liveness key gone (paused longer "
             "than owner_ttl, partitioned, or evicted); continuing under a new identity",
-            ident.owner_id, len(lost), where,
+            ident.owner_id,
+            len(lost),
+            where,
         )
 
     def _heartbeat_client(self) -> redis.Redis:
@@ -482,8 +514,10 @@ class LockManager:
         ident = self._identity.peek()
         if ident is not None and ident.registered:
             reply = self._call(
-                "heartbeat", [self.keys.alive(ident.owner_id)],
-                [str(int(self.owner_ttl * 1000))], client=client,
+                "heartbeat",
+                [self.keys.alive(ident.owner_id)],
+                [str(int(self.owner_ttl * 1000))],
+                client=client,
             )
             if int(reply[0]) == 0:
                 self._owner_lost(ident, "heartbeat")
@@ -514,7 +548,8 @@ class LockManager:
     def _contenders(self, lease: Lease) -> int:
         return int(
             self._call(
-                "contenders", list(lease._request.queue_keys),
+                "contenders",
+                list(lease._request.queue_keys),
                 [lease.token, str(self.queue_scan_limit)],
             )
         )
@@ -554,8 +589,13 @@ class LockManager:
         reply = self._call(
             "cleanup_owner",
             [self.keys.held(owner_id), self.keys.alive(owner_id), self.keys.owners],
-            [owner_id, self.keys.prefix, "1" if force else "0",
-             str(self._req_ttl_ms), str(self.queue_scan_limit)],
+            [
+                owner_id,
+                self.keys.prefix,
+                "1" if force else "0",
+                str(self._req_ttl_ms),
+                str(self.queue_scan_limit),
+            ],
         )
         status, released, skipped, errors, remaining = reply
         skipped_l = [_text(x) for x in skipped]
@@ -571,13 +611,17 @@ class LockManager:
         for key, kind in report.skipped:
             log_cleanup.warning(
                 "cleanup.skipped owner=%s key=%s type=%s (kept in the registry)",
-                owner_id, key, kind,
+                owner_id,
+                key,
+                kind,
             )
         for key, msg in report.errors:
             log_cleanup.error("cleanup.key-error owner=%s key=%s error=%s", owner_id, key, msg)
         if report.status != "alive":
             log_cleanup.info(
-                "cleanup.freed owner=%s locks=%d status=%s", owner_id, report.released,
+                "cleanup.freed owner=%s locks=%d status=%s",
+                owner_id,
+                report.released,
                 report.status,
             )
         return report
@@ -619,8 +663,12 @@ class LockManager:
                 break
         log_reconcile.info(
             "reconcile.done owners=%d alive=%d cleaned=%d partial=%d released=%d errors=%d",
-            report.owners_seen, report.alive, report.cleaned, report.partial,
-            report.released, len(report.errors),
+            report.owners_seen,
+            report.alive,
+            report.cleaned,
+            report.partial,
+            report.released,
+            len(report.errors),
         )
         return report
 
@@ -632,4 +680,3 @@ class LockManager:
             return check_eviction(self.client)
         except _REDIS_DOWN as exc:
             raise RedisUnavailable(self.url, exc) from exc
-

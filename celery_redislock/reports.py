@@ -58,10 +58,6 @@ class ReconcileReport:
             "partial": self.partial,
             "released": self.released,
             "errors": dict(self.errors),
-            "skipped": [
-                [r.owner_id, key, kind] for r in self.reports for key, kind in r.skipped
-            ],
-            "key_errors": [
-                [r.owner_id, key, msg] for r in self.reports for key, msg in r.errors
-            ],
+            "skipped": [[r.owner_id, key, kind] for r in self.reports for key, kind in r.skipped],
+            "key_errors": [[r.owner_id, key, msg] for r in self.reports for key, msg in r.errors],
         }

