@@ -14,6 +14,7 @@ Every error the library raises on purpose derives from :class:`LockError`::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 
@@ -70,6 +71,7 @@ class RedisUnavailable(LockError):
     """Redis could not be reached or answered with a connection error."""
 
     def __init__(self, url: str, cause: BaseException) -> None:
-        self.url = url
+        # Never carry a password into messages and logs.
+        self.url = url = re.sub(r"^([^:/?#]+://[^:@/]*:)[^@/]*@", r"\1***@", url)
         self.cause = cause
         super().__init__(f"Redis at {url} is unavailable: {cause}")

@@ -8,6 +8,7 @@ an acquisition releases or dequeues by its own token).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -50,6 +51,23 @@ DEFAULT_OWNER_TTL = 30.0
 DEFAULT_SCAN_LIMIT = 256
 
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def _socket_timeout(client: redis.Redis) -> float | None:
+    """The socket timeout the client's connections use (None: no timeout).
+
+    ``Redis.from_url`` leaves ``socket_timeout`` out of the pool's kwargs when
+    the URL does not set it, and the connection class's default (5 s in
+    redis-py 5+) applies: read that default rather than assume none.
+    """
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    if "socket_timeout" in kwargs:
+        value = kwargs["socket_timeout"]
+    else:
+        param = inspect.signature(pool.connection_class.__init__).parameters.get("socket_timeout")
+        value = 5.0 if param is None or param.default is inspect.Parameter.empty else param.default
+    return float(value) if value else None
 
 
 def _text(value: Any) -> str:
@@ -180,9 +198,10 @@ class LockManager:
                 "redis_url",
                 f"must be a URL or a redis.Redis client, not {type(redis_url).__name__}",
             )
-        timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
-        #: Longest single BLPOP: below the client's socket timeout.
-        self._block_cap = max(0.05, float(timeout) - 1.0) if timeout else 30.0
+        timeout = _socket_timeout(self.client)
+        #: Longest single BLPOP: below the client's socket timeout (a client
+        #: made from a URL has redis-py's 5 s default, absent from its kwargs).
+        self._block_cap = max(0.05, timeout - min(1.0, timeout / 4)) if timeout else 30.0
         self._scripts = Scripts(self.client)
         self._identity = IdentitySource(on_fork=self._after_fork_in_child)
         self._state_lock = threading.Lock()
@@ -315,15 +334,17 @@ class LockManager:
                 if code == 1:
                     ident.registered = True
                     lease = Lease(self, req, ident.owner_id, token, int(reply[1]), depth)
-                    with self._state_lock:
-                        self._leases[token] = lease
-                    depth.count += 1
                     log_acquire.debug(
                         "acquire.granted owner=%s resources=%s fence=%s",
                         ident.owner_id,
                         ",".join(req.resources),
                         lease.fencing_token,
                     )
+                    # Counted last: an interrupt before this must not leave the
+                    # thread looking nested (it would skip the queue for ever).
+                    with self._state_lock:
+                        self._leases[token] = lease
+                        depth.count += 1
                     return lease
                 if code == -1:
                     self._owner_lost(ident, "acquire")
@@ -342,6 +363,9 @@ class LockManager:
                     block = min(block, wait_ms / 1000.0 + 0.01)
                 self._block(token, max(block, 0.001))
         except BaseException:
+            with self._state_lock:
+                if self._leases.pop(token, None) is not None:  # interrupted at the return
+                    depth.count = max(0, depth.count - 1)
             self._end_request(ident.owner_id, token, req)
             raise
 
@@ -569,7 +593,9 @@ class LockManager:
                 got = self.client.blpop([key], timeout=max(0.001, min(remaining, self._block_cap)))
             except _REDIS_DOWN as exc:
                 raise RedisUnavailable(self.url, exc) from exc
-            if got is not None:
+            # The signal may be stale (a request that only tried, or has
+            # given up since): count again, and keep waiting if nobody waits.
+            if got is not None and self._contenders(lease):
                 return True
 
     # -- cleanup ----------------------------------------------------------

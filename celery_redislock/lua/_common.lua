@@ -49,8 +49,10 @@ end
 -- Wake every queued request of QUEUE that the holders of LOCK no longer
 -- block and that no earlier queued request blocks on this resource: the
 -- first entry if exclusive (only when the lock is free), else the run of
--- shared entries at the head (only when no exclusive holder). Looks at no
--- more than LIMIT entries.
+-- shared entries at the head (only when no exclusive holder). A dead entry
+-- met on the way (owner liveness gone, or request state expired) is
+-- removed with its req and wake keys, and the next one is considered, so a
+-- dead head never swallows the wake-up. Looks at no more than LIMIT entries.
 local function wake_front(prefix, queue, lock, limit, ttl_ms)
   local n = redis.call('HLEN', lock)
   if n == 1 then
@@ -60,16 +62,22 @@ local function wake_front(prefix, queue, lock, limit, ttl_ms)
   local woken = 0
   local head = redis.call('ZRANGE', queue, 0, limit - 1)
   for _, m in ipairs(head) do
-    local mode = string.sub(m, 1, 1)
-    if mode == 'x' then
+    local t = string.sub(m, 2)
+    if owner_pttl(prefix, owner_of(t)) < 0
+        or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
+      -- dead entry (Lua 5.1 has no goto: the live case is the else branch)
+      redis.call('ZREM', queue, m)
+      redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
+    elseif string.sub(m, 1, 1) == 'x' then
       if n == 0 and woken == 0 then
-        wake(prefix, string.sub(m, 2), ttl_ms)
+        wake(prefix, t, ttl_ms)
         woken = woken + 1
       end
       return woken
+    else
+      wake(prefix, t, ttl_ms)
+      woken = woken + 1
     end
-    wake(prefix, string.sub(m, 2), ttl_ms)
-    woken = woken + 1
   end
   return woken
 end

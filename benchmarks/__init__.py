@@ -1,0 +1,15 @@
+"""Benchmarks for celery-redislock (not part of the test suite).
+
+Run them all, against a throw-away redis-server they start themselves::
+
+    make bench            # or: .venv/bin/python -m benchmarks.run
+
+- :mod:`benchmarks.peers`: handoff latency, contended throughput, fairness
+  and exclusion violations of celery-redislock, redis-py's ``Lock`` and
+  python-redis-lock, with N contending processes on one Redis.
+- :mod:`benchmarks.cost`: Redis commands used by acquire+release,
+  ``cleanup_owner`` and ``reconcile`` with a small and a large keyspace.
+
+Results are printed as markdown and written to ``benchmarks/results.md``;
+``docs/benchmarks.md`` explains how to read them.
+"""

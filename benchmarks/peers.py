@@ -1,0 +1,458 @@
+"""Contention benchmark: celery-redislock against redis-py's Lock and python-redis-lock.
+
+N processes (forked) contend for one exclusive lock for a fixed duration.
+Each loops::
+
+    t_req = now; acquire(); t_acq = now
+    critical section (exclusion checks, a shared counter, a short sleep)
+    t_rel = now; release()
+
+Timestamps are ``time.monotonic_ns()`` (CLOCK_MONOTONIC, one clock for every
+process on Linux), so records from different processes compare directly.
+From the merged records :func:`run_contention` derives:
+
+- handoff latency: for two consecutive grants held by *different* processes,
+  the time from the first holder calling ``release()`` to the next holder's
+  ``acquire()`` returning, i.e. how long the lock sits idle between owners
+  (release round trip + wake-up + the next holder's acquire). Consecutive
+  grants to the *same* process (the releaser barging back in) are counted
+  separately as ``self_reacquire``;
+- throughput: grants per second over all processes;
+- fairness: Jain's index over the per-process grant counts, and the longest
+  wait (a request still waiting at the end counts up to the end);
+- exclusion violations: the critical section sets a shared ``inside`` flag
+  and checks it on entry and exit, and increments a shared counter with a
+  non-atomic read-sleep-write; overlaps and lost updates are counted.
+
+The shared flag and counter live in fork-shared memory
+(``multiprocessing.RawValue``, deliberately unlocked), so the check adds no
+Redis traffic. Every process stops by itself at the deadline; peers wait with
+a bounded timeout, celery-redislock with ``timeout=None`` (it is FIFO, so its
+last waiters are served as the others stop). The parent kills a process only
+if it has not reported within a generous grace period (reported as ``killed``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import redis.lock
+
+#: The libraries compared, in table order.
+LIBS = ("celery-redislock", "python-redis-lock", "redis-py Lock")
+
+#: The resource every library locks; each maps it to its own key scheme:
+#: ``{bench}:lock:handoff`` (celery-redislock), ``lock:bench:handoff``
+#: (python-redis-lock) and ``bench:handoff`` (redis-py).
+RESOURCE = "handoff"
+
+#: redis-py ``Lock``'s default polling interval (seconds), used unchanged.
+REDIS_PY_SLEEP: float = inspect.signature(redis.lock.Lock.__init__).parameters["sleep"].default
+
+#: Seconds between two looks of a relay-mode releaser at the shared entry
+#: counter (fork-shared memory, no Redis traffic).
+RELAY_POLL = 0.0001
+#: Seconds after the deadline a peer's bounded acquire may still wait.
+PEER_GRACE = 5.0
+#: Seconds after the deadline before the parent kills a silent process.
+KILL_GRACE = 20.0
+
+
+def make_client(url: str) -> redis.Redis:
+    """A client for one benchmark process.
+
+    ``socket_timeout=None`` for every library alike: redis-py 8 defaults to a
+    5 s socket timeout, which makes any BLPOP longer than 5 s (python-redis-lock
+    waits in ``BLPOP ... 0``) fail with ``TimeoutError``.
+    """
+    return redis.Redis.from_url(url, socket_timeout=None, decode_responses=True)
+
+
+Locker = tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+def make_locker(lib: str, client: redis.Redis, deadline_ns: int) -> Locker:
+    """``(acquire, release)`` for ``lib``; ``acquire()`` returns a handle or None."""
+    if lib == "celery-redislock":
+        from celery_redislock import LockManager
+
+        mgr = LockManager(client, namespace="bench")
+
+        def acquire_crl() -> Any:
+            return mgr.acquire(RESOURCE, timeout=None)
+
+        def release_crl(lease: Any) -> None:
+            lease.release()
+
+        return acquire_crl, release_crl
+
+    def peer_timeout() -> float:
+        return max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9) + PEER_GRACE
+
+    if lib == "redis-py Lock":
+        rlock = redis.lock.Lock(client, f"bench:{RESOURCE}")  # sleep=0.1 default
+
+        def acquire_rp() -> Any:
+            return True if rlock.acquire(blocking_timeout=peer_timeout()) else None
+
+        def release_rp(_: Any) -> None:
+            rlock.release()
+
+        return acquire_rp, release_rp
+
+    if lib == "python-redis-lock":
+        import redis_lock
+
+        plock = redis_lock.Lock(client, f"bench:{RESOURCE}")
+
+        def acquire_prl() -> Any:
+            return True if plock.acquire(timeout=math.ceil(peer_timeout())) else None
+
+        def release_prl(_: Any) -> None:
+            plock.release()
+
+        return acquire_prl, release_prl
+
+    raise ValueError(f"unknown library {lib!r}; choose from {LIBS}")
+
+
+@dataclass
+class _Shared:
+    """Fork-shared, deliberately unlocked state of one configuration."""
+
+    inside: Any
+    counter: Any
+    start_ns: Any
+    entries: Any
+
+
+def _worker(
+    lib: str,
+    url: str,
+    idx: int,
+    duration: float,
+    cs_seconds: float,
+    relay: bool,
+    shared: _Shared,
+    barrier: Any,
+    out: Any,
+) -> None:
+    me = idx + 1
+    reqs: list[int] = []
+    acqs: list[int] = []
+    rels: list[int] = []
+    violations = errors = 0
+    first_error = ""
+    # A failing call is counted below; keep the engine's per-call warnings
+    # (e.g. release.deferred) from flooding the report.
+    logging.getLogger("celery_redislock").setLevel(logging.ERROR)
+    try:
+        client = make_client(url)
+        client.ping()
+        # The deadline is set once every process is connected and ready.
+        barrier.wait(timeout=60)
+        deadline = shared.start_ns.value + int(duration * 1e9)
+        acquire, release = make_locker(lib, client, deadline)
+        while time.monotonic_ns() < deadline:
+            t_req = time.monotonic_ns()
+            try:
+                handle = acquire()
+            except Exception as exc:  # a peer's BLPOP timing out, Redis errors
+                errors += 1
+                first_error = first_error or repr(exc)
+                continue
+            t_acq = time.monotonic_ns()
+            reqs.append(t_req)
+            if handle is None:  # a peer's bounded wait ran out
+                acqs.append(-1)
+                rels.append(-1)
+                break
+            # Critical section: nobody else may be inside.
+            if shared.inside.value != 0:
+                violations += 1
+            shared.inside.value = me
+            shared.entries.value += 1
+            my_entry = shared.entries.value
+            value = shared.counter.value
+            time.sleep(cs_seconds)
+            shared.counter.value = value + 1
+            if shared.inside.value != me:
+                violations += 1
+            shared.inside.value = 0
+            t_rel = time.monotonic_ns()
+            acqs.append(t_acq)
+            rels.append(t_rel)
+            try:
+                release(handle)
+            except Exception as exc:
+                errors += 1
+                first_error = first_error or repr(exc)
+            if relay:
+                # Re-request only once another process has entered: every
+                # grant is then a handoff to a process that was waiting.
+                while shared.entries.value == my_entry and time.monotonic_ns() < deadline:
+                    time.sleep(RELAY_POLL)
+        out.put((idx, reqs, acqs, rels, violations, errors, first_error))
+    except BaseException:
+        out.put((idx, reqs, acqs, rels, violations, errors + 1, traceback.format_exc(limit=3)))
+    finally:
+        out.close()
+        out.join_thread()  # flush the report before leaving
+        os._exit(0)  # skip atexit handlers inherited from the parent (the server's)
+
+
+def _set_start(shared: _Shared) -> Callable[[], None]:
+    def action() -> None:
+        shared.start_ns.value = time.monotonic_ns()
+
+    return action
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..1) of an ascending list; NaN if empty."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def jain_index(counts: list[int]) -> float:
+    """Jain's fairness index: 1.0 when every process got the same share."""
+    total = sum(counts)
+    squares = sum(c * c for c in counts)
+    if not counts or squares == 0:
+        return 0.0
+    return total * total / (len(counts) * squares)
+
+
+@dataclass
+class ContentionResult:
+    """One library at one process count."""
+
+    lib: str
+    procs: int
+    duration: float
+    mode: str = "open"
+    grants: int = 0
+    per_process: list[int] = field(default_factory=list)
+    handoffs_ms: list[float] = field(default_factory=list)
+    self_reacquire: int = 0
+    max_wait_ms: float = 0.0
+    wait_p99_ms: float = math.nan
+    violations: int = 0
+    lost_updates: int = 0
+    errors: int = 0
+    first_error: str = ""
+    gave_up: int = 0
+    killed: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Grants per second over every process."""
+        return self.grants / self.duration if self.duration else 0.0
+
+    @property
+    def handoff_p50_ms(self) -> float:
+        return percentile(self.handoffs_ms, 0.50)
+
+    @property
+    def handoff_p99_ms(self) -> float:
+        return percentile(self.handoffs_ms, 0.99)
+
+    @property
+    def jain(self) -> float:
+        return jain_index(self.per_process)
+
+    @property
+    def self_reacquire_share(self) -> float:
+        """Share of consecutive grant pairs that went to the same process."""
+        pairs = len(self.handoffs_ms) + self.self_reacquire
+        return self.self_reacquire / pairs if pairs else 0.0
+
+
+def run_contention(
+    url: str,
+    lib: str,
+    procs: int,
+    duration: float,
+    cs_seconds: float = 0.0005,
+    *,
+    relay: bool = False,
+) -> ContentionResult:
+    """Run ``procs`` forked processes contending for one lock of ``lib``.
+
+    ``relay=False`` (open contention): each process re-requests the lock right
+    after releasing it, so an unfair lock lets the releaser barge back in.
+    ``relay=True``: a releaser re-requests only once another process has
+    entered the critical section, so every grant goes to a process that was
+    already waiting; this isolates the handoff latency of the wake-up path.
+
+    Blocks for about ``duration`` seconds plus start-up and drain. Uses the
+    Redis at ``url`` as a scratch server (its keys are flushed first).
+    """
+    if lib not in LIBS:
+        raise ValueError(f"unknown library {lib!r}; choose from {LIBS}")
+    admin = make_client(url)
+    try:
+        admin.flushdb()
+    finally:
+        admin.close()
+    ctx = mp.get_context("fork")
+    shared = _Shared(*(ctx.RawValue("q", 0) for _ in range(4)))
+    barrier = ctx.Barrier(procs, action=_set_start(shared))
+    out = ctx.Queue()
+    workers = [
+        ctx.Process(
+            target=_worker,
+            args=(lib, url, i, duration, cs_seconds, relay, shared, barrier, out),
+            name=f"bench-{lib}-{i}",
+            daemon=True,
+        )
+        for i in range(procs)
+    ]
+    for w in workers:
+        w.start()
+    reports: dict[int, tuple[Any, ...]] = {}
+    give_up_at = time.monotonic() + 60 + duration + KILL_GRACE
+    while len(reports) < procs and time.monotonic() < give_up_at:
+        try:
+            rep = out.get(timeout=0.5)
+        except queue.Empty:
+            if all(not w.is_alive() for w in workers) and out.empty():
+                break
+            continue
+        reports[rep[0]] = rep
+    killed = 0
+    for w in workers:
+        w.join(timeout=2)
+        if w.is_alive():
+            killed += 1
+            w.kill()
+            w.join()
+    out.close()
+    res = _summarise(lib, procs, duration, shared, reports, killed)
+    res.mode = "relay" if relay else "open"
+    return res
+
+
+def _summarise(
+    lib: str,
+    procs: int,
+    duration: float,
+    shared: _Shared,
+    reports: dict[int, tuple[Any, ...]],
+    killed: int,
+) -> ContentionResult:
+    res = ContentionResult(lib=lib, procs=procs, duration=duration, killed=killed)
+    start = shared.start_ns.value
+    deadline = start + int(duration * 1e9)
+    grants: list[tuple[int, int, int]] = []  # (t_acq, t_rel, idx)
+    waits: list[float] = []
+    counts = [0] * procs
+    total_cs = 0
+    for idx, reqs, acqs, rels, violations, errors, first_error in reports.values():
+        res.violations += violations
+        res.errors += errors
+        if first_error and not res.first_error:
+            res.first_error = first_error
+        for t_req, t_acq, t_rel in zip(reqs, acqs, rels):
+            if t_acq < 0:
+                res.gave_up += 1
+                waits.append((deadline - t_req) / 1e6)
+                continue
+            total_cs += 1
+            if t_req < deadline:
+                waits.append((min(t_acq, deadline) - t_req) / 1e6)
+            if t_acq < deadline:
+                counts[idx] += 1
+                grants.append((t_acq, t_rel, idx))
+    res.lost_updates = total_cs - shared.counter.value
+    res.per_process = counts
+    res.grants = sum(counts)
+    grants.sort()
+    for (_, prev_rel, prev_idx), (acq, _, idx) in zip(grants, grants[1:]):
+        if idx == prev_idx:
+            res.self_reacquire += 1
+        elif acq >= prev_rel:
+            res.handoffs_ms.append((acq - prev_rel) / 1e6)
+    res.handoffs_ms.sort()
+    waits.sort()
+    res.max_wait_ms = waits[-1] if waits else 0.0
+    res.wait_p99_ms = percentile(waits, 0.99)
+    return res
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def markdown_table(results: list[ContentionResult]) -> str:
+    """The contention results as one markdown table."""
+    lines = [
+        "| mode | library | procs | grants/s | handoff p50 ms | handoff p99 ms | handoffs | "
+        "self re-acquire | Jain | max wait ms | wait p99 ms | violations | lost updates | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        errors = str(r.errors)
+        if r.gave_up or r.killed:
+            errors += f" (gave up {r.gave_up}, killed {r.killed})"
+        lines.append(
+            f"| {r.mode} | {r.lib} | {r.procs} | {r.throughput:.0f} | "
+            f"{_fmt(r.handoff_p50_ms, 3)} | {_fmt(r.handoff_p99_ms, 3)} | {len(r.handoffs_ms)} | "
+            f"{r.self_reacquire_share:.0%} | {r.jain:.3f} | {r.max_wait_ms:.1f} | "
+            f"{_fmt(r.wait_p99_ms, 1)} | {r.violations} | {r.lost_updates} | {errors} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    if math.isnan(a) or math.isnan(b) or b == 0:
+        return "n/a"
+    ratio = a / b
+    if ratio < 0.1:
+        return f"{ratio:.4f}x (1/{1 / ratio:.0f})" if ratio else "0x"
+    return f"{ratio:.2f}x"
+
+
+def ratio_lines(results: list[ContentionResult], subject: str = "celery-redislock") -> list[str]:
+    """``subject`` against each peer measured in the same run, per process count.
+
+    Handoff latency comes from the relay runs (every grant is a handoff to a
+    waiting process); throughput and fairness from the open runs.
+    """
+    by = {(r.mode, r.lib, r.procs): r for r in results}
+    lines = []
+    for procs in sorted({r.procs for r in results}):
+        relay_me, open_me = by.get(("relay", subject, procs)), by.get(("open", subject, procs))
+        for lib in LIBS:
+            if lib == subject:
+                continue
+            parts = []
+            relay_peer = by.get(("relay", lib, procs))
+            if relay_me and relay_peer:
+                parts.append(
+                    f"handoff p50 = {_ratio(relay_me.handoff_p50_ms, relay_peer.handoff_p50_ms)}"
+                    f", p99 = {_ratio(relay_me.handoff_p99_ms, relay_peer.handoff_p99_ms)}"
+                )
+            open_peer = by.get(("open", lib, procs))
+            if open_me and open_peer:
+                parts.append(
+                    f"open throughput = {_ratio(open_me.throughput, open_peer.throughput)}, "
+                    f"Jain {open_me.jain:.3f} vs {open_peer.jain:.3f}, "
+                    f"max wait {open_me.max_wait_ms:.0f} vs {open_peer.max_wait_ms:.0f} ms"
+                )
+            if parts:
+                lines.append(f"- {procs} processes, {subject} vs {lib}: " + "; ".join(parts))
+    return lines

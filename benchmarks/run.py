@@ -1,0 +1,207 @@
+"""Run every benchmark in one go against one throw-away redis-server.
+
+Usage::
+
+    make bench
+    .venv/bin/python -m benchmarks.run [--duration 5] [--procs 4,8] [--out FILE]
+
+Starts redis-server (the one ``tests/redis_server.py`` picks: ``redis-server``
+from PATH, or ``REDISLOCK_TEST_REDIS``) on a free loopback port, runs the
+contention benchmark (open and relay modes, for each library and process
+count) and the cost benchmark, prints a markdown report and writes it to
+``benchmarks/results.md``. Bounded: about ``12 x duration`` seconds plus a
+few seconds of start-up (about 65 s with the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from benchmarks import cost, peers  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results.md"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _load() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per configuration")
+    parser.add_argument("--procs", default="4,8", help="contending process counts, comma-separated")
+    parser.add_argument("--cs", type=float, default=0.0005, help="critical section sleep, seconds")
+    parser.add_argument(
+        "--keys", default="100,50000", help="unrelated keyspace sizes for the cost benchmark"
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report file")
+    args = parser.parse_args(argv)
+    procs = [int(p) for p in args.procs.split(",")]
+    sizes = [int(k) for k in args.keys.split(",")]
+    command = ".venv/bin/python -m benchmarks.run" + (
+        " " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else ""
+    )
+
+    started = time.monotonic()
+    load_before = _load()
+    server = RedisServer()
+    server.start()
+    try:
+        contention: list[peers.ContentionResult] = []
+        for relay in (False, True):
+            for n in procs:
+                for lib in peers.LIBS:
+                    res = peers.run_contention(
+                        server.url, lib, n, args.duration, args.cs, relay=relay
+                    )
+                    contention.append(res)
+                    print(
+                        f"# {res.mode:5} {lib:18} procs={n} grants/s={res.throughput:.0f} "
+                        f"handoff_p50_ms={res.handoff_p50_ms:.3f} jain={res.jain:.3f} "
+                        f"violations={res.violations} errors={res.errors}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        costs = [cost.measure_costs(server.url, k) for k in sizes]
+    finally:
+        server.close()
+    elapsed = time.monotonic() - started
+
+    report = render(
+        contention, costs, args, command, server.version_string, load_before, _load(), elapsed
+    )
+    print(report)
+    args.out.write_text(report)
+    print(f"\n(written to {args.out})", file=sys.stderr)
+    return 0
+
+
+def _error_lines(contention: list[peers.ContentionResult]) -> list[str]:
+    lines = []
+    for r in contention:
+        if r.errors:
+            text = r.first_error.strip()
+            first = text.splitlines()[-1] if text else "?"
+            lines.append(
+                f"- errors in {r.mode} {r.lib} procs={r.procs}: {r.errors}, first: `{first}`"
+            )
+    return [*lines, ""] if lines else []
+
+
+def render(
+    contention: list[peers.ContentionResult],
+    costs: list[cost.CostRun],
+    args: argparse.Namespace,
+    command: str,
+    redis_version: str,
+    load_before: str,
+    load_after: str,
+    elapsed: float,
+) -> str:
+    """The markdown report."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    ours = [r for r in contention if r.lib == "celery-redislock"]
+    jain_min = min((r.jain for r in ours if r.mode == "open"), default=0.0)
+    violations = sum(r.violations + r.lost_updates for r in ours)
+    walks = sum(
+        cost.walks(ops) for run in costs for op, ops in run.ops.items() if op != cost.SCAN_CONTRAST
+    )
+    equal = all(
+        costs[0].ops[op] == costs[-1].ops[op] for op in costs[-1].ops if op != cost.SCAN_CONTRAST
+    )
+    lines = [
+        "# celery-redislock benchmark results",
+        "",
+        f"- date: {now}",
+        f"- command: `{command}` (or `make bench`); total {elapsed:.0f} s",
+        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), load average before/after "
+        f"{load_before} / {load_after} (1/5/15 min; other jobs share the machine)",
+        f"- redis-server {redis_version} on 127.0.0.1 (loopback TCP, no persistence), "
+        f"started by the benchmark; Python {platform.python_version()}, "
+        f"redis-py {_version('redis')}, python-redis-lock {_version('python-redis-lock')}, "
+        f"celery-redislock {_version('celery-redislock')}",
+        f"- each configuration: {args.duration:g} s, critical section = sleep "
+        f"{args.cs * 1000:g} ms; redis-py Lock with its default sleep={peers.REDIS_PY_SLEEP:g} s "
+        "(polling); python-redis-lock's default (BLPOP on a signal list); celery-redislock "
+        "`LockManager.acquire(resource, timeout=None)`; every client `socket_timeout=None`",
+        "",
+        "## Contention (one exclusive lock, N forked processes)",
+        "",
+        "*open*: each process asks again right after releasing (an unfair lock lets the "
+        "releaser barge back in). *relay*: a releaser asks again only once another process "
+        "has entered, so every grant is a handoff to a process that was already waiting. "
+        "Handoff = from the holder calling release() to the next (different) holder's "
+        "acquire() returning.",
+        "",
+        peers.markdown_table(contention),
+        "",
+        *_error_lines(contention),
+        "Ratios (same run; handoff from relay runs, throughput and fairness from open runs):",
+        "",
+        *peers.ratio_lines(contention),
+        "",
+        "## Cost against keyspace size (Redis commands per operation, from INFO commandstats)",
+        "",
+        cost.markdown_table(costs),
+        "",
+        "## Targets (issue 3)",
+        "",
+        f"- Jain index >= 0.99 (open runs): {jain_min:.3f} -> "
+        f"{'met' if jain_min >= 0.99 else 'NOT met'}",
+        f"- zero exclusion violations (overlaps + lost updates): {violations} -> "
+        f"{'met' if violations == 0 else 'NOT met'}",
+    ]
+    for n in sorted({r.procs for r in ours}):
+        by = {r.lib: r for r in contention if r.mode == "relay" and r.procs == n}
+        me, prl, rp = (by.get(x) for x in peers.LIBS)
+        if me and prl and rp:
+            ok = me.handoff_p50_ms <= prl.handoff_p50_ms
+            lines.append(
+                f"- handoff p50 <= python-redis-lock's, far below redis-py's ({n} procs, relay): "
+                f"{me.handoff_p50_ms:.3f} vs {prl.handoff_p50_ms:.3f} vs "
+                f"{rp.handoff_p50_ms:.3f} ms -> "
+                f"{'met' if ok else 'NOT met against python-redis-lock'}; "
+                f"{'met' if me.handoff_p50_ms * 10 < rp.handoff_p50_ms else 'NOT met'} "
+                "against redis-py"
+            )
+    lines.append(
+        f"- cost independent of keyspace, zero SCAN/KEYS: counts equal = {equal}, "
+        f"SCAN+KEYS = {walks} -> {'met' if equal and walks == 0 else 'NOT met'}; "
+        f"every dead owner's locks freed: {all(run.freed_ok for run in costs)}"
+    )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""Keep the benchmarks from rotting: run each one very briefly.
+
+No timing assertions: only that every benchmark produces results, that
+celery-redislock shows no exclusion violation, and that the cost benchmark
+finds equal command counts and no keyspace walk. The full run is
+``make bench`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import cost, peers  # noqa: E402
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["open", "relay"])
+@pytest.mark.parametrize("lib", peers.LIBS)
+def test_contention_benchmark_runs_and_reports_every_metric(
+    redis_url: str, lib: str, relay: bool
+) -> None:
+    res = peers.run_contention(redis_url, lib, procs=2, duration=0.5, relay=relay)
+
+    assert res.killed == 0
+    assert res.grants > 0
+    assert len(res.per_process) == 2
+    assert 0 < res.jain <= 1.0
+    assert res.max_wait_ms >= 0
+    table = peers.markdown_table([res])
+    assert lib in table and res.mode in table
+    if lib == "celery-redislock":
+        assert res.errors == 0, res.first_error
+        assert res.violations == 0
+        assert res.lost_updates == 0
+        assert res.handoffs_ms, "two FIFO processes must hand the lock to each other"
+
+
+def test_contention_ratios_compare_celery_redislock_with_each_peer(redis_url: str) -> None:
+    results = [peers.run_contention(redis_url, lib, 2, 0.5, relay=True) for lib in peers.LIBS]
+
+    lines = peers.ratio_lines(results)
+
+    assert len(lines) == len(peers.LIBS) - 1
+    assert all("handoff p50" in line for line in lines)
+
+
+def test_cost_benchmark_counts_equal_commands_without_scan(redis_url: str) -> None:
+    runs = [cost.measure_costs(redis_url, n) for n in (10, 2000)]
+
+    for op, counts in runs[-1].ops.items():
+        if op == cost.SCAN_CONTRAST:
+            continue
+        assert counts, op
+        assert counts == runs[0].ops[op], op
+        assert cost.walks(counts) == 0, op
+    assert all(run.freed_ok for run in runs)
+    assert "acquire+release" in cost.markdown_table(runs)
+
+
+def test_jain_index_is_one_for_equal_shares_and_lower_otherwise() -> None:
+    assert peers.jain_index([5, 5, 5, 5]) == pytest.approx(1.0)
+    assert peers.jain_index([10, 0]) == pytest.approx(0.5)
+    assert peers.jain_index([]) == 0.0

@@ -1,0 +1,177 @@
+"""Keys touched (invariant 6): cleanup, reconcile and a first acquire cost the
+same number of Redis commands with 100 or 50,000 unrelated keys, and never
+SCAN or KEYS.
+
+Commands are counted with ``INFO commandstats``, which also counts the
+commands a Lua script runs. The module uses a redis-server of its own, so
+the heartbeats of managers from other test modules cannot add to the counts;
+every manager here uses a long owner_ttl, so its heartbeat does not tick
+while we count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import LockManager
+from engine_helpers import Managers, command_delta, commandstats, counting
+from redis_server import RedisServer
+
+SMALL, LARGE = 100, 50_000
+OWNER_TTL = 120.0  # first heartbeat after 40 s: none while counting
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(workdir=Path(tmp_path_factory.mktemp("cost-redis")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def rc(own_server: RedisServer) -> Iterator[redis.Redis]:
+    client = own_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def managers(own_server: RedisServer, rc: redis.Redis) -> Iterator[Managers]:
+    made = Managers(own_server.url)
+    yield made
+    made.close_all()
+
+
+def populate(r: redis.Redis, count: int) -> None:
+    """``count`` keys that are none of the owner's business, of several kinds.
+
+    Most come from DEBUG POPULATE (fast); a few hundred look like another
+    namespace's locks, registries and owners, in case someone matched keys by
+    pattern instead of walking the registry.
+    """
+    lookalike = min(300, count // 2)
+    pipe = r.pipeline(transaction=False)
+    for i in range(lookalike // 3):
+        pipe.hset(f"{{other}}:lock:r{i}", f"ghost-{i}|x", "x")
+        pipe.sadd(f"{{other}}:held:ghost-{i}", f"{{other}}:lock:r{i}")
+        pipe.sadd("{other}:owners", f"ghost-{i}")
+    pipe.execute()
+    rest = count - r.dbsize()
+    if rest > 0:
+        r.execute_command("DEBUG", "POPULATE", rest, "unrelated")
+    assert r.dbsize() == count
+
+
+def warm_up(managers: Managers) -> None:
+    """Load every script into the server's cache, so neither scenario pays for it."""
+    mgr = managers(owner_ttl=OWNER_TTL)
+    with mgr.lock(exclusive=["warm"], timeout=0):
+        pass
+    mgr.cleanup_owner("nobody-0")
+    mgr.reconcile()
+
+
+def measure(
+    rc: redis.Redis, managers: Managers, keyspace: int, scenario: Callable[..., Any]
+) -> dict[str, int]:
+    """Commands run by ``scenario`` on an otherwise empty Redis plus ``keyspace`` keys."""
+    rc.flushall()
+    warm_up(managers)
+    rc.flushall()
+    populate(rc, keyspace)
+    run = scenario(rc, managers)  # sets up, returns the operation to count
+    with counting(rc) as delta:
+        run()
+    return delta
+
+
+def dead_owner_with_locks(rc: redis.Redis, managers: Managers) -> tuple[LockManager, str]:
+    """A dead owner holding three locks (one shared with a live owner), and a
+    live manager with its connection open, ready to clean up."""
+    dead = managers(owner_ttl=OWNER_TTL)
+    live = managers(owner_ttl=OWNER_TTL)
+    dead.acquire(exclusive=["a", "b"], shared=["c"], timeout=0)
+    live.acquire(shared=["c"], timeout=0)
+    dead.close()
+    owner = dead.owner_id
+    rc.delete("{t}:alive:" + owner)  # what its liveness expiring does
+    live.client.ping()  # connection already open, as in a running process
+    return live, owner
+
+
+def cleanup_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+    live, owner = dead_owner_with_locks(rc, managers)
+
+    def run() -> None:
+        report = live.cleanup_owner(owner)
+        assert (report.status, report.released) == ("cleaned", 3)
+
+    return run
+
+
+def reconcile_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+    live, _ = dead_owner_with_locks(rc, managers)
+
+    def run() -> None:
+        report = live.reconcile()
+        assert (report.owners_seen, report.cleaned, report.alive, report.released) == (2, 1, 1, 3)
+
+    return run
+
+
+def first_acquire_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+    fresh = managers(owner_ttl=OWNER_TTL)
+    fresh.client.ping()
+
+    def run() -> None:
+        lease = fresh.acquire(exclusive=["a", "b"], shared=["c"], timeout=0)
+        assert lease.fencing_token > 0
+
+    return run
+
+
+SCENARIOS = {
+    "cleanup_owner": cleanup_scenario,
+    "reconcile": reconcile_scenario,
+    "first_acquire": first_acquire_scenario,
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_cost_is_the_same_with_100_or_50000_unrelated_keys_and_never_scans(
+    rc: redis.Redis, managers: Managers, name: str
+) -> None:
+    scenario = SCENARIOS[name]
+    small = measure(rc, managers, SMALL, scenario)
+    large = measure(rc, managers, LARGE, scenario)
+
+    assert small == large, f"{name}: {small} vs {large}"
+    for delta in (small, large):
+        assert delta.get("scan", 0) == 0 and delta.get("keys", 0) == 0
+        assert not {"dbsize", "randomkey"} & set(delta)
+    # one round trip from the client: one EVALSHA (reconcile adds its SSCAN
+    # of the owners set and one EXISTS per owner, pipelined)
+    assert small.get("evalsha") == 1
+    if name == "reconcile":
+        assert small.get("sscan") == 1
+    else:
+        assert "sscan" not in small
+
+
+def test_commandstats_counts_commands_run_inside_scripts(
+    rc: redis.Redis, managers: Managers
+) -> None:
+    """The counter the cost tests rely on sees a script's own commands."""
+    before = commandstats(rc)
+    rc.eval("redis.call('SET', KEYS[1], '1'); return redis.call('GET', KEYS[1])", 1, "k")
+    delta = command_delta(before, commandstats(rc))
+    assert delta == {"eval": 1, "set": 1, "get": 1}
