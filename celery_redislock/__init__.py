@@ -1,8 +1,12 @@
 """Crash-safe, fork-safe, fair Redis resource locks for Celery tasks.
 
-The engine (:class:`LockManager`, :class:`Lease`) works without Celery.
+The engine (:class:`LockManager`, :class:`Lease`) works without Celery;
+importing this package does not import Celery. The Celery face is
+:class:`RedisLock` (the extension), :func:`locked` (the task decorator) and
+:func:`current_lease` (the lease of the running ``@locked`` body).
 """
 
+from .app import RedisLock
 from .checks import EvictionCheck, check_eviction
 from .exceptions import (
     ConfigurationError,
@@ -15,6 +19,7 @@ from .exceptions import (
 from .lease import Lease
 from .manager import LockManager
 from .reports import CleanupReport, ReconcileReport
+from .task import TemplateError, current_lease, locked
 
 __version__ = "0.1.0"
 
@@ -29,6 +34,10 @@ __all__ = [
     "LockManager",
     "LockTimeout",
     "ReconcileReport",
+    "RedisLock",
     "RedisUnavailable",
+    "TemplateError",
     "check_eviction",
+    "current_lease",
+    "locked",
 ]

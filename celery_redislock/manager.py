@@ -328,8 +328,10 @@ class LockManager:
             self._heartbeat.ensure_started()
         token = f"{ident.owner_id}|{request_id}"
         try:
+            reply: Any = None
             while True:
-                reply = self._attempt(ident, token, req, timeout != 0, nested)
+                if reply is None:
+                    reply = self._attempt(ident, token, req, timeout != 0, nested)
                 code = int(reply[0])
                 if code == 1:
                     ident.registered = True
@@ -350,6 +352,7 @@ class LockManager:
                     self._owner_lost(ident, "acquire")
                     ident = self._identity.current()
                     token = f"{ident.owner_id}|{request_id}"
+                    reply = None
                     continue
                 ident.registered = True
                 if timeout == 0:
@@ -361,7 +364,12 @@ class LockManager:
                 block = min(remaining, self._block_cap, self.owner_ttl)
                 if wait_ms >= 0:
                     block = min(block, wait_ms / 1000.0 + 0.01)
-                self._block(token, max(block, 0.001))
+                # A release that finds us at the head hands us the locks and
+                # pushes 'g<fence>': granted without another round trip.
+                # Anything else (a plain wake, a timeout) re-runs the script,
+                # which re-checks the state in Redis.
+                fence = self._block(token, max(block, 0.001))
+                reply = None if fence is None else (1, fence)
         except BaseException:
             with self._state_lock:
                 if self._leases.pop(token, None) is not None:  # interrupted at the return
@@ -406,11 +414,16 @@ class LockManager:
     def _req_ttl_ms(self) -> int:
         return int(self.owner_ttl * 3000)
 
-    def _block(self, token: str, seconds: float) -> None:
+    def _block(self, token: str, seconds: float) -> int | None:
+        """Wait for a push to the request's wake list; the fence of a hand-off."""
         try:
-            self.client.blpop([self.keys.wake(token)], timeout=seconds)
+            got = self.client.blpop([self.keys.wake(token)], timeout=seconds)
         except _REDIS_DOWN as exc:
             raise RedisUnavailable(self.url, exc) from exc
+        if got is None:
+            return None
+        msg = _text(got[1])
+        return int(msg[1:]) if msg.startswith("g") else None
 
     @contextmanager
     def lock(

@@ -15,7 +15,17 @@ from typing import Any
 import redis
 
 #: Scripts shipped in ``celery_redislock/lua``, one per operation.
-SCRIPT_NAMES = ("acquire", "release", "heartbeat", "cleanup_owner", "contenders")
+SCRIPT_NAMES = (
+    "acquire",
+    "release",
+    "heartbeat",
+    "cleanup_owner",
+    "contenders",
+    "node_start",
+    "node_heartbeat",
+    "node_evict",
+    "node_stop",
+)
 
 
 @cache

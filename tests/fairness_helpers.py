@@ -135,7 +135,9 @@ def child_waiter(
     """Forked child: acquire with a fresh LockManager, log each step, release.
 
     Logs ``owner:<name>=<owner id>`` before asking, ``<name>`` once granted
-    (inside the lock), ``<name>:released`` after release, ``<name>:timeout``
+    (inside the lock), ``<name>:releasing`` just before releasing (still
+    inside: with hand-off the next holder may log before ``:released``),
+    ``<name>:released`` after release, ``<name>:timeout``
     on LockTimeout and ``<name>:interrupted`` on KeyboardInterrupt. With
     ``hold``, keeps the lock until the test pushes to ``test:go:<name>``.
     """
@@ -153,6 +155,7 @@ def child_waiter(
     rs.rpush(LOG, name)
     if hold:
         rs.blpop([f"test:go:{name}"], timeout=0)
+    rs.rpush(LOG, f"{name}:releasing")
     lease.release()
     rs.rpush(LOG, f"{name}:released")
 

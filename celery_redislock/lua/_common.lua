@@ -46,42 +46,6 @@ local function contended(prefix, token, ttl_ms)
   redis.call('PEXPIRE', k, ttl_ms)
 end
 
--- Wake every queued request of QUEUE that the holders of LOCK no longer
--- block and that no earlier queued request blocks on this resource: the
--- first entry if exclusive (only when the lock is free), else the run of
--- shared entries at the head (only when no exclusive holder). A dead entry
--- met on the way (owner liveness gone, or request state expired) is
--- removed with its req and wake keys, and the next one is considered, so a
--- dead head never swallows the wake-up. Looks at no more than LIMIT entries.
-local function wake_front(prefix, queue, lock, limit, ttl_ms)
-  local n = redis.call('HLEN', lock)
-  if n == 1 then
-    local v = redis.call('HVALS', lock)
-    if v[1] == 'x' then return 0 end
-  end
-  local woken = 0
-  local head = redis.call('ZRANGE', queue, 0, limit - 1)
-  for _, m in ipairs(head) do
-    local t = string.sub(m, 2)
-    if owner_pttl(prefix, owner_of(t)) < 0
-        or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
-      -- dead entry (Lua 5.1 has no goto: the live case is the else branch)
-      redis.call('ZREM', queue, m)
-      redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
-    elseif string.sub(m, 1, 1) == 'x' then
-      if n == 0 and woken == 0 then
-        wake(prefix, t, ttl_ms)
-        woken = woken + 1
-      end
-      return woken
-    else
-      wake(prefix, t, ttl_ms)
-      woken = woken + 1
-    end
-  end
-  return woken
-end
-
 -- Does OWNER still hold any token in LOCK?
 local function owner_holds(lock, owner)
   local fields = redis.call('HKEYS', lock)
@@ -102,4 +66,118 @@ local function next_fence(key)
   if now_us > f then f = now_us end
   redis.call('SET', key, string.format('%.0f', f))
   return f
+end
+
+-- Resource names stored in a request's state, '\n'-separated (names never
+-- contain control characters).
+local function split_names(s)
+  local out = {}
+  for name in string.gmatch(s, '[^\n]+') do out[#out + 1] = name end
+  return out
+end
+
+local wake_front
+
+-- Hand-off: grant the queued request TOKEN every lock it asked for, here and
+-- now, if nothing blocks it: no conflicting holder on any of its resources
+-- and (unless nested) no earlier conflicting queue entry. Its owner must be
+-- alive. The grant is what acquire.lua step 5 does; the fencing token is
+-- pushed to the request's wake list as 'g<fence>', so the waiter learns it
+-- from its BLPOP without another round trip. Dead holders or entries are
+-- not reclaimed here: the request is left to its own script (plain wake).
+-- Keys touched: {ns}:req|wake:<token>, {ns}:lock|q:<its resources>,
+-- {ns}:held:<its owner>, {ns}:fence — all in the namespace's hash tag.
+-- Returns true when granted.
+local function try_handoff(prefix, token, ttl_ms, limit)
+  local req = prefix .. 'req:' .. token
+  local st = redis.call('HMGET', req, 'state', 'seq', 'modes', 'res', 'nested')
+  if st[1] ~= 'q' or not st[3] or not st[4] then return false end
+  local owner = owner_of(token)
+  if owner_pttl(prefix, owner) < 0 then return false end
+  local modes, names = st[3], split_names(st[4])
+  local n = #modes
+  if #names ~= n then return false end
+  for i = 1, n do
+    local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
+    local hn = redis.call('HLEN', lock)
+    if hn > 0 then
+      if mode == 'x' then return false end
+      if hn == 1 and redis.call('HVALS', lock)[1] == 'x' then return false end
+    end
+  end
+  if st[5] ~= '1' then
+    for i = 1, n do
+      local mode = string.sub(modes, i, i)
+      local ahead = redis.call('ZRANGEBYSCORE', prefix .. 'q:' .. names[i], '-inf',
+        '(' .. st[2], 'LIMIT', 0, limit)
+      if #ahead >= limit then return false end
+      for _, m in ipairs(ahead) do
+        if conflicts(mode, string.sub(m, 1, 1)) then return false end
+      end
+    end
+  end
+  local fence = string.format('%.0f', next_fence(prefix .. 'fence'))
+  local held = prefix .. 'held:' .. owner
+  for i = 1, n do
+    local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
+    redis.call('HSET', lock, token, mode)
+    redis.call('SADD', held, lock)
+    redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
+  end
+  redis.call('HSET', req, 'state', 'g', 'fence', fence)
+  redis.call('PEXPIRE', req, ttl_ms)
+  local wk = prefix .. 'wake:' .. token
+  redis.call('DEL', wk)
+  redis.call('LPUSH', wk, 'g' .. fence)
+  redis.call('PEXPIRE', wk, ttl_ms)
+  -- Leaving its other queues may let requests behind it follow (shared
+  -- behind shared): wake those, without a further hand-off (bounded work).
+  for i = 1, n do
+    wake_front(prefix, prefix .. 'q:' .. names[i], prefix .. 'lock:' .. names[i],
+      limit, ttl_ms, true)
+  end
+  return true
+end
+
+-- Serve the head of QUEUE now that LOCK changed: every queued request that
+-- the holders of LOCK no longer block and that no earlier queued request
+-- blocks on this resource (the first entry if exclusive, only when the lock
+-- is free; else the run of shared entries at the head, only when there is
+-- no exclusive holder) is handed its locks (try_handoff) or, if it is
+-- blocked elsewhere, woken to run its own script. A dead entry met on the
+-- way (owner liveness gone, or request state expired) is removed with its
+-- req and wake keys, and the next one is considered, so a dead head never
+-- swallows the wake-up. Looks at no more than LIMIT entries. PLAIN = true
+-- only wakes (no hand-off).
+wake_front = function(prefix, queue, lock, limit, ttl_ms, plain)
+  local n = redis.call('HLEN', lock)
+  if n == 1 then
+    local v = redis.call('HVALS', lock)
+    if v[1] == 'x' then return 0 end
+  end
+  local woken = 0
+  local head = redis.call('ZRANGE', queue, 0, limit - 1)
+  for _, m in ipairs(head) do
+    local t = string.sub(m, 2)
+    if owner_pttl(prefix, owner_of(t)) < 0
+        or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
+      -- dead entry (Lua 5.1 has no goto: the live case is the else branch)
+      redis.call('ZREM', queue, m)
+      redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
+    elseif string.sub(m, 1, 1) == 'x' then
+      if n == 0 and woken == 0 then
+        if plain or not try_handoff(prefix, t, ttl_ms, limit) then
+          wake(prefix, t, ttl_ms)
+        end
+        woken = woken + 1
+      end
+      return woken
+    else
+      if plain or not try_handoff(prefix, t, ttl_ms, limit) then
+        wake(prefix, t, ttl_ms)
+      end
+      woken = woken + 1
+    end
+  end
+  return woken
 end

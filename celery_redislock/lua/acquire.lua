@@ -6,7 +6,8 @@
 --   3        {ns}:owners         set of owners that may hold or wait for locks
 --   4        {ns}:held:<owner>   this owner's registry: set of lock keys held
 --   5        {ns}:alive:<owner>  this owner's liveness key (string, TTL)
---   6        {ns}:req:<token>    this request's state hash (state, seq, fence)
+--   6        {ns}:req:<token>    this request's state hash (state, seq, fence,
+--                                 modes, res, nested: what a hand-off needs)
 --   7        {ns}:wake:<token>   this request's wake list
 --   8..7+n   {ns}:lock:<res>     lock hashes, one per resource
 --   8+n..7+2n {ns}:q:<res>       wait queues (zsets), same order
@@ -40,7 +41,9 @@
 --      which case the entry is removed.
 --   5. Not blocked: grant every lock (token -> mode), add the keys to the
 --      registry, leave the queues, record the grant, wake whoever can follow.
---   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token.
+--   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token, and
+--      record the request (modes, resource names, nested) in its state so a
+--      release can hand it the locks (_common.lua try_handoff).
 --
 -- Reply:
 --   {1, fence}         granted (or granted earlier: same fence)
@@ -172,7 +175,10 @@ if want_queue then
       local mode = string.sub(modes, i, i)
       redis.call('ZADD', KEYS[7 + n + i], string.format('%.0f', seq), mode .. token)
     end
-    redis.call('HSET', req_key, 'state', 'q', 'seq', string.format('%.0f', seq))
+    local names = {}
+    for i = 1, n do names[i] = string.sub(KEYS[7 + i], #prefix + 6) end
+    redis.call('HSET', req_key, 'state', 'q', 'seq', string.format('%.0f', seq),
+      'modes', modes, 'res', table.concat(names, '\n'), 'nested', ARGV[5])
     redis.call('SADD', KEYS[3], owner)
   end
   redis.call('PEXPIRE', req_key, req_ttl)

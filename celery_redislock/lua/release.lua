@@ -23,7 +23,8 @@
 -- Atomic steps, per resource: HDEL the token (delete-if-holder: only this
 -- token's field goes); drop the key from the registry once the owner holds
 -- no other token there; ZREM the request's queue entry; if anything changed,
--- wake whoever can now proceed. Then delete the request's state, wake list
+-- hand the locks to the head of the queue (try_handoff: the waiter gets
+-- 'g<fence>' on its wake list) or wake it. Then delete the request's state, wake list
 -- and contender signal list.
 --
 -- Reply: {released, dequeued}: how many locks this token still held and how

@@ -1,0 +1,284 @@
+"""``RedisLock(app)``: the Celery extension object.
+
+It reads the ``redislock_*`` settings lazily (at worker start or first use,
+so ``app.conf`` may be filled in after construction), adds the worker
+bootstep, connects the pool-child hook, registers the reconcile task and
+merges its beat entry into ``beat_schedule`` (never replacing the user's).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .exceptions import LockTimeout
+from .lease import Lease
+from .manager import LockManager
+from .settings import Config, load_config
+
+log = logging.getLogger("celery_redislock.app")
+log_reconcile = logging.getLogger("celery_redislock.reconcile")
+
+#: Name of the reconcile task, and of its beat_schedule entry.
+RECONCILE_TASK = "celery_redislock.reconcile"
+#: Engine resource that lets one reconcile run at a time, fleet-wide.
+RECONCILE_RESOURCE = "celery_redislock:reconcile"
+
+_ATTR = "_celery_redislock"
+_instances: weakref.WeakSet[RedisLock] = weakref.WeakSet()
+_signals_connected = False
+_signals_lock = threading.Lock()
+
+
+def _connect_signals() -> None:
+    """Connect the process-wide signal handlers once."""
+    global _signals_connected
+    with _signals_lock:
+        if _signals_connected:
+            return
+        from celery import signals
+
+        signals.worker_process_init.connect(_on_worker_process_init, weak=False)
+        signals.beat_init.connect(_on_beat_init, weak=False)
+        _signals_connected = True
+
+
+def _on_worker_process_init(**_: Any) -> None:
+    # No Redis round trip here: the pool kills a child not ready in ~4 s.
+    for locks in list(_instances):
+        locks._process_init()
+
+
+def _on_beat_init(sender: Any = None, **_: Any) -> None:
+    scheduler = getattr(sender, "scheduler", None)
+    app = getattr(sender, "app", None)
+    locks = RedisLock.of(app) if app is not None else None
+    if scheduler is None or locks is None:
+        return
+    entry = locks._beat_entry()
+    if entry is not None and RECONCILE_TASK not in scheduler.schedule:
+        scheduler.update_from_dict({RECONCILE_TASK: entry})
+
+
+class RedisLock:
+    """Celery extension: locks for tasks, a worker bootstep, and reconcile.
+
+    ``RedisLock(app)`` or ``RedisLock().init_app(app)``. Then use
+    :func:`celery_redislock.locked` on tasks, ``locks.lock(...)`` in other
+    code, and ``locks.manager`` for the engine itself.
+
+    Settings are read from ``app.conf`` on first use (see
+    :mod:`celery_redislock.settings`); bad values raise
+    :class:`ConfigurationError` naming the setting.
+    """
+
+    def __init__(self, app: Any = None) -> None:
+        self.app: Any = None
+        self._config: Config | None = None
+        self._manager: LockManager | None = None
+        self._manager_pid = 0
+        self._lock = threading.RLock()
+        #: Set by the worker bootstep (main process) before the pool forks:
+        #: the incarnation id whose group every owner of this worker joins.
+        self.incarnation: str | None = None
+        #: The running :class:`celery_redislock.node.Node`, main process only.
+        self.node: Any = None
+        self._init_pids: set[int] = set()
+        if app is not None:
+            self.init_app(app)
+
+    # -- wiring -----------------------------------------------------------
+
+    def init_app(self, app: Any) -> RedisLock:
+        """Attach to ``app``: bootstep, signals, reconcile task, beat entry."""
+        from .bootsteps import RedisLockNode
+
+        self.app = app
+        setattr(app, _ATTR, self)
+        _instances.add(self)
+        _connect_signals()
+        app.steps["worker"].add(RedisLockNode)
+        self._register_reconcile_task(app)
+        if getattr(app, "configured", False):
+            self._merge_beat_schedule(app.conf)
+        else:
+            app.on_after_configure.connect(self._on_after_configure, weak=False)
+        return self
+
+    @classmethod
+    def of(cls, app: Any) -> RedisLock | None:
+        """The RedisLock attached to ``app``, or None."""
+        found = getattr(app, _ATTR, None)
+        return found if isinstance(found, RedisLock) else None
+
+    def _on_after_configure(self, sender: Any = None, source: Any = None, **_: Any) -> None:
+        if sender is not None and sender is not self.app:
+            return
+        try:
+            self._merge_beat_schedule(source if source is not None else self.app.conf)
+        except Exception:  # a bad setting must surface at worker start, not here
+            log.exception("app.beat-merge-error")
+
+    def _beat_entry(self, conf: Any = None) -> dict[str, Any] | None:
+        cfg = load_config(conf) if conf is not None else self.config
+        if cfg.reconcile_interval is None:
+            return None
+        return {
+            "task": RECONCILE_TASK,
+            "schedule": cfg.reconcile_interval,
+            # Runs that could not start within one period are dropped, so a
+            # busy pool never piles them up.
+            "options": {"expires": cfg.reconcile_interval},
+        }
+
+    def _merge_beat_schedule(self, conf: Any) -> None:
+        entry = self._beat_entry(conf)
+        if entry is None:
+            return
+        schedule = conf.get("beat_schedule")
+        if schedule is None:
+            conf["beat_schedule"] = {RECONCILE_TASK: entry}
+        elif RECONCILE_TASK not in schedule:
+            schedule[RECONCILE_TASK] = entry
+
+    def _register_reconcile_task(self, app: Any) -> None:
+        locks = self
+
+        @app.task(name=RECONCILE_TASK, shared=False, ignore_result=False)
+        def reconcile() -> dict[str, Any]:
+            """Free the locks of every dead owner (one runner at a time)."""
+            return locks.reconcile()
+
+    # -- configuration and engine -----------------------------------------
+
+    @property
+    def config(self) -> Config:
+        """The validated settings, read from ``app.conf`` on first use."""
+        if self._config is None:
+            if self.app is None:
+                raise RuntimeError("RedisLock is not attached to an app: call init_app(app)")
+            self._config = load_config(self.app.conf)
+        return self._config
+
+    @property
+    def manager(self) -> LockManager:
+        """This process's :class:`LockManager` (created on first use).
+
+        In a worker (main process and pool children) its owners' liveness is
+        refreshed by the worker's node heartbeat; elsewhere it runs its own
+        heartbeat thread.
+        """
+        mgr = self._manager
+        if mgr is not None:
+            return mgr
+        with self._lock:
+            if self._manager is None:
+                self._manager = self._make_manager(worker=self.incarnation is not None)
+            return self._manager
+
+    def _make_manager(self, *, worker: bool) -> LockManager:
+        cfg = self.config
+        if worker:
+            from .node import group_key
+
+            inc = self.incarnation
+            prefix = "{" + cfg.namespace + "}:"
+            key = group_key(prefix, inc) if inc else None
+            return LockManager(
+                cfg.url,
+                cfg.namespace,
+                owner_ttl=cfg.owner_ttl,
+                heartbeat_interval=cfg.heartbeat_interval,
+                heartbeat=False,
+                group=lambda: key,
+            )
+        return LockManager(
+            cfg.url,
+            cfg.namespace,
+            owner_ttl=cfg.owner_ttl,
+            heartbeat_interval=cfg.heartbeat_interval,
+        )
+
+    def _enter_worker(self, incarnation: str) -> LockManager:
+        """Main process, before the pool forks: switch to worker mode."""
+        with self._lock:
+            self.incarnation = incarnation
+            self._manager = self._make_manager(worker=True)
+            return self._manager
+
+    def _leave_worker(self) -> None:
+        """After worker shutdown: later use gets a standalone manager."""
+        with self._lock:
+            self.incarnation = None
+            self.node = None
+            self._manager = None
+
+    def _process_init(self) -> None:
+        """Pool child start: make sure this process has its own owner id.
+
+        Idempotent per pid and makes no Redis round trip (the engine's fork
+        hook already reset the identity; this covers a fork that bypassed it).
+        """
+        pid = os.getpid()
+        if pid in self._init_pids:
+            return
+        self._init_pids = {pid}
+        self.node = None  # the main process's; never used from a child
+        mgr = self._manager
+        if mgr is not None:
+            _ = mgr.owner_id  # the identity source compares the pid: a fresh id
+
+    def close(self) -> None:
+        """Stop this process's standalone manager (its heartbeat, connections).
+
+        Held leases stay held until released or their owner's liveness runs
+        out. In a worker, the bootstep releases everything at shutdown.
+        """
+        with self._lock:
+            mgr, self._manager = self._manager, None
+        if mgr is not None and self.incarnation is None:
+            mgr.close()
+
+    # -- public helpers ---------------------------------------------------
+
+    @contextmanager
+    def lock(
+        self,
+        exclusive: str | Iterable[str] | None = None,
+        shared: str | Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,
+        nested: bool | None = None,
+    ) -> Iterator[Lease]:
+        """``with locks.lock("repo:1"):`` — the engine's lock, for code outside tasks.
+
+        Same arguments and errors as :meth:`LockManager.acquire`.
+        """
+        with self.manager.lock(exclusive, shared, timeout=timeout, nested=nested) as lease:
+            yield lease
+
+    def reconcile(self) -> dict[str, Any]:
+        """Free every dead owner's locks; one runner at a time fleet-wide.
+
+        Returns the report as a dict (``skipped: True`` if another run holds
+        the reconcile lock). Per-owner failures are isolated and retried on
+        the next pass.
+        """
+        mgr = self.manager
+        try:
+            lease = mgr.acquire(RECONCILE_RESOURCE, timeout=0)
+        except LockTimeout:
+            log_reconcile.info("reconcile.skipped reason=another-run-in-progress")
+            return {"skipped": True}
+        try:
+            report = mgr.reconcile()
+        finally:
+            lease.release()
+        result = report.as_dict()
+        result["skipped"] = False
+        return result

@@ -1,0 +1,176 @@
+"""The worker bootstep: one incarnation of the node, from start to release.
+
+See docs/worker.md for the order of Celery's start and shutdown and the
+races this step handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from celery import bootsteps, signals
+
+from .app import RedisLock
+from .exceptions import ConfigurationError, RedisUnavailable
+from .node import Node, new_incarnation
+
+log = logging.getLogger("celery_redislock.worker")
+
+#: Exit code of a worker that fenced itself after being evicted (EX_SOFTWARE).
+EX_EVICTED = 70
+
+
+def pool_pids(w: Any) -> list[int]:
+    """Pids of the prefork pool's child processes ([] for other pools).
+
+    With threads, solo, gevent and eventlet pools, tasks run in the main
+    process, which is always live.
+    """
+    pool = getattr(w, "pool", None)
+    if pool is None:
+        return []
+    try:
+        from celery.concurrency.prefork import TaskPool as PreforkPool
+    except ImportError:  # pragma: no cover - billiard missing
+        return []
+    if not isinstance(pool, PreforkPool):
+        return []
+    inner = getattr(pool, "_pool", None)
+    procs = getattr(inner, "_pool", None) or []
+    return [int(p.pid) for p in list(procs) if getattr(p, "pid", None)]
+
+
+class RedisLockNode(bootsteps.StartStopStep):
+    """Runs this worker's incarnation: node record, heartbeat, clean-up.
+
+    Requires the Pool (the pool's children are known when it starts) and
+    starts before the Consumer. Adds to the worker:
+
+        * redislock_node: the :class:`celery_redislock.node.Node`
+
+    ``create`` (no I/O, before the pool forks): a new incarnation, the app's
+    manager switched to worker mode. ``start``: the eviction check, the node
+    record claim, the heartbeat thread. ``stop``/``terminate`` do nothing:
+    the release runs after the pool drained or was terminated, from the
+    blueprint's ``on_stopped`` (``worker_shutdown`` as a fallback).
+    """
+
+    label = "RedisLock"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        w.redislock_node = None
+        self.locks = RedisLock.of(w.app)
+        self.node: Node | None = None
+        self._shutdown_done = False
+        self._on_shutdown: Callable[..., None] | None = None
+        super().__init__(w, **kwargs)
+
+    def include_if(self, w: Any) -> bool:
+        return self.locks is not None
+
+    def create(self, w: Any) -> None:
+        locks = self.locks
+        assert locks is not None
+        cfg = locks.config  # a bad setting stops the worker here, naming it
+        inc = new_incarnation()
+        mgr = locks._enter_worker(inc)
+        self.node = Node(
+            mgr,
+            w.hostname,
+            inc,
+            live_pids=lambda: pool_pids(w),
+            fast_restart_cleanup=cfg.fast_restart_cleanup,
+            on_evicted=lambda: self._fence(w),
+        )
+        locks.node = self.node
+        w.redislock_node = self.node
+
+        blueprint = getattr(w, "blueprint", None)
+        if blueprint is not None:
+            previous = blueprint.on_stopped
+
+            def on_stopped() -> None:
+                try:
+                    if previous is not None:
+                        previous()
+                finally:
+                    self.release(w)
+
+            blueprint.on_stopped = on_stopped
+
+        def on_worker_shutdown(sender: Any = None, **_: Any) -> None:
+            if sender is w:
+                self.release(w)
+
+        self._on_shutdown = on_worker_shutdown
+        signals.worker_shutdown.connect(on_worker_shutdown, weak=False)
+
+    def start(self, w: Any) -> None:
+        locks, node = self.locks, self.node
+        assert locks is not None and node is not None
+        cfg = locks.config
+        log.info(
+            "worker.start node=%s inc=%s namespace=%s interval=%.3g owner_ttl=%.3g",
+            node.nodename,
+            node.incarnation,
+            cfg.namespace,
+            cfg.heartbeat_interval,
+            cfg.owner_ttl,
+        )
+        try:
+            if cfg.eviction_check != "ignore":
+                check = node.manager.check_eviction()
+                if check.may_evict:
+                    if cfg.eviction_check == "raise":
+                        raise ConfigurationError(
+                            "redislock_eviction_check",
+                            f"{check.describe()} (or set redislock_eviction_check='warn')",
+                        )
+                    log.warning("startup.eviction-risk %s", check.describe())
+            node.start()
+        except RedisUnavailable as exc:
+            if cfg.eviction_check == "raise":
+                raise
+            log.error(
+                "node.start-error node=%s error=%s: retrying on every heartbeat", node.nodename, exc
+            )
+        node.start_heartbeat()
+
+    def stop(self, w: Any) -> None:
+        log.debug("worker.stopping: locks are released once the pool has drained")
+
+    def terminate(self, w: Any) -> None:
+        log.debug("worker.terminating: locks are released once the pool is terminated")
+
+    def release(self, w: Any) -> None:
+        """Final step: free every owner of this incarnation (idempotent)."""
+        if self._shutdown_done:
+            return
+        self._shutdown_done = True
+        if self._on_shutdown is not None:
+            signals.worker_shutdown.disconnect(self._on_shutdown)
+        node, locks = self.node, self.locks
+        try:
+            if node is not None:
+                node.shutdown()
+        except Exception:
+            log.exception("worker.release-error node=%s", getattr(node, "nodename", "?"))
+        finally:
+            if locks is not None and locks.node is node:
+                locks._leave_worker()
+
+    def _fence(self, w: Any) -> None:
+        """Evicted by a successor: kill the pool's children, cold-shut down."""
+        from celery.worker import state
+
+        for pid in pool_pids(w):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        state.should_terminate = EX_EVICTED

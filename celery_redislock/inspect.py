@@ -1,0 +1,743 @@
+"""Read-only introspection of one namespace: who holds, who waits, who is dead.
+
+This is the engine side of the operator CLI (``celery -A proj redislock``);
+it imports nothing from Celery and never writes to Redis.
+
+Everything is found from the data structures the scripts keep, never from
+the keyspace: owners come from the active-owners set ``{ns}:owners`` (SSCAN
+in batches), an owner's locks from its registry ``{ns}:held:<owner>`` (SSCAN
+in batches), a resource's holders from its lock hash and its waiters from
+its queue. No SCAN, no KEYS: the cost of every call is
+O(owners + their locks), in round trips of at most ``batch_size`` commands
+(one pipeline per batch), whatever else the Redis holds.
+
+A snapshot is not atomic across round trips: a lock may be released or an
+owner may die between two batches. Each record says what Redis said when it
+was read; re-run the command to see a later state.
+
+Node information (which Celery worker and incarnation an owner belongs to)
+is optional. For node names the caller gives, it comes from the node record
+``{ns}:node:<name>`` (its ``inc`` field), that incarnation's group hash
+``{ns}:group:<inc>`` (owner -> pid) and tombstone ``{ns}:tomb:<inc>``. An
+owner whose liveness value carries ``inc=`` (and ``node=`` or ``name=``)
+fields is labelled without being asked. Owners of a plain
+:class:`LockManager` have none. Nodes are never searched for in the keyspace.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from .checks import check_eviction
+from .exceptions import RedisUnavailable
+from .keys import validate_resource
+from .manager import LockManager
+
+#: Default number of commands per round trip (SSCAN COUNT, pipeline size).
+DEFAULT_BATCH_SIZE = 500
+#: Most waiters ``waiters()`` lists by default.
+DEFAULT_WAITER_LIMIT = 1000
+
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+_MODES = {"x": "exclusive", "s": "shared"}
+_FIELD_RE = re.compile(r"(\w+)=(\S+)")
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _opt_text(value: Any) -> str | None:
+    return None if value is None else _text(value)
+
+
+def owner_of_token(token: str) -> str:
+    """The owner id of a holder token ``<owner>|<request id>``."""
+    return token.split("|", 1)[0]
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (safe to print)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def describe_fields(description: str | None) -> dict[str, str]:
+    """The ``key=value`` fields of a liveness value (``pid=1 host=h name=n``)."""
+    if not description:
+        return {}
+    return dict(_FIELD_RE.findall(description))
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """An owner's liveness as read from ``{ns}:alive:<owner>``.
+
+    ``ttl`` is the seconds left before the owner is dead (None when the key
+    has no expiry or the owner is dead); ``description`` is the key's value
+    (``pid=... host=... name=...``), None when dead.
+    """
+
+    owner_id: str
+    alive: bool
+    ttl: float | None
+    description: str | None
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One grant stored in a lock hash."""
+
+    resource: str
+    token: str
+    owner_id: str
+    mode: str
+    alive: bool
+    ttl: float | None
+    description: str | None
+    #: Fencing token of the grant while its request record lives (3x owner_ttl).
+    fence: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One queued request of a resource, in serving order (``position`` 1 first)."""
+
+    resource: str
+    position: int
+    token: str
+    owner_id: str
+    mode: str
+    alive: bool
+    ttl: float | None
+    description: str | None
+    #: A nested request (made from inside a held lock) sorts before the others.
+    nested: bool
+    #: ``queued``; ``granted`` (about to leave the queue); ``expired`` (its
+    #: request record is gone: a stale entry the next script removes).
+    state: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """A lock key found in a registry (or named by the caller)."""
+
+    resource: str
+    key: str
+    holders: tuple[Holder, ...]
+    #: Entries in the resource's wait queue (including stale ones).
+    waiting: int
+    #: None for a lock hash; the Redis type otherwise (kept by cleanup, see
+    #: invariant 4: an odd key is reported, never silently dropped).
+    odd_type: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "resource": self.resource,
+            "key": self.key,
+            "holders": [h.as_dict() for h in self.holders],
+            "waiting": self.waiting,
+            "odd_type": self.odd_type,
+        }
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    """An owner from the active-owners set, with its registry size."""
+
+    owner_id: str
+    alive: bool
+    ttl: float | None
+    description: str | None
+    #: Lock keys in its registry ``{ns}:held:<owner>``.
+    locks: int
+    pid: int | None = None
+    host: str | None = None
+    #: Celery node name and incarnation, when the integration recorded them.
+    node: str | None = None
+    incarnation: str | None = None
+    #: True when the incarnation's group hash lists this owner.
+    in_group: bool | None = None
+    #: True when the incarnation was tombstoned (evicted by its successor).
+    tombstoned: bool | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A Celery worker node's record ``{ns}:node:<name>`` and its group.
+
+    ``record`` is the hash as stored (``inc``, ``hb``, ``hb_ms``, ``iv``,
+    ``pid``, ``host``, ...); ``owners`` maps each owner of the current
+    incarnation's group ``{ns}:group:<inc>`` to its pid.
+    """
+
+    name: str
+    incarnation: str | None
+    record: dict[str, str]
+    owners: dict[str, int]
+    tombstoned: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Status:
+    """A summary of one namespace."""
+
+    namespace: str
+    url: str
+    redis_version: str | None
+    eviction_policy: str | None
+    may_evict: bool
+    eviction_note: str
+    #: Last fencing token handed out (None before the first acquisition).
+    fence: int | None
+    owners: int
+    alive_owners: int
+    dead_owners: int
+    #: Sum of registry sizes (a lock shared by two owners counts twice).
+    registered_locks: int
+    #: Registry entries of dead owners: what ``reconcile`` would free.
+    dead_owner_locks: int
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReleasePlan:
+    """What freeing some owners would release: each owner and its locks.
+
+    Built by :meth:`Inspector.plan_owner` / :meth:`Inspector.plan_resource`
+    before anything is freed, so the operator can confirm. ``owners`` are
+    the owners the release would clean up; ``kept`` the live holders left
+    alone because ``force`` was not given.
+    """
+
+    owners: tuple[OwnerInfo, ...]
+    #: owner id -> resources in its registry (every one would be freed).
+    resources: dict[str, tuple[str, ...]]
+    kept: tuple[Holder, ...] = ()
+
+    @property
+    def live_owners(self) -> tuple[OwnerInfo, ...]:
+        return tuple(o for o in self.owners if o.alive)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "owners": [
+                dict(o.as_dict(), resources=list(self.resources.get(o.owner_id, ())))
+                for o in self.owners
+            ],
+            "kept": [h.as_dict() for h in self.kept],
+        }
+
+
+# ---------------------------------------------------------------- inspector
+
+
+class Inspector:
+    """Read-only views of a :class:`LockManager`'s namespace.
+
+    Args:
+        manager: gives the client, the namespace's key builder and the URL.
+            The inspector never acquires, so the manager never registers an
+            owner or starts a heartbeat on its behalf.
+        batch_size: SSCAN COUNT and the most commands sent in one pipeline
+            (1..10000). Bounds what one round trip costs Redis.
+
+    Raises :class:`RedisUnavailable` (naming the URL) when Redis cannot be
+    reached; nothing here writes, so an interrupted call leaves no trace.
+    """
+
+    def __init__(self, manager: LockManager, *, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise ValueError(f"batch_size must be an int, not {batch_size!r}")
+        if not 1 <= batch_size <= 10000:
+            raise ValueError(f"batch_size must be within 1..10000, not {batch_size}")
+        self.manager = manager
+        self.client = manager.client
+        self.keys = manager.keys
+        self.batch_size = batch_size
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _run(self, pipe: Any) -> list[Any]:
+        try:
+            return list(pipe.execute(raise_on_error=False))
+        except _REDIS_DOWN as exc:
+            raise RedisUnavailable(self.manager.url, exc) from exc
+
+    def _pipe(self) -> Any:
+        return self.client.pipeline(transaction=False)
+
+    def _batches(self, items: Sequence[str]) -> Iterator[Sequence[str]]:
+        for i in range(0, len(items), self.batch_size):
+            yield items[i : i + self.batch_size]
+
+    def _sscan(self, key: str) -> Iterator[list[str]]:
+        """Members of a set, one SSCAN batch at a time (deduplicated)."""
+        seen: set[str] = set()
+        cursor: int = 0
+        while True:
+            try:
+                cursor, members = self.client.sscan(key, cursor, count=self.batch_size)
+            except _REDIS_DOWN as exc:
+                raise RedisUnavailable(self.manager.url, exc) from exc
+            batch = [m for m in (_text(x) for x in members) if m not in seen]
+            seen.update(batch)
+            if batch:
+                yield batch
+            if int(cursor) == 0:
+                return
+
+    def owner_ids(self) -> Iterator[list[str]]:
+        """Batches of the ids in the active-owners set (SSCAN, never SCAN)."""
+        return self._sscan(self.keys.owners)
+
+    def registry(self, owner_id: str) -> list[str]:
+        """The lock keys in one owner's registry (SSCAN in batches)."""
+        out: list[str] = []
+        for batch in self._sscan(self.keys.held(owner_id)):
+            out.extend(batch)
+        return out
+
+    def _registries(self, owners: Sequence[str]) -> dict[str, list[str]]:
+        """Registries of many owners: one pipelined SSCAN per batch of owners,
+        then further SSCANs only for the (large) registries not done yet."""
+        out: dict[str, list[str]] = {}
+        for batch in self._batches(owners):
+            pipe = self._pipe()
+            for owner in batch:
+                pipe.sscan(self.keys.held(owner), 0, count=self.batch_size)
+            for owner, reply in zip(batch, self._run(pipe)):
+                if isinstance(reply, Exception):
+                    out[owner] = []
+                    continue
+                cursor, members = reply
+                if int(cursor) == 0:
+                    out[owner] = sorted({_text(m) for m in members})
+                else:
+                    out[owner] = sorted(set(self.registry(owner)))
+        return out
+
+    def liveness(self, owners: Iterable[str]) -> dict[str, Liveness]:
+        """PTTL and value of each owner's liveness key (pipelined in batches)."""
+        wanted = list(dict.fromkeys(owners))
+        out: dict[str, Liveness] = {}
+        for batch in self._batches(wanted):
+            pipe = self._pipe()
+            for owner in batch:
+                key = self.keys.alive(owner)
+                pipe.pttl(key)
+                pipe.get(key)
+            replies = self._run(pipe)
+            for i, owner in enumerate(batch):
+                pttl, value = replies[2 * i], replies[2 * i + 1]
+                pttl = -2 if isinstance(pttl, Exception) else int(pttl)
+                alive = pttl != -2
+                ttl = pttl / 1000.0 if pttl >= 0 else None
+                desc = None if isinstance(value, Exception) else _opt_text(value)
+                out[owner] = Liveness(owner, alive, ttl, desc if alive else None)
+        return out
+
+    # -- holders and waiters ---------------------------------------------
+
+    def holders(self, resource: str) -> list[Holder]:
+        """Every grant on ``resource``: token, owner, mode, owner liveness.
+
+        Two round trips (the lock hash, then the owners' liveness and the
+        grants' fences). Exclusive first, then by owner.
+        """
+        return list(self.lock_info(resource).holders)
+
+    def lock_info(self, resource: str) -> LockInfo:
+        """The holders and wait-queue length of one resource."""
+        validate_resource(resource)
+        return self._lock_infos([self.keys.lock(resource)])[0]
+
+    def _lock_infos(self, lock_keys: Sequence[str]) -> list[LockInfo]:
+        raw: list[tuple[str, Any, Any]] = []
+        for batch in self._batches(lock_keys):
+            pipe = self._pipe()
+            for key in batch:
+                pipe.hgetall(key)
+                pipe.zcard(self.keys.queue(self._resource(key)))
+            replies = self._run(pipe)
+            for i, key in enumerate(batch):
+                raw.append((key, replies[2 * i], replies[2 * i + 1]))
+        # odd types: ask what they are (rare; one round trip per batch)
+        odd = [key for key, h, _ in raw if isinstance(h, Exception)]
+        types: dict[str, str] = {}
+        for batch in self._batches(odd):
+            pipe = self._pipe()
+            for key in batch:
+                pipe.type(key)
+            for key, t in zip(batch, self._run(pipe)):
+                types[key] = _text(t)
+        grants: list[tuple[str, str, str]] = []  # key, token, mode
+        for key, h, _ in raw:
+            if isinstance(h, dict):
+                for token, mode in h.items():
+                    grants.append((key, _text(token), _text(mode)))
+        live = self.liveness(owner_of_token(t) for _, t, _ in grants)
+        fences = self._fences([t for _, t, _ in grants])
+        holders: dict[str, list[Holder]] = {}
+        for key, token, mode in grants:
+            owner = owner_of_token(token)
+            lv = live[owner]
+            holders.setdefault(key, []).append(
+                Holder(
+                    resource=self._resource(key),
+                    token=token,
+                    owner_id=owner,
+                    mode=_MODES.get(mode, mode),
+                    alive=lv.alive,
+                    ttl=lv.ttl,
+                    description=lv.description,
+                    fence=fences.get(token),
+                )
+            )
+        out: list[LockInfo] = []
+        for key, _h, waiting in raw:
+            hs = sorted(holders.get(key, []), key=lambda x: (x.mode != "exclusive", x.owner_id))
+            out.append(
+                LockInfo(
+                    resource=self._resource(key),
+                    key=key,
+                    holders=tuple(hs),
+                    waiting=0 if isinstance(waiting, Exception) else int(waiting),
+                    odd_type=types.get(key),
+                )
+            )
+        return out
+
+    def _fences(self, tokens: Sequence[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for batch in self._batches(tokens):
+            pipe = self._pipe()
+            for token in batch:
+                pipe.hget(self.keys.req(token), "fence")
+            for token, fence in zip(batch, self._run(pipe)):
+                if fence is not None and not isinstance(fence, Exception):
+                    try:
+                        out[token] = int(_text(fence))
+                    except ValueError:
+                        pass
+        return out
+
+    def _resource(self, lock_key: str) -> str:
+        try:
+            return self.keys.resource_of(lock_key)
+        except ValueError:
+            return lock_key
+
+    def waiters(self, resource: str, *, limit: int = DEFAULT_WAITER_LIMIT) -> list[Waiter]:
+        """Queued requests of ``resource`` in the order they will be served.
+
+        Reads at most ``limit`` queue entries (the queue is a zset scored by
+        arrival; nested requests sort first), then each owner's liveness and
+        each request's state: two round trips per batch.
+        """
+        validate_resource(resource)
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, not {limit}")
+        try:
+            entries: Any = self.client.zrange(
+                self.keys.queue(resource), 0, limit - 1, withscores=True
+            )
+        except _REDIS_DOWN as exc:
+            raise RedisUnavailable(self.manager.url, exc) from exc
+        except redis.ResponseError:
+            return []  # not a zset: nothing the engine queued
+        parsed = [(_text(m), float(score)) for m, score in entries]
+        tokens = [m[1:] for m, _ in parsed]
+        live = self.liveness(owner_of_token(t) for t in tokens)
+        states: dict[str, str | None] = {}
+        for batch in self._batches(tokens):
+            pipe = self._pipe()
+            for token in batch:
+                pipe.hget(self.keys.req(token), "state")
+            for token, st in zip(batch, self._run(pipe)):
+                states[token] = None if isinstance(st, Exception) else _opt_text(st)
+        out: list[Waiter] = []
+        for pos, ((member, score), token) in enumerate(zip(parsed, tokens), start=1):
+            owner = owner_of_token(token)
+            lv = live[owner]
+            st = states.get(token)
+            out.append(
+                Waiter(
+                    resource=resource,
+                    position=pos,
+                    token=token,
+                    owner_id=owner,
+                    mode=_MODES.get(member[:1], member[:1]),
+                    alive=lv.alive,
+                    ttl=lv.ttl,
+                    description=lv.description,
+                    nested=score < 0,
+                    state={"q": "queued", "g": "granted"}.get(st or "", "expired"),
+                )
+            )
+        return out
+
+    # -- owners and locks --------------------------------------------------
+
+    def owners(self, nodes: Sequence[str] = ()) -> list[OwnerInfo]:
+        """Every owner in the active-owners set: liveness, registry size, node.
+
+        Per batch of owners: one pipeline (PTTL, GET, SCARD each), plus one
+        for group/tombstone lookups when owners name an incarnation. With
+        ``nodes`` (Celery node names), the owners of each node's current
+        incarnation are labelled with it (two round trips per node, see
+        :meth:`node`); the keyspace is never searched for nodes.
+        """
+        labels: dict[str, tuple[str, str | None, bool]] = {}
+        for name in nodes:
+            info = self.node(name)
+            if info is not None:
+                for owner in info.owners:
+                    labels[owner] = (name, info.incarnation, info.tombstoned)
+        out: list[OwnerInfo] = []
+        for batch in self.owner_ids():
+            for o in self._owner_infos(batch):
+                if o.owner_id in labels:
+                    node, inc, tomb = labels[o.owner_id]
+                    o = replace(o, node=node, incarnation=inc, in_group=True, tombstoned=tomb)
+                out.append(o)
+        out.sort(key=lambda o: (o.alive, o.node or "", o.owner_id))
+        return out
+
+    def node(self, name: str) -> NodeInfo | None:
+        """A worker node's record and its current incarnation's group, or None.
+
+        Reads ``{ns}:node:<name>`` (written by the Celery worker bootstep),
+        then ``{ns}:group:<inc>`` and ``{ns}:tomb:<inc>``: two round trips.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"not a node name: {name!r}")
+        prefix = self.keys.prefix
+        try:
+            raw = self.client.hgetall(f"{prefix}node:{name}")
+        except _REDIS_DOWN as exc:
+            raise RedisUnavailable(self.manager.url, exc) from exc
+        except redis.ResponseError:
+            return None
+        if not raw:
+            return None
+        record = {_text(k): _text(v) for k, v in raw.items()}
+        inc = record.get("inc")
+        owners: dict[str, int] = {}
+        tomb = False
+        if inc:
+            pipe = self._pipe()
+            pipe.hgetall(f"{prefix}group:{inc}")
+            pipe.exists(f"{prefix}tomb:{inc}")
+            group, t = self._run(pipe)
+            if isinstance(group, dict):
+                for k, v in group.items():
+                    try:
+                        owners[_text(k)] = int(_text(v))
+                    except ValueError:
+                        owners[_text(k)] = -1
+            tomb = bool(t) and not isinstance(t, Exception)
+        return NodeInfo(name, inc, record, owners, tomb)
+
+    def owner(self, owner_id: str) -> OwnerInfo:
+        """One owner (need not be in the active-owners set)."""
+        return self._owner_infos([owner_id])[0]
+
+    def _owner_infos(self, owners: Sequence[str]) -> list[OwnerInfo]:
+        live = self.liveness(owners)
+        sizes: dict[str, int] = {}
+        for batch in self._batches(owners):
+            pipe = self._pipe()
+            for owner in batch:
+                pipe.scard(self.keys.held(owner))
+            for owner, n in zip(batch, self._run(pipe)):
+                sizes[owner] = 0 if isinstance(n, Exception) else int(n)
+        fields = {o: describe_fields(live[o].description) for o in owners}
+        incs = {o: f.get("inc") or f.get("incarnation") for o, f in fields.items()}
+        groups = self._group_info({o: i for o, i in incs.items() if i})
+        out: list[OwnerInfo] = []
+        for owner in owners:
+            lv, f = live[owner], fields[owner]
+            pid: int | None
+            try:
+                pid = int(f["pid"]) if "pid" in f else None
+            except ValueError:
+                pid = None
+            in_group, tomb = groups.get(owner, (None, None))
+            out.append(
+                OwnerInfo(
+                    owner_id=owner,
+                    alive=lv.alive,
+                    ttl=lv.ttl,
+                    description=lv.description,
+                    locks=sizes.get(owner, 0),
+                    pid=pid,
+                    host=f.get("host"),
+                    node=f.get("node") or f.get("name"),
+                    incarnation=incs[owner],
+                    in_group=in_group,
+                    tombstoned=tomb,
+                )
+            )
+        return out
+
+    def _group_info(self, incs: dict[str, str]) -> dict[str, tuple[bool, bool]]:
+        """owner -> (listed in its incarnation's group hash, incarnation tombstoned)."""
+        out: dict[str, tuple[bool, bool]] = {}
+        items = list(incs.items())
+        prefix = self.keys.prefix
+        for i in range(0, len(items), self.batch_size):
+            batch = items[i : i + self.batch_size]
+            pipe = self._pipe()
+            for owner, inc in batch:
+                pipe.hexists(f"{prefix}group:{inc}", owner)
+                pipe.exists(f"{prefix}tomb:{inc}")
+            replies = self._run(pipe)
+            for j, (owner, _) in enumerate(batch):
+                g, t = replies[2 * j], replies[2 * j + 1]
+                out[owner] = (
+                    bool(g) and not isinstance(g, Exception),
+                    bool(t) and not isinstance(t, Exception),
+                )
+        return out
+
+    def locks(self, resources: Sequence[str] | None = None) -> list[LockInfo]:
+        """Held locks: of the named ``resources``, or every lock in any registry.
+
+        Without names, walks the active-owners set and each owner's registry
+        (SSCAN; never SCAN/KEYS), so it finds every lock an owner registered.
+        A named resource is listed even when free (no holders). Sorted by
+        resource name.
+        """
+        if resources:
+            keys = [self.keys.lock(validate_resource(r)) for r in dict.fromkeys(resources)]
+        else:
+            found: set[str] = set()
+            for batch in self.owner_ids():
+                for regs in self._registries(batch).values():
+                    found.update(regs)
+            keys = sorted(found)
+        infos = self._lock_infos(keys)
+        if not resources:
+            infos = [i for i in infos if i.holders or i.odd_type]
+        return sorted(infos, key=lambda i: i.resource)
+
+    # -- summary -----------------------------------------------------------
+
+    def status(self) -> Status:
+        """Counts of owners and registered locks, eviction policy, fence."""
+        try:
+            ev = check_eviction(self.client)
+            try:
+                server: Any = self.client.info("server")
+            except redis.ResponseError:  # INFO denied by an ACL: version unknown
+                server = None
+            fence = self.client.get(self.keys.fence)
+        except _REDIS_DOWN as exc:
+            raise RedisUnavailable(self.manager.url, exc) from exc
+        version = server.get("redis_version") if isinstance(server, dict) else None
+        owners = alive = dead = registered = dead_locks = 0
+        for batch in self.owner_ids():
+            pipe = self._pipe()
+            for owner in batch:
+                pipe.exists(self.keys.alive(owner))
+                pipe.scard(self.keys.held(owner))
+            replies = self._run(pipe)
+            for j in range(len(batch)):
+                is_alive, n = replies[2 * j], replies[2 * j + 1]
+                n = 0 if isinstance(n, Exception) else int(n)
+                owners += 1
+                registered += n
+                if is_alive and not isinstance(is_alive, Exception):
+                    alive += 1
+                else:
+                    dead += 1
+                    dead_locks += n
+        warnings: list[str] = []
+        if ev.may_evict:
+            warnings.append(ev.describe())
+        if dead_locks:
+            warnings.append(
+                f"{dead} dead owner(s) still hold {dead_locks} lock(s): the next acquirer "
+                "reclaims them; `redislock reconcile` frees them now"
+            )
+        return Status(
+            namespace=self.keys.namespace,
+            url=redact_url(self.manager.url),
+            redis_version=_opt_text(version),
+            eviction_policy=ev.policy,
+            may_evict=ev.may_evict,
+            eviction_note=ev.describe(),
+            fence=int(_text(fence)) if fence is not None else None,
+            owners=owners,
+            alive_owners=alive,
+            dead_owners=dead,
+            registered_locks=registered,
+            dead_owner_locks=dead_locks,
+            warnings=warnings,
+        )
+
+    # -- release planning ------------------------------------------------
+
+    def plan_owner(self, owner_id: str) -> ReleasePlan:
+        """What ``cleanup_owner(owner_id)`` would free: the owner's registry."""
+        info = self.owner(owner_id)
+        regs = self._registries([owner_id])[owner_id]
+        return ReleasePlan(
+            owners=(info,),
+            resources={owner_id: tuple(self._resource(k) for k in regs)},
+        )
+
+    def plan_resource(self, resource: str, *, force: bool = False) -> ReleasePlan:
+        """Owners to clean up so that ``resource``'s holders let go of it.
+
+        Cleanup is per owner: each owner listed loses *every* lock in its
+        registry, not only ``resource`` (the plan names them all). Dead
+        holders' owners are always planned; live ones only with ``force``,
+        else they are returned in ``kept``.
+        """
+        holders = self.holders(resource)
+        chosen = [h for h in holders if force or not h.alive]
+        kept = tuple(h for h in holders if not (force or not h.alive))
+        owners = list(dict.fromkeys(h.owner_id for h in chosen))
+        infos = tuple(self._owner_infos(owners)) if owners else ()
+        regs = self._registries(owners) if owners else {}
+        return ReleasePlan(
+            owners=infos,
+            resources={o: tuple(self._resource(k) for k in regs.get(o, [])) for o in owners},
+            kept=kept,
+        )

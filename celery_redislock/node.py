@@ -1,0 +1,565 @@
+"""A worker node's incarnation: node record, node heartbeat, restart clean-up.
+
+Engine-side and Celery-free (the Celery bootstep in ``bootsteps.py`` drives
+it), so it is usable and testable without a worker. See docs/worker.md for
+the design and its race analysis.
+
+- :func:`new_incarnation` makes the id of one worker start; every process of
+  the worker builds its :class:`LockManager` with ``heartbeat=False`` and
+  ``group=lambda: group_key(prefix, inc)`` so its owners join the group.
+- :class:`Node` claims ``{ns}:node:<nodename>`` at start, runs the node
+  heartbeat (one round trip per tick refreshes every owner of the group),
+  frees dead children's locks, evicts a same-name predecessor whose
+  heartbeat stopped (compare-and-set + tombstone), fences itself if it was
+  evicted, and releases everything at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from .exceptions import LockError
+from .heartbeat import Heartbeat
+from .manager import LockManager
+from .reports import CleanupReport
+
+log = logging.getLogger("celery_redislock.node")
+log_cleanup = logging.getLogger("celery_redislock.cleanup")
+
+#: TTL of a tombstone, and of node records and group hashes (refreshed by
+#: every beat): a node gone for longer leaves nothing behind.
+RECORD_TTL = 86400.0
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation id (one worker start): 16 hex characters."""
+    return secrets.token_hex(8)
+
+
+def node_key(prefix: str, nodename: str) -> str:
+    """``{ns}:node:<nodename>``: the node record (hash)."""
+    return f"{prefix}node:{nodename}"
+
+
+def group_key(prefix: str, incarnation: str) -> str:
+    """``{ns}:group:<inc>``: owner id -> pid of one incarnation's owners."""
+    return f"{prefix}group:{incarnation}"
+
+
+def tomb_key(prefix: str, incarnation: str) -> str:
+    """``{ns}:tomb:<inc>``: set when a successor evicted that incarnation."""
+    return f"{prefix}tomb:{incarnation}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pairs(values: Iterable[Any]) -> list[tuple[str, int]]:
+    flat = [_text(v) for v in values]
+    return [(o, int(p)) for o, p in zip(flat[::2], flat[1::2])]
+
+
+def _proc_status(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of ``pid`` from /proc, None if no such process.
+
+    Raises OSError where /proc is not available.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode("ascii", "replace")
+    except FileNotFoundError:
+        return None
+    rest = data[data.rfind(")") + 2 :].split()
+    return rest[0], int(rest[1])
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie counts as dead)."""
+    if pid <= 0:
+        return False
+    if sys.platform.startswith("linux"):
+        try:
+            st = _proc_status(pid)
+        except OSError:
+            st = ("R", 0)
+        return st is not None and st[0] not in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _our_live_child(pid: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        st = _proc_status(pid)
+    except OSError:
+        return False
+    return st is not None and st[0] not in ("Z", "X") and st[1] == os.getpid()
+
+
+def _os_lock() -> Any:
+    """A lock that works across real OS threads, also under gevent."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("thread"):
+        return monkey.get_original("_thread", "allocate_lock")()
+    return threading.Lock()
+
+
+@dataclass
+class TickResult:
+    """What one node heartbeat did."""
+
+    #: The node's state after the tick (see :attr:`Node.state`).
+    state: str
+    #: True when this tick found our tombstone: we were evicted.
+    evicted: bool = False
+    #: Whether the node record is ours.
+    owned: bool = False
+    #: Owners of dead processes whose locks were freed this tick.
+    dead: list[str] = field(default_factory=list)
+    #: Owners whose liveness key was gone although their process lives.
+    lost: list[str] = field(default_factory=list)
+    #: Cleanup reports of ``dead`` and ``lost`` owners (and of an evicted
+    #: predecessor's owners).
+    cleaned: list[CleanupReport] = field(default_factory=list)
+    #: Incarnation of a predecessor evicted by this tick, if any.
+    predecessor: str | None = None
+
+
+class Node:
+    """One incarnation of a worker node (main process side).
+
+    Args:
+        manager: the main process's :class:`LockManager` (worker mode:
+            ``heartbeat=False``, ``group`` = this incarnation's group key).
+            The node uses its namespace, TTLs and interval; its Redis calls
+            go through private clients of their own (the heartbeat runs in a
+            real OS thread).
+        nodename: the stable node name (``celery@host``).
+        incarnation: the id from :func:`new_incarnation` the manager's group
+            callable uses.
+        live_pids: returns the pids of the live pool children (the main
+            process is always live); called every tick.
+        fast_restart_cleanup: evict a same-name predecessor whose heartbeat
+            stopped for two intervals; False leaves its owners to expire.
+        on_evicted: called (from the heartbeat thread) when the tick finds
+            this incarnation tombstoned, after its leases were marked lost:
+            stop the pool.
+
+    States: ``init`` (start not done yet), ``owner`` (the node record is
+    ours), ``watching`` (another incarnation's record, deciding),
+    ``duplicate`` (that incarnation is beating: a live duplicate),
+    ``evicted`` (a successor evicted us), ``stopped``.
+    """
+
+    def __init__(
+        self,
+        manager: LockManager,
+        nodename: str,
+        incarnation: str,
+        *,
+        live_pids: Callable[[], Iterable[int]] = tuple,
+        fast_restart_cleanup: bool = True,
+        on_evicted: Callable[[], None] | None = None,
+        record_ttl: float = RECORD_TTL,
+    ) -> None:
+        if not nodename or not isinstance(nodename, str):
+            raise ValueError(f"nodename must be a non-empty str, not {nodename!r}")
+        self.manager = manager
+        self.nodename = nodename
+        self.incarnation = incarnation
+        prefix = manager.keys.prefix
+        self.prefix = prefix
+        self.node_key = node_key(prefix, nodename)
+        self.group_key = group_key(prefix, incarnation)
+        self.tomb_key = tomb_key(prefix, incarnation)
+        self._live_pids = live_pids
+        self.fast_restart_cleanup = fast_restart_cleanup
+        self._on_evicted = on_evicted
+        self._record_ttl_ms = int(record_ttl * 1000)
+        self._iv_ms = int(manager.heartbeat_interval * 1000)
+        self._ttl_ms = int(manager.owner_ttl * 1000)
+        self.pid = os.getpid()
+        self.host = socket.gethostname()
+        self.started = int(time.time())
+        self.state = "init"
+        #: (inc, hb) of the other incarnation's record we watch.
+        self._seen: tuple[str, str] | None = None
+        self._duplicate_logged: str | None = None
+        self._tick_lock = _os_lock()
+        self._ops_by_thread: dict[int, LockManager] = {}
+        self._heartbeat = Heartbeat(manager.heartbeat_interval, self._safe_tick, "redislock-node")
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _ops(self) -> LockManager:
+        """A manager on a private connection pool for the calling OS thread.
+
+        Never registers an owner: used for the node scripts and for
+        ``cleanup_owner``. One per thread, because a gevent-patched socket
+        must not be shared between OS threads.
+        """
+        key = threading.get_ident() if not _gevent_patched() else _real_ident()
+        ops = self._ops_by_thread.get(key)
+        if ops is None:
+            src = self.manager.client.connection_pool
+            pool = src.__class__(connection_class=src.connection_class, **src.connection_kwargs)
+            ops = LockManager(
+                redis.Redis(connection_pool=pool),
+                self.manager.namespace,
+                owner_ttl=self.manager.owner_ttl,
+                heartbeat_interval=self.manager.heartbeat_interval,
+                queue_scan_limit=self.manager.queue_scan_limit,
+                heartbeat=False,
+            )
+            self._ops_by_thread[key] = ops
+        return ops
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self._ops()._call(name, keys, args)
+
+    def _record_args(self) -> list[str]:
+        return [str(self.pid), self.host, str(self.started)]
+
+    @property
+    def threshold_ms(self) -> int:
+        """How long a record's heartbeat must have stopped before eviction."""
+        return 2 * self._iv_ms
+
+    # -- start ------------------------------------------------------------
+
+    def start(self) -> str:
+        """Claim the node record (one round trip, constant cost, no SCAN).
+
+        Returns the state: ``owner`` for a brand-new node (or a predecessor
+        whose heartbeat was already stale, evicted right here), ``watching``
+        when another incarnation's record must be watched by the heartbeat.
+        Raises :class:`RedisUnavailable`; the heartbeat retries the start.
+        """
+        with self._tick_lock:
+            return self._start_locked()
+
+    def _start_locked(self) -> str:
+        reply = self._run(
+            "node_start",
+            [self.node_key],
+            [
+                self.incarnation,
+                *self._record_args(),
+                str(self._iv_ms),
+                str(self._record_ttl_ms),
+            ],
+        )
+        kind = _text(reply[0])
+        if kind in ("new", "ours"):
+            self.state = "owner"
+            log.info("node.start node=%s inc=%s predecessor=none", self.nodename, self.incarnation)
+            return self.state
+        inc, hb, hb_ms, iv, now = (_text(x) for x in reply[1:6])
+        self.state = "watching"
+        self._seen = (inc, hb)
+        log.info(
+            "node.start node=%s inc=%s predecessor=%s last_beat_ms_ago=%d",
+            self.nodename,
+            self.incarnation,
+            inc,
+            int(now) - int(hb_ms),
+        )
+        self._decide(inc, hb, int(hb_ms), int(iv), int(now), TickResult(self.state))
+        return self.state
+
+    # -- the watch --------------------------------------------------------
+
+    def _decide(self, inc: str, hb: str, hb_ms: int, iv: int, now: int, result: TickResult) -> None:
+        """Given another incarnation's record, decide: wait, duplicate or evict."""
+        if not inc:
+            # The record vanished (expired or deleted): claim it afresh.
+            self._seen = None
+            self._start_locked()
+            return
+        seen = self._seen
+        if seen is not None and seen != (inc, hb):
+            if seen[0] == inc:
+                self.state = "duplicate"
+                if self._duplicate_logged != inc:
+                    self._duplicate_logged = inc
+                    log.error(
+                        "node.duplicate node=%s inc=%s other=%s: another live worker uses "
+                        "this node name; its locks are never freed by us. Give every "
+                        "worker a unique name (-n name@%%h)",
+                        self.nodename,
+                        self.incarnation,
+                        inc,
+                    )
+            else:
+                self.state = "watching"
+        self._seen = (inc, hb)
+        threshold = 2 * max(iv, self._iv_ms)
+        fast = self.fast_restart_cleanup
+        if not fast:
+            threshold = max(threshold, self._ttl_ms + self._iv_ms)
+        if now - hb_ms < threshold:
+            return
+        self._evict(inc, hb, threshold, "evict" if fast else "takeover", result)
+
+    def _evict(self, inc: str, hb: str, threshold: int, mode: str, result: TickResult) -> None:
+        reply = self._run(
+            "node_evict",
+            [self.node_key],
+            [
+                self.prefix,
+                inc,
+                hb,
+                str(threshold),
+                mode,
+                self.incarnation,
+                *self._record_args(),
+                str(self._iv_ms),
+                str(self._record_ttl_ms),
+                str(self._record_ttl_ms),
+            ],
+        )
+        kind = _text(reply[0])
+        if kind == "changed":
+            log.info(
+                "node.evict-refused node=%s predecessor=%s reason=heartbeat-advanced",
+                self.nodename,
+                inc,
+            )
+            return
+        if kind == "not-yet":
+            return
+        owners = [_text(o) for o in reply[1]]
+        self.state = "owner"
+        self._seen = None
+        result.predecessor = inc
+        log.warning(
+            "node.evicted-predecessor node=%s predecessor=%s owners=%d mode=%s",
+            self.nodename,
+            inc,
+            len(owners),
+            mode,
+        )
+        ops = self._ops()
+        failed = 0
+        reports: list[CleanupReport] = []
+        for owner in owners:
+            try:
+                reports.append(ops.cleanup_owner(owner, force=(mode == "evict")))
+            except (redis.RedisError, LockError) as exc:
+                failed += 1
+                log_cleanup.error(
+                    "cleanup.owner-error owner=%s predecessor=%s error=%r", owner, inc, exc
+                )
+        result.cleaned.extend(reports)
+        if not failed and all(r.status != "alive" for r in reports):
+            ops.client.delete(group_key(self.prefix, inc))
+
+    # -- heartbeat --------------------------------------------------------
+
+    def _pids(self) -> set[int]:
+        try:
+            pids = {int(p) for p in self._live_pids()}
+        except Exception:  # a pool mid-shutdown: treat as "no children"
+            log.debug("node.pids-error", exc_info=True)
+            pids = set()
+        return pids
+
+    def tick(self) -> TickResult:
+        """One node heartbeat (one round trip, plus clean-up work when due).
+
+        Refreshes every live owner of the group, frees dead and lost owners'
+        locks, beats or watches the node record, and fences this worker if
+        it finds its tombstone.
+        """
+        with self._tick_lock:
+            if self.state in ("evicted", "stopped"):
+                return TickResult(self.state, evicted=self.state == "evicted")
+            if self.state == "init":
+                self._start_locked()
+            return self._tick_locked()
+
+    def _tick_locked(self) -> TickResult:
+        me = os.getpid()
+        live = {p for p in self._pids() if pid_alive(p)} | {me}
+        reply = self._run(
+            "node_heartbeat",
+            [self.node_key, self.group_key, self.tomb_key],
+            [
+                self.incarnation,
+                str(self._ttl_ms),
+                self.prefix,
+                str(self._record_ttl_ms),
+                "1" if self.state == "owner" else "0",
+                str(self._iv_ms),
+                *self._record_args(),
+                *(str(p) for p in sorted(live)),
+            ],
+        )
+        if _text(reply[0]) == "evicted":
+            self._fence()
+            return TickResult(self.state, evicted=True)
+        owned = int(reply[1]) == 1
+        inc, hb, hb_ms, iv, now = (_text(x) for x in reply[2:7])
+        result = TickResult(self.state, owned=owned)
+        dead = _pairs(reply[7])
+        lost = _pairs(reply[8])
+        if dead:
+            fresh = self._pids()
+            for owner, pid in dead:
+                if pid_alive(pid) and (pid in fresh or _our_live_child(pid)):
+                    continue  # forked after we read the pool's pids (race R5)
+                self._free(owner, pid, "dead", result)
+                result.dead.append(owner)
+        for owner, pid in lost:
+            self._free(owner, pid, "lost", result)
+            result.lost.append(owner)
+        if owned:
+            self.state = "owner"
+            self._seen = None
+        else:
+            self._decide(inc, hb, int(hb_ms or 0), int(iv or 0), int(now), result)
+        result.state = self.state
+        return result
+
+    def _free(self, owner: str, pid: int, why: str, result: TickResult) -> None:
+        ident = self.manager._identity.peek()
+        if ident is not None and ident.owner_id == owner:
+            self.manager._owner_lost(ident, "node-heartbeat")
+        ops = self._ops()
+        try:
+            report = ops.cleanup_owner(owner, force=True)
+        except (redis.RedisError, LockError) as exc:
+            log_cleanup.error("cleanup.owner-error owner=%s pid=%d error=%r", owner, pid, exc)
+            return  # still in the group: retried next tick
+        result.cleaned.append(report)
+        ops.client.hdel(self.group_key, owner)
+        level = logging.INFO if why == "dead" else logging.ERROR
+        log_cleanup.log(
+            level,
+            "cleanup.%s-owner owner=%s pid=%d locks=%d node=%s",
+            why,
+            owner,
+            pid,
+            report.released,
+            self.nodename,
+        )
+
+    def _fence(self) -> None:
+        self.state = "evicted"
+        ident = self.manager._identity.peek()
+        leases = 0
+        with self.manager._state_lock:
+            for lease in self.manager._leases.values():
+                lease._mark_lost()
+                leases += 1
+        if ident is not None:
+            self.manager._identity.retire(ident)
+        log.critical(
+            "node.evicted node=%s inc=%s leases_lost=%d: a successor with this node name "
+            "declared this worker dead (it stalled for two heartbeat intervals or more) and "
+            "freed its locks; stopping the pool",
+            self.nodename,
+            self.incarnation,
+            leases,
+        )
+        self._heartbeat.stop()
+        if self._on_evicted is not None:
+            try:
+                self._on_evicted()
+            except Exception:
+                log.exception("node.fence-error node=%s", self.nodename)
+
+    def _safe_tick(self) -> None:
+        try:
+            self.tick()
+        except LockError as exc:
+            log.error("node.heartbeat-error node=%s error=%s", self.nodename, exc)
+
+    def start_heartbeat(self) -> None:
+        """Start the node heartbeat in a real OS thread of this process."""
+        self._heartbeat.ensure_started()
+
+    @property
+    def ticks(self) -> int:
+        """Heartbeat ticks done by the thread."""
+        return self._heartbeat.ticks
+
+    # -- shutdown ---------------------------------------------------------
+
+    def shutdown(self) -> list[CleanupReport]:
+        """Stop the heartbeat and free every owner of this incarnation.
+
+        Call only once the pool has drained (warm) or been terminated
+        (cold): children still running lose their locks. Deletes the node
+        record if it is still ours. Idempotent. Cost: O(owners + their locks).
+        """
+        self._heartbeat.stop()
+        with self._tick_lock:
+            if self.state == "stopped":
+                return []
+            evicted = self.state == "evicted"
+            self.state = "stopped"
+        with self.manager._state_lock:
+            for lease in self.manager._leases.values():
+                lease._mark_lost()
+        ident = self.manager._identity.peek()
+        if ident is not None:
+            self.manager._identity.retire(ident)
+        ops = self._ops()
+        reply = ops._call("node_stop", [self.node_key, self.group_key], [self.incarnation])
+        owners = [_text(o) for o in reply[1]]
+        reports: list[CleanupReport] = []
+        failed = 0
+        for owner in owners:
+            try:
+                reports.append(ops.cleanup_owner(owner, force=True))
+            except (redis.RedisError, LockError) as exc:
+                failed += 1
+                log_cleanup.error("cleanup.owner-error owner=%s error=%r", owner, exc)
+        if not failed:
+            ops.client.delete(self.group_key)
+        log.info(
+            "node.stop node=%s inc=%s owners=%d released=%d record_deleted=%s evicted=%s",
+            self.nodename,
+            self.incarnation,
+            len(owners),
+            sum(r.released for r in reports),
+            bool(int(reply[0])),
+            evicted,
+        )
+        for ops_mgr in list(self._ops_by_thread.values()):
+            try:
+                ops_mgr.client.close()
+            except Exception:
+                pass
+        self._ops_by_thread.clear()
+        return reports
+
+
+def _gevent_patched() -> bool:
+    monkey = sys.modules.get("gevent.monkey")
+    return bool(monkey is not None and monkey.is_module_patched("thread"))
+
+
+def _real_ident() -> int:
+    from gevent import monkey
+
+    return int(monkey.get_original("_thread", "get_ident")())

@@ -1,0 +1,244 @@
+"""Every ``redislock_*`` Celery setting, declared once, validated once.
+
+:data:`SETTINGS` is the single table: name, type, default, unit and a one-line
+doc. :func:`load_config` reads ``app.conf`` (any mapping) into a frozen
+:class:`Config`; a bad value raises :class:`ConfigurationError` naming the
+setting and what it accepts. ``docs/configuration.md`` is generated from the
+table by :func:`markdown_table` (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .exceptions import ConfigurationError
+from .keys import validate_namespace
+
+#: Broker URL schemes the lock engine can reuse as its own Redis URL.
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: Values of ``redislock_eviction_check``.
+EVICTION_MODES = ("warn", "raise", "ignore")
+#: Values of ``locked(on_busy=...)``.
+ON_BUSY_MODES = ("wait", "retry", "raise", "skip")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its name in ``app.conf``, type, default, unit and doc."""
+
+    name: str
+    type: str
+    default: str
+    doc: str
+
+
+#: The table of every setting (the configuration docs are generated from it).
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "redislock_url",
+        "str",
+        "the broker URL when it is redis://, rediss:// or unix://",
+        "Redis URL of the lock engine; required when the broker is not Redis.",
+    ),
+    Setting(
+        "redislock_namespace",
+        "str",
+        "'redislock'",
+        "Key namespace (hash tag); the CLI and any LockManager with the same "
+        "namespace see the same locks. 1-64 of [A-Za-z0-9_.-].",
+    ),
+    Setting(
+        "redislock_owner_ttl",
+        "float (seconds)",
+        "30.0",
+        "Liveness TTL of every owner (process). A crashed worker nobody cleans "
+        "up blocks its resources at most this long. 0.05..86400.",
+    ),
+    Setting(
+        "redislock_heartbeat_interval",
+        "float (seconds)",
+        "owner_ttl / 3",
+        "Seconds between node heartbeats (one round trip refreshes every owner "
+        "of the worker); > 0 and at most owner_ttl / 2.",
+    ),
+    Setting(
+        "redislock_reconcile_interval",
+        "float (seconds) or None",
+        "60.0",
+        "Period of the celery_redislock.reconcile beat entry (also its expiry); "
+        "None or 0 adds no beat entry.",
+    ),
+    Setting(
+        "redislock_default_timeout",
+        "float (seconds) or None",
+        "None",
+        "How long @locked(on_busy='wait') waits when the decorator gives no "
+        "timeout; None waits until granted (bounded by the task's time limits).",
+    ),
+    Setting(
+        "redislock_fast_restart_cleanup",
+        "bool",
+        "True",
+        "At worker start, free the locks of the same-name predecessor once its "
+        "heartbeat has stopped for two intervals (compare-and-set, tombstone). "
+        "False: they are freed when its owners' liveness expires.",
+    ),
+    Setting(
+        "redislock_eviction_check",
+        "'warn' | 'raise' | 'ignore'",
+        "'warn'",
+        "At worker start, what to do when Redis may evict keys "
+        "(maxmemory-policy other than noeviction).",
+    ),
+)
+
+SETTING_NAMES = frozenset(s.name for s in SETTINGS)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The validated settings (see :data:`SETTINGS` for each field's meaning)."""
+
+    url: str
+    namespace: str = "redislock"
+    owner_ttl: float = 30.0
+    heartbeat_interval: float = 10.0
+    reconcile_interval: float | None = 60.0
+    default_timeout: float | None = None
+    fast_restart_cleanup: bool = True
+    eviction_check: str = "warn"
+
+
+def _number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        what = "a number of seconds" + (" or None" if allow_none else "")
+        raise ConfigurationError(name, f"must be {what}, not {value!r}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(name, f"must be True or False, not {value!r}")
+
+
+def default_url(broker_url: Any) -> str | None:
+    """The broker URL if the lock engine can use it (a Redis URL), else None."""
+    if isinstance(broker_url, (list, tuple)):
+        broker_url = broker_url[0] if broker_url else None
+    if not isinstance(broker_url, str):
+        return None
+    first = broker_url.split(";")[0].strip()
+    return first if first.startswith(REDIS_SCHEMES) else None
+
+
+def load_config(conf: Mapping[str, Any]) -> Config:
+    """Validate the ``redislock_*`` settings of ``conf`` (e.g. ``app.conf``).
+
+    Raises:
+        ConfigurationError: naming the setting and the values it accepts.
+    """
+    get: Callable[[str, Any], Any] = conf.get
+
+    url = get("redislock_url", None)
+    if url is None:
+        url = default_url(get("broker_url", None))
+        if url is None:
+            raise ConfigurationError(
+                "redislock_url",
+                "is required when the broker is not Redis (broker_url="
+                f"{get('broker_url', None)!r}); set it to a redis:// or rediss:// URL",
+            )
+    elif not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
+        raise ConfigurationError(
+            "redislock_url", f"must be a redis://, rediss:// or unix:// URL, not {url!r}"
+        )
+
+    namespace = get("redislock_namespace", None)
+    if namespace is None:
+        namespace = "redislock"
+    try:
+        validate_namespace(namespace)
+    except ConfigurationError as exc:
+        raise ConfigurationError("redislock_namespace", str(exc).split(": ", 1)[-1]) from exc
+
+    raw_ttl = get("redislock_owner_ttl", None)
+    owner_ttl = 30.0 if raw_ttl is None else _number("redislock_owner_ttl", raw_ttl)
+    assert owner_ttl is not None
+    if not 0.05 <= owner_ttl <= 86400:
+        raise ConfigurationError(
+            "redislock_owner_ttl", f"must be within 0.05..86400 seconds, not {owner_ttl}"
+        )
+
+    raw_iv = get("redislock_heartbeat_interval", None)
+    interval = owner_ttl / 3 if raw_iv is None else _number("redislock_heartbeat_interval", raw_iv)
+    assert interval is not None
+    if not 0 < interval <= owner_ttl / 2:
+        raise ConfigurationError(
+            "redislock_heartbeat_interval",
+            f"must be > 0 and at most half of redislock_owner_ttl ({owner_ttl / 2}), "
+            f"not {interval}",
+        )
+
+    raw_rec = get("redislock_reconcile_interval", 60.0)
+    reconcile = _number("redislock_reconcile_interval", raw_rec, allow_none=True)
+    if reconcile is not None and reconcile < 0:
+        raise ConfigurationError(
+            "redislock_reconcile_interval", f"must be >= 0 or None, not {reconcile}"
+        )
+    if reconcile == 0:
+        reconcile = None
+
+    timeout = _number(
+        "redislock_default_timeout", get("redislock_default_timeout", None), allow_none=True
+    )
+    if timeout is not None and timeout < 0:
+        raise ConfigurationError(
+            "redislock_default_timeout", f"must be >= 0 or None, not {timeout}"
+        )
+    if timeout is not None and math.isinf(timeout):
+        timeout = None
+
+    fast = get("redislock_fast_restart_cleanup", None)
+    fast_b = True if fast is None else _bool("redislock_fast_restart_cleanup", fast)
+
+    mode = get("redislock_eviction_check", None) or "warn"
+    if mode not in EVICTION_MODES:
+        raise ConfigurationError(
+            "redislock_eviction_check", f"must be one of {', '.join(EVICTION_MODES)}, not {mode!r}"
+        )
+
+    return Config(
+        url=url,
+        namespace=namespace,
+        owner_ttl=owner_ttl,
+        heartbeat_interval=interval,
+        reconcile_interval=reconcile,
+        default_timeout=timeout,
+        fast_restart_cleanup=fast_b,
+        eviction_check=mode,
+    )
+
+
+def markdown_table() -> str:
+    """The settings table in Markdown (``docs/configuration.md`` embeds it)."""
+    lines = ["| Setting | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
+    for s in SETTINGS:
+        lines.append(f"| `{s.name}` | {s.type} | {s.default} | {s.doc} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,462 @@
+"""The operator CLI: ``celery -A proj redislock ...`` and ``python -m celery_redislock``.
+
+Commands run in-process with click's CliRunner against the real Redis
+fixture, through a tiny Celery app object (as ``celery -A`` would pass it),
+except the entry-point tests, which run the real programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner, Result
+
+from celery_redislock import LockManager
+from celery_redislock.cli import redislock
+from test_inspect import (
+    DEADLINE,
+    NS,
+    command_delta,
+    commandstats,
+    dead_owner,
+    queued_waiter,
+    registries,
+    wait_until,
+)
+
+
+@pytest.fixture
+def app(redis_url: str) -> Celery:
+    app = Celery("clitest", set_as_current=False)
+    app.conf.redislock_url = redis_url
+    app.conf.redislock_namespace = NS
+    return app
+
+
+@pytest.fixture
+def cli(app: Celery) -> Callable[..., Result]:
+    """Invoke ``celery -A app redislock <args>`` in-process."""
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None, the_app: Any = None) -> Result:
+        obj = CLIContext(app=the_app or app, no_color=True, workdir=None)
+        return runner.invoke(redislock, list(args), obj=obj, input=input)
+
+    return invoke
+
+
+@pytest.fixture
+def managers(redis_url: str) -> Iterator[Callable[..., LockManager]]:
+    made: list[LockManager] = []
+
+    def make(**kw: Any) -> LockManager:
+        kw.setdefault("owner_ttl", 30.0)
+        m = LockManager(redis_url, NS, **kw)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def ok(result: Result) -> Result:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+# -- read-only commands ---------------------------------------------------------
+
+
+def test_status_prints_counts_and_eviction_policy_as_table_and_json(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], redis_url: str
+) -> None:
+    dead_owner(redis_url, [(["a"], [])])
+    lease = managers().acquire(exclusive=["b"], timeout=5)
+    out = ok(cli("status")).output
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "owners 2 (1 alive, 1 dead)" in lines
+    assert "locks 2 registered (1 by dead owners)" in lines
+    assert f"fence {lease.fencing_token}" in lines
+    assert "'noeviction': keys are never evicted" in out
+    assert "WARNING: 1 dead owner(s) still hold 1 lock(s)" in out
+    data = json.loads(ok(cli("status", "--json")).stdout)
+    assert data["dead_owner_locks"] == 1 and data["fence"] == lease.fencing_token
+    assert data["eviction_policy"] == "noeviction" and data["namespace"] == NS
+
+
+def test_locks_table_shows_resource_mode_owner_state_and_waiters(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], redis_url: str
+) -> None:
+    dead = dead_owner(redis_url, [(["repo:42"], [])])
+    holder = managers(name="celery@w1")
+    lease = holder.acquire(exclusive=["repo:1"], timeout=5)
+    waiter = queued_waiter(managers(), exclusive=["repo:1"])
+    wait_until(lambda: json.loads(cli("waiters", "repo:1", "--json").stdout), what="queued")
+    lines = ok(cli("locks")).output.splitlines()
+    assert lines[0].split() == ["RESOURCE", "MODE", "OWNER", "OWNER", "STATE", "WAITING"] + [
+        "OWNER",
+        "INFO",
+    ]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["repo:1"][:4] == ["repo:1", "exclusive", holder.owner_id, "alive"]
+    assert rows["repo:1"][5] == "1"  # one waiter
+    assert "name=celery@w1" in lines[[ln.split()[0] for ln in lines].index("repo:1")]
+    assert rows["repo:42"][:4] == ["repo:42", "exclusive", dead, "DEAD"]
+    data = json.loads(ok(cli("locks", "repo:1", "nothing", "--json")).stdout)
+    assert [(d["resource"], len(d["holders"])) for d in data] == [("nothing", 0), ("repo:1", 1)]
+    assert data[1]["holders"][0]["token"] == lease.token
+    lease.release()
+    waiter.join(DEADLINE)
+
+
+def test_locks_says_so_when_nothing_is_held(cli: Callable[..., Result]) -> None:
+    assert ok(cli("locks")).output.strip() == "no locks held"
+    assert json.loads(ok(cli("locks", "--json")).stdout) == []
+
+
+def test_owners_lists_dead_first_with_registry_size_and_node(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], redis_url: str
+) -> None:
+    dead = dead_owner(redis_url, [(["a", "b"], [])])
+    live = managers(name="celery@w2")
+    live.acquire(exclusive=["c"], timeout=5)
+    lines = ok(cli("owners")).output.splitlines()
+    assert lines[0].split() == ["OWNER", "STATE", "LOCKS", "NODE", "PID", "HOST"]
+    assert lines[1].split()[:3] == [dead, "DEAD", "2"]
+    assert lines[2].split()[:5] == [live.owner_id, "alive", lines[2].split()[2], "1", "celery@w2"]
+    data = json.loads(ok(cli("owners", "--json")).stdout)
+    assert [(o["owner_id"], o["alive"], o["locks"]) for o in data] == [
+        (dead, False, 2),
+        (live.owner_id, True, 1),
+    ]
+
+
+def test_waiters_lists_the_queue_in_serving_order(
+    cli: Callable[..., Result], managers: Callable[..., LockManager]
+) -> None:
+    lease = managers().acquire(exclusive=["q"], timeout=5)
+    w = managers()
+    t = queued_waiter(w, shared=["q"])
+    data = wait_until(lambda: json.loads(cli("waiters", "q", "--json").stdout), what="queued")
+    assert [(d["position"], d["owner_id"], d["mode"], d["state"]) for d in data] == [
+        (1, w.owner_id, "shared", "queued")
+    ]
+    lines = ok(cli("waiters", "q")).output.splitlines()
+    assert lines[1].split()[:4] == ["1", "shared", w.owner_id, "alive"]
+    lease.release()
+    t.join(DEADLINE)
+    assert ok(cli("waiters", "q")).output.strip() == "nobody waits for q"
+
+
+# -- release ------------------------------------------------------------------
+
+
+def test_release_of_a_dead_owner_frees_exactly_its_locks_and_leaves_a_live_owner_untouched(
+    cli: Callable[..., Result],
+    managers: Callable[..., LockManager],
+    redis_url: str,
+    r: redis.Redis,
+) -> None:
+    dead = dead_owner(redis_url, [(["d1", "d2"], ["both"])])
+    live = managers()
+    lease = live.acquire(exclusive=["l1"], shared=["both"], timeout=5)
+    before = registries(r)
+    out = ok(cli("release", "--owner", dead, "--yes")).output
+    assert "This will free 3 lock(s) of 1 owner(s)" in out
+    assert f"owner {dead} (DEAD): 3 lock(s)" in out
+    for name in ("d1", "d2", "both"):
+        assert f"    {name}\n" in out
+    assert f"owner {dead}: cleaned, 3 grant(s) released" in out
+    after = registries(r)
+    assert dead not in after
+    assert after[live.owner_id] == before[live.owner_id]
+    assert r.hkeys("{t}:lock:both") == [lease.token.encode()]
+    assert r.exists("{t}:lock:d1", "{t}:lock:d2") == 0
+    assert not lease.lost
+
+
+def test_release_asks_first_and_frees_nothing_when_not_confirmed(
+    cli: Callable[..., Result], redis_url: str, r: redis.Redis
+) -> None:
+    dead = dead_owner(redis_url, [(["keep:1"], [])])
+    result = cli("release", "--owner", dead, input="n\n")
+    assert result.exit_code == 1
+    assert "keep:1" in result.output and "Free these locks?" in result.output
+    assert "Aborted" in result.output
+    assert r.hkeys("{t}:lock:keep:1") != []
+
+
+def test_release_refuses_a_live_owner_without_force(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], r: redis.Redis
+) -> None:
+    live = managers(name="busy")
+    lease = live.acquire(exclusive=["in-use"], timeout=5)
+    result = cli("release", "--owner", live.owner_id, "--yes")
+    assert result.exit_code == 1
+    assert "refusing" in result.output and "--force" in result.output
+    assert "name=busy" in result.output
+    assert r.hkeys("{t}:lock:in-use") == [lease.token.encode()]
+    assert not lease.lost
+
+
+def test_release_force_frees_a_live_owner_which_then_finds_its_lease_lost(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], r: redis.Redis
+) -> None:
+    live = managers(owner_ttl=1.5)  # heartbeat every 0.5 s
+    lease = live.acquire(exclusive=["wedged"], timeout=5)
+    result = ok(cli("release", "--owner", live.owner_id, "--force", "--yes"))
+    assert "WARNING: --force frees the locks of LIVE owners" in result.output
+    assert r.exists("{t}:lock:wedged") == 0
+    assert r.exists(f"{{t}}:alive:{live.owner_id}") == 0
+    wait_until(lambda: lease.lost, what="heartbeat notices it was freed")
+
+
+def test_release_by_resource_frees_dead_holders_and_names_their_other_locks(
+    cli: Callable[..., Result],
+    managers: Callable[..., LockManager],
+    redis_url: str,
+    r: redis.Redis,
+) -> None:
+    dead = dead_owner(redis_url, [(["elsewhere"], ["res"])])
+    live = managers()
+    lease = live.acquire(shared=["res"], timeout=5)
+    out = ok(cli("release", "--resource", "res", "--yes")).output
+    assert f"owner {dead} (DEAD): 2 lock(s)" in out
+    assert "    elsewhere\n" in out
+    assert f"left alone: {live.owner_id} holds res (shared, alive" in out
+    assert r.hkeys("{t}:lock:res") == [lease.token.encode()]
+    assert r.exists("{t}:lock:elsewhere") == 0
+
+
+def test_release_by_resource_held_only_by_live_owners_refuses_without_force(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], r: redis.Redis
+) -> None:
+    lease = managers().acquire(exclusive=["hot"], timeout=5)
+    result = cli("release", "--resource", "hot", "--yes")
+    assert result.exit_code == 1 and "refusing to free hot" in result.output
+    assert r.hkeys("{t}:lock:hot") == [lease.token.encode()]
+    assert ok(cli("release", "--resource", "cold", "--yes")).output.strip() == (
+        "cold has no holders: nothing to free"
+    )
+
+
+def test_release_json_keeps_stdout_pure_json_and_reports_plan_and_results(
+    cli: Callable[..., Result], redis_url: str
+) -> None:
+    dead = dead_owner(redis_url, [(["j1"], [])])
+    result = ok(cli("release", "--owner", dead, "--yes", "--json"))
+    data = json.loads(result.stdout)
+    assert data["ok"] and data["released"] == 1 and not data["dry_run"]
+    assert data["plan"]["owners"][0]["owner_id"] == dead
+    assert data["plan"]["owners"][0]["resources"] == ["j1"]
+    assert data["results"][0]["status"] == "cleaned"
+    assert "This will free 1 lock(s)" in result.stderr
+
+
+def test_release_dry_run_frees_nothing(
+    cli: Callable[..., Result], redis_url: str, r: redis.Redis
+) -> None:
+    dead = dead_owner(redis_url, [(["dry"], [])])
+    out = ok(cli("release", "--owner", dead, "--dry-run")).output
+    assert "dry" in out and "dry run: nothing freed" in out
+    assert r.exists("{t}:lock:dry") == 1
+
+
+def test_release_needs_exactly_one_of_owner_or_resource(cli: Callable[..., Result]) -> None:
+    assert cli("release").exit_code == 2
+    assert cli("release", "--owner", "x", "--resource", "y").exit_code == 2
+
+
+# -- reconcile ----------------------------------------------------------------
+
+
+def test_reconcile_frees_every_dead_owner_and_no_live_one(
+    cli: Callable[..., Result],
+    managers: Callable[..., LockManager],
+    redis_url: str,
+    r: redis.Redis,
+) -> None:
+    d1 = dead_owner(redis_url, [(["x1"], [])])
+    d2 = dead_owner(redis_url, [(["x2", "x3"], [])])
+    live = managers()
+    live.acquire(exclusive=["y"], timeout=5)
+    dry = ok(cli("reconcile", "--dry-run")).output
+    assert d1 in dry and d2 in dry and live.owner_id not in dry
+    assert r.exists("{t}:lock:x1") == 1
+    result = cli("reconcile", input="y\n")
+    ok(result)
+    assert "3 grant(s) released" in result.output and "2 cleaned" in result.output
+    assert set(registries(r)) == {live.owner_id}
+    assert r.exists("{t}:lock:y") == 1
+    data = json.loads(ok(cli("reconcile", "--yes", "--json")).stdout)
+    assert data["cleaned"] == 0 and data["alive"] == 1
+
+
+# -- settings -------------------------------------------------------------------
+
+
+def test_url_defaults_to_a_redis_broker_and_namespace_can_be_overridden(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], redis_url: str
+) -> None:
+    managers().acquire(exclusive=["ns-check"], timeout=5)
+    broker_app = Celery("brokeronly", broker=redis_url, set_as_current=False)
+    broker_app.conf.redislock_namespace = NS
+    data = json.loads(ok(cli("locks", "--json", the_app=broker_app)).stdout)
+    assert [d["resource"] for d in data] == ["ns-check"]
+    other = json.loads(ok(cli("locks", "--json", "--namespace", "other")).stdout)
+    assert other == []
+    via_group = json.loads(ok(cli("--namespace", "other", "locks", "--json")).stdout)
+    assert via_group == []
+
+
+def test_missing_redis_url_is_a_usage_error_that_says_what_to_set(
+    cli: Callable[..., Result],
+) -> None:
+    amqp_app = Celery("amqp", broker="amqp://guest@localhost//", set_as_current=False)
+    result = cli("status", the_app=amqp_app)
+    assert result.exit_code == 2 and "redislock_url" in result.output
+
+
+def test_unreachable_redis_is_a_one_line_error_naming_the_url(
+    cli: Callable[..., Result], free_port: Callable[..., int]
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = cli("owners", "--url", url)
+    assert result.exit_code == 1 and f"Redis at {url} is unavailable" in result.output
+
+
+# -- cost -----------------------------------------------------------------------
+
+
+def test_locks_and_owners_commands_issue_no_scan_or_keys(
+    cli: Callable[..., Result],
+    managers: Callable[..., LockManager],
+    redis_url: str,
+    r: redis.Redis,
+) -> None:
+    dead_owner(redis_url, [(["c1", "c2"], [])])
+    managers().acquire(exclusive=["c3"], timeout=5)
+    pipe = r.pipeline(transaction=False)
+    for i in range(5000):
+        pipe.set(f"noise:{i}", "x")
+    pipe.execute()
+    before = commandstats(r)
+    ok(cli("locks"))
+    ok(cli("owners", "--json"))
+    ok(cli("status"))
+    delta = command_delta(before, commandstats(r))
+    assert "scan" not in delta and "keys" not in delta, delta
+    assert delta.get("sscan", 0) >= 1  # the registries were walked
+
+
+# -- entry points -----------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("REDISLOCK_URL", None)
+    env.pop("REDISLOCK_NAMESPACE", None)
+    return env
+
+
+def test_standalone_entry_runs_without_a_celery_app(redis_url: str) -> None:
+    owner = dead_owner(redis_url, [(["standalone"], [])])
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery_redislock", "--url", redis_url, "--namespace", NS]
+        + ["locks", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    [info] = json.loads(proc.stdout)
+    assert info["resource"] == "standalone" and info["holders"][0]["owner_id"] == owner
+    no_url = subprocess.run(
+        [sys.executable, "-m", "celery_redislock", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+    assert no_url.returncode == 2 and "--url" in no_url.stderr
+
+
+def test_celery_program_finds_the_redislock_command_through_its_entry_point(
+    redis_url: str, tmp_path: Path
+) -> None:
+    owner = dead_owner(redis_url, [(["via-celery"], [])])
+    (tmp_path / "cliproj.py").write_text(
+        textwrap.dedent(
+            f"""
+            from celery import Celery
+            app = Celery("cliproj", broker={redis_url!r})
+            app.conf.redislock_namespace = {NS!r}
+            """
+        )
+    )
+    celery_bin = Path(sys.executable).with_name("celery")
+    proc = subprocess.run(
+        [str(celery_bin), "-A", "cliproj", "redislock", "owners", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=dict(_env(), PYTHONPATH=str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [o["owner_id"] for o in json.loads(proc.stdout)] == [owner]
+
+
+def test_release_refuses_a_holder_token_and_names_its_owner(cli: Callable[..., Result]) -> None:
+    result = cli("release", "--owner", "123-abc|req", "--yes")
+    assert result.exit_code == 2 and "its owner is '123-abc'" in result.output
+
+
+def test_a_refused_unrelated_setting_warns_but_the_cli_still_runs(
+    cli: Callable[..., Result], app: Celery
+) -> None:
+    app.conf.redislock_owner_ttl = "soon"
+    result = ok(cli("owners"))
+    assert "redislock_owner_ttl" in result.stderr and "no owners" in result.stdout
+
+
+def test_owners_node_option_labels_the_owners_of_that_worker(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], r: redis.Redis
+) -> None:
+    r.hset("{t}:node:celery@w9", mapping={"inc": "i9"})
+    m = managers(group=lambda: "{t}:group:i9")
+    m.acquire(exclusive=["n"], timeout=5)
+    row = ok(cli("owners", "--node", "celery@w9")).output.splitlines()[1].split()
+    assert row[0] == m.owner_id and row[4] == "celery@w9"
+    r.set("{t}:tomb:i9", "1")
+    assert "celery@w9 (evicted)" in ok(cli("owners", "--node", "celery@w9")).output
+
+
+# -- docs -----------------------------------------------------------------------
+
+
+def test_operations_guide_lists_every_key_of_the_key_reference_and_every_command() -> None:
+    import re
+
+    import celery_redislock.keys as keys_module
+
+    root = Path(__file__).resolve().parent.parent
+    guide = (root / "docs" / "operations.md").read_text()
+    doc = keys_module.__doc__ or ""
+    for key in re.findall(r"``(\{ns\}:[^`]+)``", doc):
+        assert f"`{key}`" in guide, key
+    for command in redislock.commands:
+        assert f"redislock {command}" in guide, command

@@ -1,0 +1,115 @@
+"""Hand-off: a release grants the head waiter its locks inside the script.
+
+The waiter learns its grant from the push to its wake list ('g<fence>'),
+without running its acquire script again: one round trip fewer per
+hand-over, and FIFO is exact because nobody can slip in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import LockManager
+from fairness_helpers import PREFIX, ThreadWaiter, client, manager, queue_len, wait_until
+
+
+@pytest.fixture
+def rs(redis_url: str) -> Iterator[redis.Redis]:
+    c = client(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def make(redis_url: str) -> Iterator[Any]:
+    made: list[LockManager] = []
+
+    def _make() -> LockManager:
+        m = manager(redis_url)
+        made.append(m)
+        return m
+
+    yield _make
+    for m in made:
+        m.close()
+
+
+def count_attempts(mgr: LockManager) -> list[Any]:
+    """Record every acquire-script reply of ``mgr``."""
+    replies: list[Any] = []
+    real = mgr._attempt
+
+    def attempt(*args: Any, **kwargs: Any) -> Any:
+        reply = real(*args, **kwargs)
+        replies.append(reply)
+        return reply
+
+    mgr._attempt = attempt  # type: ignore[method-assign]
+    return replies
+
+
+def test_release_hands_the_lock_to_the_head_waiter_without_a_second_attempt(
+    rs: redis.Redis, make: Any
+) -> None:
+    # Without hand-off the woken waiter runs its acquire script again (two
+    # attempts); with it, the only attempt is the one that queued it.
+    holder, waiter_mgr = make(), make()
+    lease = holder.acquire("R")
+    replies = count_attempts(waiter_mgr)
+    waiter = ThreadWaiter(waiter_mgr, "R", release=False)
+    wait_until(lambda: queue_len(rs, "R") == 1, what="waiter queued")
+    lease.release()
+    waiter.join()
+    assert waiter.error is None
+    assert [int(r[0]) for r in replies] == [0]  # queued once, never re-ran
+    assert waiter.lease.fencing_token > lease.fencing_token
+    assert rs.hgetall(f"{PREFIX}lock:R") == {waiter.lease.token: "x"}
+    assert rs.smembers(f"{PREFIX}held:{waiter_mgr.owner_id}") == {f"{PREFIX}lock:R"}
+    assert queue_len(rs, "R") == 0
+    waiter.lease.release()
+    assert rs.exists(f"{PREFIX}lock:R") == 0
+
+
+def test_handoff_of_a_multi_resource_request_is_all_or_nothing(rs: redis.Redis, make: Any) -> None:
+    # The waiter needs A and B; freeing A alone must not hand it A (a
+    # partial grant) — only when B is free too does it get both at once.
+    a_holder, b_holder, waiter_mgr = make(), make(), make()
+    a = a_holder.acquire("A")
+    b = b_holder.acquire(shared="B")
+    waiter = ThreadWaiter(waiter_mgr, ["A", "B"], release=False)
+    wait_until(lambda: queue_len(rs, "A") == 1 and queue_len(rs, "B") == 1, what="queued")
+    a.release()
+    assert rs.exists(f"{PREFIX}lock:A") == 0  # not handed over: B still held
+    assert not waiter.granted.is_set()
+    assert queue_len(rs, "A") == 1 and queue_len(rs, "B") == 1
+    b.release()
+    waiter.join()
+    assert waiter.error is None
+    token = waiter.lease.token
+    assert rs.hgetall(f"{PREFIX}lock:A") == {token: "x"}
+    assert rs.hgetall(f"{PREFIX}lock:B") == {token: "x"}
+    waiter.lease.release()
+
+
+def test_shared_waiters_behind_a_writer_are_all_handed_the_lock_together(
+    rs: redis.Redis, make: Any
+) -> None:
+    writer_mgr = make()
+    w = writer_mgr.acquire("R")
+    readers = []
+    for i in range(3):
+        readers.append(ThreadWaiter(make(), shared="R", release=False, name=f"r{i}"))
+        wait_until(lambda i=i: queue_len(rs, "R") == i + 1, what=f"reader {i} queued")
+    w.release()
+    for r in readers:
+        r.join()
+        assert r.error is None
+    holders = rs.hgetall(f"{PREFIX}lock:R")
+    assert sorted(holders) == sorted(r.lease.token for r in readers)
+    assert set(holders.values()) == {"s"}
+    for r in readers:
+        r.lease.release()

@@ -1,0 +1,414 @@
+"""Engine-level tests of a worker node's incarnation (celery_redislock.node).
+
+No Celery: a Node is driven directly (start, tick, shutdown) against the real
+redis-server fixture. Heartbeat threads are not started; ticks are called
+explicitly, so nothing depends on timing except the eviction thresholds,
+which are measured by Redis TIME and waited for with a polling helper.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from celery_redislock import LockManager
+from celery_redislock.node import Node, group_key, new_incarnation, node_key, tomb_key
+
+NS = "nodetest"
+PREFIX = "{" + NS + "}:"
+IV = 0.2  # heartbeat interval, s: eviction threshold = 0.4 s
+TTL = 2.0
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class Worker:
+    """A simulated worker incarnation in this process: manager + node."""
+
+    def __init__(
+        self, url: str, nodename: str = "celery@host", iv: float = IV, **node_kw: object
+    ) -> None:
+        self.inc = new_incarnation()
+        key = group_key(PREFIX, self.inc)
+        self.mgr = LockManager(
+            url,
+            NS,
+            owner_ttl=TTL,
+            heartbeat_interval=iv,
+            heartbeat=False,
+            group=lambda: key,
+        )
+        self.children: set[int] = set()
+        self.node = Node(
+            self.mgr,
+            nodename,
+            self.inc,
+            live_pids=lambda: set(self.children),
+            **node_kw,  # type: ignore[arg-type]
+        )
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+@pytest.fixture
+def workers(redis_url: str) -> Iterator[Callable[..., Worker]]:
+    made: list[Worker] = []
+
+    def make(nodename: str = "celery@host", **kw: object) -> Worker:
+        w = Worker(redis_url, nodename, **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.node._heartbeat.stop()
+        w.close()
+
+
+def age_record(r: redis.Redis, nodename: str, ms: int) -> None:
+    """Pretend the record's last beat was ``ms`` ago (Redis TIME)."""
+    sec, usec = r.time()
+    r.hset(node_key(PREFIX, nodename), "hb_ms", str(sec * 1000 + usec // 1000 - ms))
+
+
+def commandstats(r: redis.Redis) -> dict[str, int]:
+    stats = r.info("commandstats")
+    return {k: int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_info",)}
+
+
+def fork_child_holding(url: str, inc: str, resource: str) -> int:
+    """Fork a child that joins ``inc``'s group, takes ``resource`` and exits."""
+    r_fd, w_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.close(r_fd)
+            key = group_key(PREFIX, inc)
+            mgr = LockManager(
+                url, NS, owner_ttl=TTL, heartbeat_interval=IV, heartbeat=False, group=lambda: key
+            )
+            mgr.acquire(resource, timeout=5)
+            os.write(w_fd, mgr.owner_id.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w_fd)
+    with os.fdopen(r_fd, "rb") as f:
+        owner = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and owner
+    return pid
+
+
+# -- start-up ---------------------------------------------------------------
+
+
+def test_brand_new_node_start_costs_constant_commands_without_scan(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    deltas = []
+    for n in (100, 50_000):
+        r.flushall()
+        pipe = r.pipeline(transaction=False)
+        for i in range(0, n, 1000):
+            pipe.mset({f"unrelated:{j}": "x" for j in range(i, min(n, i + 1000))})
+        pipe.execute()
+        assert r.dbsize() == n
+        w = workers(f"celery@new{n}")
+        r.script_flush()
+        r.config_resetstat()
+        assert w.node.start() == "owner"
+        w.node.tick()
+        deltas.append(commandstats(r))
+        w.node.shutdown()
+    assert deltas[0] == deltas[1]
+    assert not any(k.startswith(("cmdstat_scan", "cmdstat_keys")) for k in deltas[1])
+
+
+def test_brand_new_node_creates_its_record(workers: Callable[..., Worker], r: redis.Redis) -> None:
+    w = workers()
+    assert w.node.start() == "owner"
+    rec = r.hgetall(node_key(PREFIX, "celery@host"))
+    assert rec[b"inc"] == w.inc.encode()
+    assert int(rec[b"pid"]) == os.getpid()
+    assert w.node.tick().owned
+    assert r.hget(node_key(PREFIX, "celery@host"), "hb") == b"1"
+
+
+def test_predecessor_with_stale_heartbeat_is_evicted_at_start(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    old = workers()
+    old.node.start()
+    lease = old.mgr.acquire("repo:1", timeout=1)
+    age_record(r, "celery@host", 10_000)  # it crashed long ago (its beat is stale)
+
+    new = workers()
+    assert new.node.start() == "owner"
+    assert r.exists(tomb_key(PREFIX, old.inc))
+    assert not r.exists(f"{PREFIX}alive:{old.mgr.owner_id}")
+    assert not r.exists(f"{PREFIX}lock:repo:1")
+    assert not r.exists(group_key(PREFIX, old.inc))
+    assert r.hget(node_key(PREFIX, "celery@host"), "inc") == new.inc.encode()
+    # The new incarnation can take the resource at once.
+    new.mgr.acquire("repo:1", timeout=0).release()
+    assert not lease.released
+
+
+def test_predecessor_whose_heartbeat_stops_is_evicted_after_two_intervals(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    old = workers()
+    old.node.start()
+    old.node.tick()
+    old.mgr.acquire("repo:1", timeout=1)  # its liveness is still fresh (TTL 2 s)
+
+    new = workers()
+    assert new.node.start() == "watching"
+    assert r.exists(f"{PREFIX}lock:repo:1")
+    # The predecessor never beats again: within ~2 intervals a tick evicts it.
+    wait_for(lambda: new.node.tick().predecessor == old.inc, what="eviction")
+    assert new.node.state == "owner"
+    assert not r.exists(f"{PREFIX}lock:repo:1")
+    assert r.ttl(f"{PREFIX}alive:{old.mgr.owner_id}") == -2
+
+
+def test_predecessor_whose_heartbeat_keeps_advancing_is_a_duplicate_never_freed(
+    workers: Callable[..., Worker], r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Interval 1 s: eviction needs 2 s without a beat; the first worker beats
+    # every few ms here, so only a 2 s stall of this test could fail it.
+    first = workers(iv=1.0)
+    first.node.start()
+    first.mgr.acquire("repo:1", timeout=1)
+
+    second = workers(iv=1.0)
+    assert second.node.start() == "watching"
+    deadline = time.monotonic() + 2.5  # past the eviction threshold
+    while time.monotonic() < deadline:
+        first.node.tick()
+        res = second.node.tick()
+        assert res.predecessor is None
+        time.sleep(0.02)
+    assert second.node.state == "duplicate"
+    assert "node.duplicate" in caplog.text
+    assert r.exists(f"{PREFIX}lock:repo:1")
+    assert r.exists(f"{PREFIX}alive:{first.mgr.owner_id}")
+    assert not r.exists(tomb_key(PREFIX, first.inc))
+    assert r.hget(node_key(PREFIX, "celery@host"), "inc") == first.inc.encode()
+    # The duplicate still refreshes its own owners.
+    second.mgr.acquire("repo:2", timeout=1)
+    assert second.node.tick().lost == []
+
+
+def test_eviction_compare_and_set_refuses_when_heartbeat_advanced(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    old = workers()
+    old.node.start()
+    old.mgr.acquire("repo:1", timeout=1)
+    new = workers()
+    assert new.node.start() == "watching"
+    seen_hb = r.hget(node_key(PREFIX, "celery@host"), "hb").decode()
+    old.node.tick()  # it beats between our watch and our eviction
+    age_record(r, "celery@host", 10_000)
+    reply = new.node._run(
+        "node_evict",
+        [new.node.node_key],
+        [PREFIX, old.inc, seen_hb, "1", "evict", new.inc, "1", "h", "0", "200", "60000", "60000"],
+    )
+    assert reply[0] in ("changed", b"changed")
+    assert r.exists(f"{PREFIX}lock:repo:1")
+    assert r.exists(f"{PREFIX}alive:{old.mgr.owner_id}")
+    assert not r.exists(tomb_key(PREFIX, old.inc))
+    assert r.hget(node_key(PREFIX, "celery@host"), "inc") == old.inc.encode()
+
+
+def test_tombstoned_incarnation_heartbeat_reports_evicted_and_fences(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    fenced: list[bool] = []
+    old = workers(on_evicted=lambda: fenced.append(True))
+    old.node.start()
+    lease = old.mgr.acquire("repo:1", timeout=1)
+    age_record(r, "celery@host", 10_000)  # it stalled (SIGSTOP, GC, partition)
+    new = workers()
+    assert new.node.start() == "owner"
+
+    res = old.node.tick()  # it resumes
+    assert res.evicted and old.node.state == "evicted"
+    assert fenced == [True]
+    assert lease.lost
+    with pytest.raises(Exception, match="lease lost"):
+        lease.check()
+    # Nothing was refreshed or re-created for it.
+    assert not r.exists(f"{PREFIX}alive:{lease.owner_id}")
+    assert r.hget(node_key(PREFIX, "celery@host"), "inc") == new.inc.encode()
+    # Its shutdown never touches the successor's record.
+    old.node.shutdown()
+    assert r.hget(node_key(PREFIX, "celery@host"), "inc") == new.inc.encode()
+
+
+def test_successor_never_frees_its_own_locks_when_evicting(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    old = workers()
+    old.node.start()
+    old.mgr.acquire("repo:old", timeout=1)
+    new = workers()
+    mine = new.mgr.acquire("repo:new", timeout=1)  # before the eviction
+    age_record(r, "celery@host", 10_000)
+    assert new.node.start() == "owner"
+    assert not r.exists(f"{PREFIX}lock:repo:old")
+    assert r.hexists(f"{PREFIX}lock:repo:new", mine.token)
+    assert new.node.tick().lost == []
+
+
+def test_fast_restart_cleanup_off_leaves_predecessor_to_expire(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    old = workers()
+    old.node.start()
+    old.mgr.acquire("repo:1", timeout=1)
+    age_record(r, "celery@host", 1_000)  # stale for eviction, not for owner_ttl
+    new = workers(fast_restart_cleanup=False)
+    assert new.node.start() == "watching"
+    assert r.exists(f"{PREFIX}alive:{old.mgr.owner_id}")
+    assert r.exists(f"{PREFIX}lock:repo:1")
+    assert not r.exists(tomb_key(PREFIX, old.inc))
+
+
+# -- children ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_dead_child_locks_freed_in_one_tick_and_group_entry_removed(
+    workers: Callable[..., Worker], r: redis.Redis, redis_url: str
+) -> None:
+    w = workers()
+    w.node.start()
+    main_lease = w.mgr.acquire("main:1", timeout=1)
+    pid = fork_child_holding(redis_url, w.inc, "repo:child")
+    group = {k.decode(): int(v) for k, v in r.hgetall(group_key(PREFIX, w.inc)).items()}
+    assert pid in group.values()
+    child_owner = next(o for o, p in group.items() if p == pid)
+    assert r.exists(f"{PREFIX}lock:repo:child")
+
+    res = w.node.tick()  # the child is gone (exited and reaped)
+    assert res.dead == [child_owner]
+    assert not r.exists(f"{PREFIX}lock:repo:child")
+    assert not r.hexists(group_key(PREFIX, w.inc), child_owner)
+    assert not r.sismember(f"{PREFIX}owners", child_owner)
+    # The main process's own owner is refreshed, not freed.
+    assert r.hexists(f"{PREFIX}lock:main:1", main_lease.token)
+    assert r.pttl(f"{PREFIX}alive:{w.mgr.owner_id}") > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_dead_child_cleanup_cost_is_independent_of_keyspace(
+    workers: Callable[..., Worker], r: redis.Redis, redis_url: str
+) -> None:
+    deltas = []
+    for n in (100, 50_000):
+        r.flushall()
+        pipe = r.pipeline(transaction=False)
+        for i in range(0, n, 1000):
+            pipe.mset({f"unrelated:{j}": "x" for j in range(i, min(n, i + 1000))})
+        pipe.execute()
+        w = workers(f"celery@cost{n}")
+        w.node.start()
+        w.node.tick()
+        fork_child_holding(redis_url, w.inc, "repo:child")
+        r.script_flush()
+        r.config_resetstat()
+        assert len(w.node.tick().dead) == 1
+        deltas.append(commandstats(r))
+        w.node.shutdown()
+    assert deltas[0] == deltas[1]
+    assert not any(k.startswith(("cmdstat_scan", "cmdstat_keys")) for k in deltas[1])
+
+
+def test_live_child_pid_is_refreshed_not_freed(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    w = workers()
+    w.node.start()
+    # A live "child" whose pid the pool reports: simulate with our parent's pid.
+    other_pid = os.getppid()
+    w.children.add(other_pid)
+    r.hset(group_key(PREFIX, w.inc), "fake-owner", str(other_pid))
+    r.set(f"{PREFIX}alive:fake-owner", "x", px=500)
+    res = w.node.tick()
+    assert res.dead == [] and res.lost == []
+    assert r.pttl(f"{PREFIX}alive:fake-owner") > 1000
+
+
+def test_owner_whose_liveness_vanished_is_reported_lost_and_its_leases_marked(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    w = workers()
+    w.node.start()
+    lease = w.mgr.acquire("repo:1", timeout=1)
+    r.delete(f"{PREFIX}alive:{lease.owner_id}")  # e.g. evicted by maxmemory
+    res = w.node.tick()
+    assert res.lost == [lease.owner_id]
+    assert lease.lost
+    assert not r.exists(f"{PREFIX}lock:repo:1")
+    # The process carries on under a new identity that joins the group.
+    again = w.mgr.acquire("repo:1", timeout=1)
+    assert again.owner_id != lease.owner_id
+    assert r.hexists(group_key(PREFIX, w.inc), again.owner_id)
+
+
+# -- shutdown -----------------------------------------------------------------
+
+
+def test_shutdown_frees_every_owner_and_deletes_own_record(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    w = workers()
+    w.node.start()
+    w.mgr.acquire("repo:1", timeout=1)
+    w.mgr.acquire("repo:2", shared="remote:1", timeout=1)
+    reports = w.node.shutdown()
+    assert sum(x.released for x in reports) == 3
+    assert not r.exists(node_key(PREFIX, "celery@host"))
+    assert not r.exists(group_key(PREFIX, w.inc))
+    assert not r.exists(f"{PREFIX}lock:repo:1", f"{PREFIX}lock:repo:2", f"{PREFIX}lock:remote:1")
+    assert w.node.shutdown() == []  # idempotent
+
+
+def test_heartbeat_thread_keeps_owners_alive_past_their_ttl(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    w = workers()
+    w.node.start()
+    lease = w.mgr.acquire("repo:1", timeout=1)
+    w.node.start_heartbeat()
+    # The liveness TTL is 2 s; wait for enough ticks to span more than that.
+    wait_for(lambda: w.node.ticks >= int(TTL / IV) + 3, what="heartbeat ticks")
+    assert r.pttl(f"{PREFIX}alive:{lease.owner_id}") > 0
+    assert not lease.lost
+    w.node.shutdown()
+    assert not r.exists(f"{PREFIX}lock:repo:1")
+
+
+def test_node_module_does_not_import_celery() -> None:
+    import subprocess
+
+    code = "import sys, celery_redislock.node, celery_redislock; print('celery' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
