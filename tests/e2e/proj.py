@@ -1,0 +1,176 @@
+"""The Celery app that end-to-end worker subprocesses run (``celery -A e2e.proj``).
+
+Everything comes from environment variables, so one module serves every
+test (each test gets its own broker queue, lock namespace and TTLs):
+
+======================  =========================================================
+``E2E_BROKER_URL``      broker (and, unless ``E2E_BACKEND_URL``, result backend)
+``E2E_BACKEND_URL``     result backend URL
+``E2E_LOCK_URL``        ``redislock_url``; unset: the library's default (broker)
+``E2E_DATA_URL``        Redis for the tasks' counters and markers (default broker)
+``E2E_NAMESPACE``       ``redislock_namespace``
+``E2E_QUEUE``           ``task_default_queue``
+``E2E_OWNER_TTL``       ``redislock_owner_ttl`` (seconds)
+``E2E_HEARTBEAT``       ``redislock_heartbeat_interval`` (seconds)
+``E2E_RECONCILE``       ``redislock_reconcile_interval`` (seconds)
+``E2E_FAST_RESTART``    ``redislock_fast_restart_cleanup`` (``0``/``1``)
+======================  =========================================================
+
+Every key the tasks write for the test lives under ``e2e:`` (outside the lock
+namespace): counters, "inside" markers, pids, and the lists the tests push to
+let a blocked task finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_redislock import RedisLock, current_lease, locked
+
+#: Longest a ``hold`` task blocks waiting for its go signal, seconds.
+HOLD_LIMIT = 300.0
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
+def _build() -> Celery:
+    broker = os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0")
+    app = Celery("e2e", broker=broker, backend=os.environ.get("E2E_BACKEND_URL", broker))
+    conf: dict[str, Any] = {
+        "task_default_queue": os.environ.get("E2E_QUEUE", "celery"),
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "broker_connection_retry_on_startup": True,
+        "result_expires": 600,
+        "redislock_namespace": os.environ.get("E2E_NAMESPACE", "redislock"),
+    }
+    if os.environ.get("E2E_LOCK_URL"):
+        conf["redislock_url"] = os.environ["E2E_LOCK_URL"]
+    for env, setting in (
+        ("E2E_OWNER_TTL", "redislock_owner_ttl"),
+        ("E2E_HEARTBEAT", "redislock_heartbeat_interval"),
+        ("E2E_RECONCILE", "redislock_reconcile_interval"),
+    ):
+        value = _env_float(env)
+        if value is not None:
+            conf[setting] = value
+    if os.environ.get("E2E_FAST_RESTART"):
+        conf["redislock_fast_restart_cleanup"] = os.environ["E2E_FAST_RESTART"] == "1"
+    app.conf.update(conf)
+    return app
+
+
+app = _build()
+locks = RedisLock(app)
+
+_data: redis.Redis | None = None
+_data_pid = 0
+
+
+def data() -> redis.Redis:
+    """This process's client for the test's own keys (re-made after fork)."""
+    global _data, _data_pid
+    if _data is None or _data_pid != os.getpid():
+        url = os.environ.get("E2E_DATA_URL") or os.environ.get("E2E_BROKER_URL", "")
+        _data = redis.Redis.from_url(url, decode_responses=True)
+        _data_pid = os.getpid()
+    return _data
+
+
+def _lease_info() -> dict[str, Any]:
+    lease = current_lease()
+    return {
+        "pid": os.getpid(),
+        "owner": lease.owner_id if lease is not None else None,
+        "token": lease.token if lease is not None else None,
+        "fence": lease.fencing_token if lease is not None else None,
+    }
+
+
+@app.task(name="e2e.ping", bind=True)
+def ping(self: Any) -> dict[str, Any]:
+    """Readiness probe: which worker process answered."""
+    return {"pid": os.getpid(), "hostname": self.request.hostname}
+
+
+@app.task(name="e2e.write", bind=True, acks_late=True)
+@locked("res:{res}", timeout=120, on_busy="wait")
+def write(self: Any, res: str, pause: float = 0.005) -> int:
+    """Exclusive writer: a non-atomic read-modify-write of ``e2e:counter:<res>``.
+
+    Records an exclusion violation when another writer or any reader is
+    inside the same resource at the same time.
+    """
+    r = data()
+    try:
+        if r.incr(f"e2e:inside:w:{res}") != 1 or int(r.get(f"e2e:inside:r:{res}") or 0):
+            r.rpush("e2e:violations", f"write {res} pid={os.getpid()}")
+        value = int(r.get(f"e2e:counter:{res}") or 0)
+        time.sleep(pause)  # widen the read-modify-write window
+        r.set(f"e2e:counter:{res}", value + 1)
+        r.rpush(f"e2e:order:{res}", f"w{value + 1}")
+        return value + 1
+    finally:
+        r.decr(f"e2e:inside:w:{res}")
+
+
+@app.task(name="e2e.read", bind=True, acks_late=True)
+@locked(shared=["res:{res}"], timeout=120, on_busy="wait")
+def read(self: Any, res: str, pause: float = 0.02) -> int:
+    """Shared reader: no writer may be inside; other readers may.
+
+    Records in ``e2e:readers-max:<res>`` the most readers seen together.
+    """
+    r = data()
+    try:
+        n = r.incr(f"e2e:inside:r:{res}")
+        if int(r.get(f"e2e:inside:w:{res}") or 0):
+            r.rpush("e2e:violations", f"read {res} pid={os.getpid()}")
+        best = int(r.get(f"e2e:readers-max:{res}") or 0)
+        if n > best:
+            r.set(f"e2e:readers-max:{res}", n)
+        time.sleep(pause)
+        return int(r.get(f"e2e:counter:{res}") or 0)
+    finally:
+        r.decr(f"e2e:inside:r:{res}")
+
+
+@app.task(name="e2e.hold", bind=True, acks_late=True)
+@locked("res:{res}", timeout=120, on_busy="wait")
+def hold(self: Any, res: str, tag: str, block: int = 1000) -> dict[str, Any]:
+    """Hold ``res:<res>`` until the test pushes to ``e2e:go:<tag>``.
+
+    Attempts (deliveries) up to ``block`` wait for the go signal; a later
+    one completes at once (a redelivered task after its child was killed).
+    Writes ``e2e:held:<tag>`` (JSON: pid, owner, token, fence) once the
+    lock is held, and ``e2e:done:<tag>`` when it finishes (with ``lost``:
+    whether the lease was marked lost by then); sets ``e2e:lost:<tag>`` as
+    soon as it sees its lease marked lost while it waits.
+    """
+    r = data()
+    attempt = int(r.incr(f"e2e:attempts:{tag}"))
+    info = _lease_info()
+    info["attempt"] = attempt
+    r.set(f"e2e:held:{tag}", json.dumps(info))
+    r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
+    lease = current_lease()
+    if attempt <= block:
+        deadline = time.monotonic() + HOLD_LIMIT
+        while time.monotonic() < deadline:
+            if lease is not None and lease.lost and not r.exists(f"e2e:lost:{tag}"):
+                r.set(f"e2e:lost:{tag}", json.dumps(info))  # the body was told
+            if r.blpop([f"e2e:go:{tag}"], timeout=0.5):
+                break
+    info["lost"] = lease.lost if lease is not None else None
+    r.rpush(f"e2e:done:{tag}", json.dumps(info))
+    return info
