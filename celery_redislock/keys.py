@@ -14,6 +14,7 @@ key                            type    holds
 ``{ns}:req:<token>``           hash    one request's state (queued / granted)
 ``{ns}:wake:<token>``          list    wake-up pushed to one waiting request
 ``{ns}:contend:<token>``       list    pushed when someone waits for a lease
+``{ns}:lost:<owner>``          list    pushed when the owner is declared dead
 ``{ns}:fence``                 string  last fencing token
 ``{ns}:seq``                   string  last arrival sequence number
 =============================  ======  =========================================
@@ -101,6 +102,9 @@ class Keyspace:
 
     def contend(self, token: str) -> str:
         return f"{self.prefix}contend:{token}"
+
+    def lost(self, owner_id: str) -> str:
+        return f"{self.prefix}lost:{owner_id}"
 
     def resource_of(self, lock_key: str) -> str:
         """The resource name of a ``{ns}:lock:<resource>`` key."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 
+from ._threads import real_sleep, start_os_thread
 from .checks import EvictionCheck, check_eviction
 from .exceptions import (
     ConfigurationError,
@@ -212,6 +213,8 @@ class LockManager:
         self._hb_client_pid = 0
         self._heartbeat = Heartbeat(self.heartbeat_interval, self._beat, "redislock-heartbeat")
         self._own_heartbeat = bool(heartbeat)
+        self._watch_pid = 0
+        self._closed = False
         self._group = group
 
     # -- identity ---------------------------------------------------------
@@ -235,6 +238,7 @@ class LockManager:
         self._local = threading.local()
         self._hb_client = None
         self._heartbeat.after_fork_in_child()
+        self._watch_pid = 0
 
     def _depth(self) -> _Depth:
         depth = getattr(self._local, "depth", None)
@@ -326,6 +330,8 @@ class LockManager:
         ident = self._identity.current()
         if self._own_heartbeat:
             self._heartbeat.ensure_started()
+        else:
+            self._ensure_lost_watch()
         token = f"{ident.owner_id}|{request_id}"
         try:
             reply: Any = None
@@ -545,6 +551,42 @@ class LockManager:
             self._hb_client_pid = os.getpid()
         return self._hb_client
 
+    def _ensure_lost_watch(self) -> None:
+        """Start this process's lost-owner watcher unless it already runs here.
+
+        Without its own heartbeat (liveness refreshed by another process, as
+        in a Celery pool child), an owner would learn that it was declared
+        dead only at its next acquire or release. The watcher blocks on
+        ``{ns}:lost:<owner>``, which every cleanup of the owner pushes to,
+        and marks the owner's leases lost the moment it is told; it also
+        retries deferred releases. Cost: one blocked connection per process,
+        re-blocking every ``_block_cap`` seconds.
+        """
+        if self._watch_pid == os.getpid() or self._closed:
+            return
+        with self._state_lock:
+            if self._watch_pid == os.getpid():
+                return
+            self._watch_pid = os.getpid()
+        start_os_thread(self._lost_watch_loop, "redislock-lost-watch")
+
+    def _lost_watch_loop(self) -> None:
+        pid = os.getpid()
+        while not self._closed and self._watch_pid == pid:
+            try:
+                ident = self._identity.peek()
+                if ident is None or not ident.registered:
+                    real_sleep(0.05)
+                    continue
+                client = self._heartbeat_client()
+                got = client.blpop([self.keys.lost(ident.owner_id)], timeout=self._block_cap)
+                if got is not None:
+                    self._owner_lost(ident, "declared-dead")
+                self._retry_orphans(client)
+            except Exception:  # the watcher must outlive a Redis outage
+                log_heartbeat.exception("heartbeat.watch-error")
+                real_sleep(1.0)
+
     def _beat(self) -> None:
         """One heartbeat: extend this owner's liveness; retry deferred releases."""
         client = self._heartbeat_client()
@@ -558,6 +600,10 @@ class LockManager:
             )
             if int(reply[0]) == 0:
                 self._owner_lost(ident, "heartbeat")
+        self._retry_orphans(client)
+
+    def _retry_orphans(self, client: redis.Redis) -> None:
+        """Retry the releases that failed on an exit path (deferred)."""
         with self._state_lock:
             orphans = list(self._orphans.items())
         for token, req in orphans:
@@ -575,6 +621,7 @@ class LockManager:
     def close(self) -> None:
         """Stop the heartbeat and close connections (held leases stay held
         until released or the owner's liveness runs out)."""
+        self._closed = True
         self._heartbeat.stop()
         self.client.close()
         if self._hb_client is not None:

@@ -18,7 +18,9 @@
 --   4 request TTL in ms (wake lists)
 --   5 queue scan limit
 --
--- Atomic steps: refuse a live owner unless forced; for each registry member:
+-- Atomic steps: refuse a live owner unless forced; push to {ns}:lost:<owner>
+-- (built from ARGV[2]) so a still-running owner learns it is dead; for each
+-- registry member:
 -- a missing key is dropped from the registry (nothing held); a hash has
 -- every field of this owner deleted, the request state of each such token
 -- deleted, its waiters woken, then the key leaves the registry; a key of
@@ -43,6 +45,14 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   end
   redis.call('DEL', KEYS[2])
 end
+
+-- Tell the owner, should it still run (a stalled or force-cleaned process
+-- whose liveness someone else refreshes), that it is dead: a watcher thread
+-- of that process BLPOPs this list and marks its leases lost.
+local lost = prefix .. 'lost:' .. owner
+redis.call('LPUSH', lost, 'lost')
+redis.call('LTRIM', lost, 0, 0)
+redis.call('PEXPIRE', lost, req_ttl)
 
 local lock_prefix = prefix .. 'lock:'
 local p = owner .. '|'

@@ -166,11 +166,6 @@ def test_children_ended_by_time_limit_revoke_or_recycling_leave_no_locks_or_owne
     wait_for(nothing_left, 30, "recycled children's owners to be cleaned", on_timeout=c.report)
 
 
-@pytest.mark.xfail(
-    reason="glue gap: in a prefork child the lease is never marked lost when the "
-    "main process finds the child's liveness gone and frees its locks (invariant 1)",
-    strict=True,
-)
 def test_pool_child_is_told_its_lease_is_lost_when_its_liveness_lapses(
     cluster: Callable[..., Cluster],
 ) -> None:

@@ -1,0 +1,54 @@
+"""An owner whose liveness another process refreshes (heartbeat=False, as in
+a Celery pool child) is told at once when it is declared dead."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from celery_redislock import LockManager
+from engine_helpers import wait_until
+
+
+@pytest.fixture
+def managers(redis_url: str) -> Iterator[list[LockManager]]:
+    made: list[LockManager] = []
+    yield made
+    for m in made:
+        m.close()
+
+
+def test_owner_without_own_heartbeat_marks_leases_lost_when_force_cleaned(
+    redis_url: str, managers: list[LockManager]
+) -> None:
+    # Without the watcher the lease stays "held" for the rest of the body
+    # although its lock was freed and may be granted to someone else.
+    child = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False)
+    operator = LockManager(redis_url, "w", owner_ttl=60)
+    managers += [child, operator]
+    lease = child.acquire("R", timeout=5)
+    assert not lease.lost
+    report = operator.cleanup_owner(child.owner_id, force=True)
+    assert report.released == 1
+    wait_until(lambda: lease.lost, timeout=20)
+    with pytest.raises(Exception, match="lost"):
+        lease.check()
+    # The lock is free for others, and the old lease's release frees nothing.
+    other = operator.acquire("R", timeout=5)
+    lease.release()
+    assert operator.client.hexists(operator.keys.lock("R"), other.token)
+    other.release()
+
+
+def test_owner_with_its_own_heartbeat_needs_no_watcher(
+    redis_url: str, managers: list[LockManager]
+) -> None:
+    # The heartbeat's PEXPIRE reply tells such an owner; no listener thread
+    # (and no blocked connection) is started for it.
+    mgr = LockManager(redis_url, "w", owner_ttl=1.0, heartbeat_interval=0.1)
+    managers.append(mgr)
+    lease = mgr.acquire("R", timeout=5)
+    assert mgr._watch_pid == 0
+    mgr.cleanup_owner(mgr.owner_id, force=True)
+    wait_until(lambda: lease.lost, timeout=20)
