@@ -8,6 +8,7 @@ an acquisition releases or dequeues by its own token).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -342,12 +343,13 @@ class LockManager:
                 if code == 1:
                     ident.registered = True
                     lease = Lease(self, req, ident.owner_id, token, int(reply[1]), depth)
-                    log_acquire.debug(
-                        "acquire.granted owner=%s resources=%s fence=%s",
-                        ident.owner_id,
-                        ",".join(req.resources),
-                        lease.fencing_token,
-                    )
+                    if log_acquire.isEnabledFor(logging.DEBUG):
+                        log_acquire.debug(
+                            "acquire.granted owner=%s resources=%s fence=%s",
+                            ident.owner_id,
+                            ",".join(req.resources),
+                            lease.fencing_token,
+                        )
                     # Counted last: an interrupt before this must not leave the
                     # thread looking nested (it would skip the queue for ever).
                     with self._state_lock:
@@ -410,8 +412,8 @@ class LockManager:
             "0" if ident.registered else str(ttl_ms),
             ident.describe(self.name),
             self.keys.prefix,
-            str(self._req_ttl_ms),
-            str(self.queue_scan_limit),
+            self._req_ttl_arg,
+            self._limit_arg,
             str(ident.pid),
         ]
         return self._call("acquire", keys, args)
@@ -419,6 +421,14 @@ class LockManager:
     @property
     def _req_ttl_ms(self) -> int:
         return int(self.owner_ttl * 3000)
+
+    @functools.cached_property
+    def _req_ttl_arg(self) -> str:
+        return str(self._req_ttl_ms)
+
+    @functools.cached_property
+    def _limit_arg(self) -> str:
+        return str(self.queue_scan_limit)
 
     def _block(self, token: str, seconds: float) -> int | None:
         """Wait for a push to the request's wake list; the fence of a hand-off."""
@@ -465,8 +475,8 @@ class LockManager:
             token,
             req.modes,
             self.keys.prefix,
-            str(self._req_ttl_ms),
-            str(self.queue_scan_limit),
+            self._req_ttl_arg,
+            self._limit_arg,
         ]
 
     def _end_request(self, owner_id: str, token: str, req: _Request) -> None:

@@ -87,32 +87,34 @@ local wake_front
 -- not reclaimed here: the request is left to its own script (plain wake).
 -- Keys touched: {ns}:req|wake:<token>, {ns}:lock|q:<its resources>,
 -- {ns}:held:<its owner>, {ns}:fence — all in the namespace's hash tag.
+-- SERVED is the queue wake_front is serving: the caller has already checked
+-- that the owner is alive, that LOCK's holders allow the entry and that no
+-- earlier entry of that queue conflicts with it, so those checks are not
+-- repeated for that resource (hand-off sits on the release's critical path).
 -- Returns true when granted.
-local function try_handoff(prefix, token, ttl_ms, limit)
+local function try_handoff(prefix, token, ttl_ms, limit, served)
   local req = prefix .. 'req:' .. token
   local st = redis.call('HMGET', req, 'state', 'seq', 'modes', 'res', 'nested')
   if st[1] ~= 'q' or not st[3] or not st[4] then return false end
   local owner = owner_of(token)
-  if owner_pttl(prefix, owner) < 0 then return false end
   local modes, names = st[3], split_names(st[4])
   local n = #modes
   if #names ~= n then return false end
   for i = 1, n do
-    local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
-    local hn = redis.call('HLEN', lock)
-    if hn > 0 then
-      if mode == 'x' then return false end
-      if hn == 1 and redis.call('HVALS', lock)[1] == 'x' then return false end
-    end
-  end
-  if st[5] ~= '1' then
-    for i = 1, n do
-      local mode = string.sub(modes, i, i)
-      local ahead = redis.call('ZRANGEBYSCORE', prefix .. 'q:' .. names[i], '-inf',
-        '(' .. st[2], 'LIMIT', 0, limit)
-      if #ahead >= limit then return false end
-      for _, m in ipairs(ahead) do
-        if conflicts(mode, string.sub(m, 1, 1)) then return false end
+    if prefix .. 'q:' .. names[i] ~= served then
+      local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
+      local hn = redis.call('HLEN', lock)
+      if hn > 0 then
+        if mode == 'x' then return false end
+        if hn == 1 and redis.call('HVALS', lock)[1] == 'x' then return false end
+      end
+      if st[5] ~= '1' then
+        local ahead = redis.call('ZRANGEBYSCORE', prefix .. 'q:' .. names[i], '-inf',
+          '(' .. st[2], 'LIMIT', 0, limit)
+        if #ahead >= limit then return false end
+        for _, m in ipairs(ahead) do
+          if conflicts(mode, string.sub(m, 1, 1)) then return false end
+        end
       end
     end
   end
@@ -132,9 +134,12 @@ local function try_handoff(prefix, token, ttl_ms, limit)
   redis.call('PEXPIRE', wk, ttl_ms)
   -- Leaving its other queues may let requests behind it follow (shared
   -- behind shared): wake those, without a further hand-off (bounded work).
+  -- The served queue is the caller's to go on with.
   for i = 1, n do
-    wake_front(prefix, prefix .. 'q:' .. names[i], prefix .. 'lock:' .. names[i],
-      limit, ttl_ms, true)
+    local q = prefix .. 'q:' .. names[i]
+    if q ~= served then
+      wake_front(prefix, q, prefix .. 'lock:' .. names[i], limit, ttl_ms, true)
+    end
   end
   return true
 end
@@ -166,14 +171,14 @@ wake_front = function(prefix, queue, lock, limit, ttl_ms, plain)
       redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
     elseif string.sub(m, 1, 1) == 'x' then
       if n == 0 and woken == 0 then
-        if plain or not try_handoff(prefix, t, ttl_ms, limit) then
+        if plain or not try_handoff(prefix, t, ttl_ms, limit, queue) then
           wake(prefix, t, ttl_ms)
         end
         woken = woken + 1
       end
       return woken
     else
-      if plain or not try_handoff(prefix, t, ttl_ms, limit) then
+      if plain or not try_handoff(prefix, t, ttl_ms, limit, queue) then
         wake(prefix, t, ttl_ms)
       end
       woken = woken + 1
