@@ -24,23 +24,31 @@ log = logging.getLogger("celery_redislock.worker")
 EX_EVICTED = 70
 
 
+#: Marks our wrapper of the billiard pool's ``on_process_down``.
+_HOOK_MARK = "_celery_redislock_hook"
+
+
+def _prefork_pool(w: Any) -> Any:
+    """The billiard pool inside a prefork TaskPool (None for other pools)."""
+    pool = getattr(w, "pool", None)
+    if pool is None:
+        return None
+    try:
+        from celery.concurrency.prefork import TaskPool as PreforkPool
+    except ImportError:  # pragma: no cover - billiard missing
+        return None
+    if not isinstance(pool, PreforkPool):
+        return None
+    return getattr(pool, "_pool", None)
+
+
 def pool_pids(w: Any) -> list[int]:
     """Pids of the prefork pool's child processes ([] for other pools).
 
     With threads, solo, gevent and eventlet pools, tasks run in the main
     process, which is always live.
     """
-    pool = getattr(w, "pool", None)
-    if pool is None:
-        return []
-    try:
-        from celery.concurrency.prefork import TaskPool as PreforkPool
-    except ImportError:  # pragma: no cover - billiard missing
-        return []
-    if not isinstance(pool, PreforkPool):
-        return []
-    inner = getattr(pool, "_pool", None)
-    procs = getattr(inner, "_pool", None) or []
+    procs = getattr(_prefork_pool(w), "_pool", None) or []
     return [int(p.pid) for p in list(procs) if getattr(p, "pid", None)]
 
 
@@ -140,6 +148,45 @@ class RedisLockNode(bootsteps.StartStopStep):
                 "node.start-error node=%s error=%s: retrying on every heartbeat", node.nodename, exc
             )
         node.start_heartbeat()
+        self._hook_pool(w)
+
+    def register_with_event_loop(self, w: Any, hub: Any) -> None:
+        # Steps register in reverse start order, so the prefork AsynPool
+        # installs its own on_process_down after this: chain ours once the
+        # loop runs (again after every consumer restart).
+        hub.call_soon(self._hook_pool, w)
+
+    def _hook_pool(self, w: Any) -> None:
+        """Chain :meth:`Node.child_exited` to the prefork pool's ``on_process_down``.
+
+        billiard calls it in the main process for every child it reaped
+        (``Pool._join_exited_workers``; the AsynPool runs that as soon as a
+        child's sentinel fd becomes readable, SIGKILL included), after the
+        child left the pool's process list: the node heartbeat then beats at
+        once and frees the child's locks, rather than at the next interval.
+        Idempotent; no-op for other pools.
+        """
+        inner, node = _prefork_pool(w), self.node
+        if inner is None or node is None:
+            return
+        previous = getattr(inner, "on_process_down", None)
+        if getattr(previous, _HOOK_MARK, False):
+            return
+
+        def on_process_down(proc: Any) -> None:
+            try:
+                if previous is not None:
+                    previous(proc)
+            finally:
+                try:
+                    pid = getattr(proc, "pid", None)
+                    if pid:
+                        node.child_exited(int(pid))
+                except Exception:  # never break the pool's bookkeeping
+                    log.debug("worker.process-down-hook-error", exc_info=True)
+
+        setattr(on_process_down, _HOOK_MARK, True)
+        inner.on_process_down = on_process_down
 
     def stop(self, w: Any) -> None:
         log.debug("worker.stopping: locks are released once the pool has drained")

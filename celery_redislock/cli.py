@@ -48,7 +48,8 @@ DEFAULT_NAMESPACE = "redislock"
 
 ERR_NO_URL = (
     "no Redis URL for the locks: set `redislock_url` in the app's configuration, "
-    "use a Redis broker, or pass --url redis://host:port/db"
+    "use a Redis broker, or pass --url redis://host:port/db "
+    "(or sentinel://host:26379[,host2:26379]/service_name[/db])"
 )
 
 
@@ -84,7 +85,11 @@ def resolve_connection(app: Any, url: str | None, namespace: str | None) -> tupl
             raise click.UsageError(f"{exc} (or pass --url / --namespace)") from exc
         # Another setting is refused: an incident tool still runs, on defaults.
         click.echo(f"warning: {exc}; using the default owner TTL", err=True)
-        final_url = url or view.get("redislock_url") or default_url(view.get("broker_url"))
+        final_url = (
+            url
+            or view.get("redislock_url")
+            or default_url(view.get("broker_url"), view.get("broker_transport_options"))
+        )
         if not final_url:
             raise click.UsageError(ERR_NO_URL) from exc
         return (

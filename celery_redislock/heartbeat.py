@@ -32,6 +32,7 @@ class Heartbeat:
         self._name = name
         self._pid: int | None = None
         self._stopped = False
+        self._wake = False
         self._lock = threading.Lock()
         #: Ticks completed by this process's thread (tests wait on it).
         self.ticks = 0
@@ -55,6 +56,14 @@ class Heartbeat:
         """Ask the thread to end; it exits within a fraction of a second."""
         self._stopped = True
 
+    def wake(self) -> None:
+        """Beat now (within one sleep slice) rather than at the next interval.
+
+        Only sets a flag, so it is safe from any thread or signal context;
+        wakes arriving before the thread picks the flag up make one beat.
+        """
+        self._wake = True
+
     def after_fork_in_child(self) -> None:
         """The parent's thread does not exist here; the next use starts one."""
         self._lock = threading.Lock()
@@ -66,9 +75,10 @@ class Heartbeat:
         next_at = time.monotonic() + self.interval
         while not self._stopped and self._pid == pid:
             now = time.monotonic()
-            if now < next_at:
+            if now < next_at and not self._wake:
                 real_sleep(min(_SLICE, next_at - now))
                 continue
+            self._wake = False
             next_at = now + self.interval
             try:
                 self._beat()

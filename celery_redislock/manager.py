@@ -25,6 +25,13 @@ import redis
 
 from ._threads import real_sleep, start_os_thread
 from .checks import EvictionCheck, check_eviction
+from .connect import (
+    client_from_url,
+    clone_client,
+    describe_client,
+    is_sentinel_url,
+    parse_sentinel_url,
+)
 from .exceptions import (
     ConfigurationError,
     InvalidResource,
@@ -67,8 +74,16 @@ def _socket_timeout(client: redis.Redis) -> float | None:
     if "socket_timeout" in kwargs:
         value = kwargs["socket_timeout"]
     else:
-        param = inspect.signature(pool.connection_class.__init__).parameters.get("socket_timeout")
-        value = 5.0 if param is None or param.default is inspect.Parameter.empty else param.default
+        # The first class in the MRO whose __init__ names socket_timeout
+        # (Connection and SentinelManagedConnection take **kwargs).
+        value = 5.0
+        for cls in pool.connection_class.__mro__:
+            init = cls.__dict__.get("__init__")
+            param = inspect.signature(init).parameters.get("socket_timeout") if init else None
+            if param is not None:
+                if param.default is not inspect.Parameter.empty:
+                    value = param.default
+                break
     return float(value) if value else None
 
 
@@ -119,7 +134,8 @@ class LockManager:
     """Acquire exclusive and shared Redis locks, all or nothing, fairly.
 
     Args:
-        redis_url: a ``redis://``, ``rediss://`` or ``unix://`` URL, or a
+        redis_url: a ``redis://``, ``rediss://``, ``unix://`` or
+            ``sentinel://`` URL (forms: :mod:`celery_redislock.connect`), or a
             ready :class:`redis.Redis` client (its pool is reused; replies may
             be bytes or str).
         namespace: keys live under the hash tag ``{namespace}``; managers,
@@ -186,15 +202,17 @@ class LockManager:
         self.queue_scan_limit = queue_scan_limit
         self.name = name
         if isinstance(redis_url, str):
-            self.url = redis_url
-            try:
-                self.client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=True)
-            except ValueError as exc:
-                raise ConfigurationError("redis_url", str(exc)) from exc
+            self.client: redis.Redis = client_from_url(redis_url, setting="redis_url")
+            # Display only (errors, status): a Sentinel URL in canonical form,
+            # its passwords masked.
+            self.url = (
+                parse_sentinel_url(redis_url).to_url(redacted=True)
+                if is_sentinel_url(redis_url)
+                else redis_url
+            )
         elif isinstance(redis_url, redis.Redis):
             self.client = redis_url
-            kw = redis_url.connection_pool.connection_kwargs
-            self.url = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+            self.url = describe_client(redis_url)
         else:
             raise ConfigurationError(
                 "redis_url",
@@ -203,7 +221,9 @@ class LockManager:
         timeout = _socket_timeout(self.client)
         #: Longest single BLPOP: below the client's socket timeout (a client
         #: made from a URL has redis-py's 5 s default, absent from its kwargs).
-        self._block_cap = max(0.05, timeout - min(1.0, timeout / 4)) if timeout else 30.0
+        #: Redis ends a blocking command up to 1/hz (100 ms) late: keep half of
+        #: a short timeout as margin (a 0.4 s socket timeout blocks 0.2 s).
+        self._block_cap = max(0.05, timeout - min(1.0, timeout / 2)) if timeout else 30.0
         self._scripts = Scripts(self.client)
         self._identity = IdentitySource(on_fork=self._after_fork_in_child)
         self._state_lock = threading.Lock()
@@ -553,11 +573,7 @@ class LockManager:
 
     def _heartbeat_client(self) -> redis.Redis:
         if self._hb_client is None or self._hb_client_pid != os.getpid():
-            kwargs = dict(self.client.connection_pool.connection_kwargs)
-            pool = self.client.connection_pool.__class__(
-                connection_class=self.client.connection_pool.connection_class, **kwargs
-            )
-            self._hb_client = redis.Redis(connection_pool=pool)
+            self._hb_client = clone_client(self.client)
             self._hb_client_pid = os.getpid()
         return self._hb_client
 

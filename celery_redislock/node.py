@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from .connect import clone_client
 from .exceptions import LockError
 from .heartbeat import Heartbeat
 from .manager import LockManager
@@ -219,10 +220,8 @@ class Node:
         key = threading.get_ident() if not _gevent_patched() else _real_ident()
         ops = self._ops_by_thread.get(key)
         if ops is None:
-            src = self.manager.client.connection_pool
-            pool = src.__class__(connection_class=src.connection_class, **src.connection_kwargs)
             ops = LockManager(
-                redis.Redis(connection_pool=pool),
+                clone_client(self.manager.client),
                 self.manager.namespace,
                 owner_ttl=self.manager.owner_ttl,
                 heartbeat_interval=self.manager.heartbeat_interval,
@@ -492,6 +491,22 @@ class Node:
             self.tick()
         except LockError as exc:
             log.error("node.heartbeat-error node=%s error=%s", self.nodename, exc)
+
+    def child_exited(self, pid: int) -> bool:
+        """A pool child with ``pid`` exited: beat now to free its locks.
+
+        Called by the pool's process-down hook (main process, after the
+        child was reaped). Makes no Redis call in the caller's thread: it
+        wakes the node heartbeat, whose tick reports the owners of pids that
+        are no longer live and re-checks each against the pool before
+        freeing it (race R5), so a live owner is never freed. Returns False,
+        and wakes nothing, when ``pid`` is still a running process.
+        """
+        if pid_alive(pid):
+            return False
+        log.debug("node.child-exited node=%s pid=%d: beating now", self.nodename, pid)
+        self._heartbeat.wake()
+        return True
 
     def start_heartbeat(self) -> None:
         """Start the node heartbeat in a real OS thread of this process."""

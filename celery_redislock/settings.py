@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .connect import is_sentinel_url, parse_sentinel_url, redact, validate_url
 from .exceptions import ConfigurationError
 from .keys import validate_namespace
 
 #: Broker URL schemes the lock engine can reuse as its own Redis URL.
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
 #: Values of ``redislock_eviction_check``.
 EVICTION_MODES = ("warn", "raise", "ignore")
 #: Values of ``locked(on_busy=...)``.
@@ -40,8 +41,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "redislock_url",
         "str",
-        "the broker URL when it is redis://, rediss:// or unix://",
-        "Redis URL of the lock engine; required when the broker is not Redis.",
+        "the broker URL when it is redis://, rediss://, unix:// or sentinel://",
+        "Redis URL of the lock engine (redis://, rediss://, unix:// or "
+        "sentinel://host:26379[,host2:26379]/service_name[/db]); required when "
+        "the broker is not Redis.",
     ),
     Setting(
         "redislock_namespace",
@@ -138,14 +141,53 @@ def _bool(name: str, value: Any) -> bool:
     raise ConfigurationError(name, f"must be True or False, not {value!r}")
 
 
-def default_url(broker_url: Any) -> str | None:
-    """The broker URL if the lock engine can use it (a Redis URL), else None."""
+def default_url(broker_url: Any, transport_options: Any = None) -> str | None:
+    """The broker URL if the lock engine can use it (a Redis URL), else None.
+
+    A kombu Sentinel broker (``sentinel://h1:26379;sentinel://h2:26379/db``
+    with ``broker_transport_options={'master_name': ...}``) becomes the
+    canonical ``sentinel://h1:26379,h2:26379/master_name/db``; Sentinel
+    credentials from ``transport_options['sentinel_kwargs']`` (``username``,
+    ``password``) are carried over. Without ``master_name`` (or with a
+    malformed Sentinel URL) it is None.
+    """
     if isinstance(broker_url, (list, tuple)):
-        broker_url = broker_url[0] if broker_url else None
+        items = [u for u in broker_url if isinstance(u, str)]
+        if items and all(is_sentinel_url(u) for u in items):
+            broker_url = ";".join(items)
+        else:
+            broker_url = broker_url[0] if broker_url else None
     if not isinstance(broker_url, str):
         return None
+    if is_sentinel_url(broker_url):
+        return _sentinel_broker_url(broker_url, transport_options)
     first = broker_url.split(";")[0].strip()
     return first if first.startswith(REDIS_SCHEMES) else None
+
+
+def _sentinel_broker_url(broker_url: str, transport_options: Any) -> str | None:
+    opts = transport_options if isinstance(transport_options, Mapping) else {}
+    master_name = opts.get("master_name")
+    if not isinstance(master_name, str) or not master_name:
+        return None
+    try:
+        spec = parse_sentinel_url(broker_url, setting="broker_url", master_name=master_name)
+    except ConfigurationError:
+        return None
+    extra = dict(spec.options)
+    sentinel_kwargs = opts.get("sentinel_kwargs")
+    if isinstance(sentinel_kwargs, Mapping):
+        for key in ("username", "password"):
+            if isinstance(sentinel_kwargs.get(key), str):
+                extra.setdefault(f"sentinel_{key}", sentinel_kwargs[key])
+    return type(spec)(
+        sentinels=spec.sentinels,
+        service_name=spec.service_name,
+        db=spec.db,
+        username=spec.username,
+        password=spec.password,
+        options=extra,
+    ).to_url()
 
 
 def load_config(conf: Mapping[str, Any]) -> Config:
@@ -158,17 +200,25 @@ def load_config(conf: Mapping[str, Any]) -> Config:
 
     url = get("redislock_url", None)
     if url is None:
-        url = default_url(get("broker_url", None))
+        broker = get("broker_url", None)
+        url = default_url(broker, get("broker_transport_options", None))
         if url is None:
+            first = broker[0] if isinstance(broker, (list, tuple)) and broker else broker
+            if isinstance(first, str) and is_sentinel_url(first):
+                raise ConfigurationError(
+                    "redislock_url",
+                    "is required: the sentinel:// broker gives no usable master "
+                    "(set broker_transport_options={'master_name': ...}) or set "
+                    "redislock_url to sentinel://host:26379[,host2:26379]/service_name[/db]",
+                )
             raise ConfigurationError(
                 "redislock_url",
                 "is required when the broker is not Redis (broker_url="
-                f"{get('broker_url', None)!r}); set it to a redis:// or rediss:// URL",
+                f"{redact(broker) if isinstance(broker, str) else broker!r}); "
+                "set it to a redis://, rediss:// or sentinel:// URL",
             )
-    elif not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
-        raise ConfigurationError(
-            "redislock_url", f"must be a redis://, rediss:// or unix:// URL, not {url!r}"
-        )
+    else:
+        url = validate_url(url, setting="redislock_url")
 
     namespace = get("redislock_namespace", None)
     if namespace is None:

@@ -37,14 +37,19 @@ class Worker:
     """A simulated worker incarnation in this process: manager + node."""
 
     def __init__(
-        self, url: str, nodename: str = "celery@host", iv: float = IV, **node_kw: object
+        self,
+        url: str,
+        nodename: str = "celery@host",
+        iv: float = IV,
+        ttl: float = TTL,
+        **node_kw: object,
     ) -> None:
         self.inc = new_incarnation()
         key = group_key(PREFIX, self.inc)
         self.mgr = LockManager(
             url,
             NS,
-            owner_ttl=TTL,
+            owner_ttl=ttl,
             heartbeat_interval=iv,
             heartbeat=False,
             group=lambda: key,
@@ -339,6 +344,39 @@ def test_dead_child_cleanup_cost_is_independent_of_keyspace(
         w.node.shutdown()
     assert deltas[0] == deltas[1]
     assert not any(k.startswith(("cmdstat_scan", "cmdstat_keys")) for k in deltas[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_child_exit_notice_beats_at_once_and_frees_the_dead_childs_locks(
+    workers: Callable[..., Worker], r: redis.Redis, redis_url: str
+) -> None:
+    w = workers(iv=30.0, ttl=90.0)  # a regular tick is 30 s away
+    w.node.start()
+    pid = fork_child_holding(redis_url, w.inc, "repo:child")  # exited and reaped
+    assert r.exists(f"{PREFIX}lock:repo:child")
+    w.node.start_heartbeat()
+
+    assert w.node.child_exited(pid) is True
+    wait_for(lambda: not r.exists(f"{PREFIX}lock:repo:child"), 10, "the child's lock freed")
+    wait_for(lambda: w.node.ticks >= 1, 10, "the woken tick to finish")
+    assert w.node.ticks == 1  # one beat, the woken one
+    assert r.hlen(group_key(PREFIX, w.inc)) == 0
+
+
+def test_child_exit_notice_for_a_live_pid_wakes_nothing_and_frees_nothing(
+    workers: Callable[..., Worker], r: redis.Redis
+) -> None:
+    w = workers()
+    w.node.start()
+    other_pid = os.getppid()  # a live process the pool reports as its child
+    w.children.add(other_pid)
+    r.hset(group_key(PREFIX, w.inc), "fake-owner", str(other_pid))
+    r.set(f"{PREFIX}alive:fake-owner", "x", px=500)
+
+    assert w.node.child_exited(other_pid) is False
+    assert not w.node._heartbeat._wake
+    assert w.node.tick().dead == []
+    assert r.hexists(group_key(PREFIX, w.inc), "fake-owner")
 
 
 def test_live_child_pid_is_refreshed_not_freed(

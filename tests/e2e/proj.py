@@ -14,6 +14,7 @@ test (each test gets its own broker queue, lock namespace and TTLs):
 ``E2E_HEARTBEAT``       ``redislock_heartbeat_interval`` (seconds)
 ``E2E_RECONCILE``       ``redislock_reconcile_interval`` (seconds)
 ``E2E_FAST_RESTART``    ``redislock_fast_restart_cleanup`` (``0``/``1``)
+``E2E_EVICTION_CHECK``  ``redislock_eviction_check`` (``warn``/``raise``/``ignore``)
 ======================  =========================================================
 
 Every key the tasks write for the test lives under ``e2e:`` (outside the lock
@@ -66,6 +67,8 @@ def _build() -> Celery:
             conf[setting] = value
     if os.environ.get("E2E_FAST_RESTART"):
         conf["redislock_fast_restart_cleanup"] = os.environ["E2E_FAST_RESTART"] == "1"
+    if os.environ.get("E2E_EVICTION_CHECK"):
+        conf["redislock_eviction_check"] = os.environ["E2E_EVICTION_CHECK"]
     app.conf.update(conf)
     return app
 

@@ -1,0 +1,59 @@
+"""End-to-end: the prefork pool's process-down hook frees a dead child's locks at once.
+
+The node heartbeat interval is 60 s (owner TTL 180 s): the first regular
+tick comes 60 s after the worker claimed its node record, so a SIGKILLed
+child's lock freed well before that can only be the pool hook's work
+(``on_process_down`` -> ``Node.child_exited`` -> an immediate beat).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import pytest
+
+from .harness import Cluster, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+INTERVAL_MS = 60_000
+
+
+def _redis_ms(c: Cluster) -> int:
+    sec, usec = c.lock_redis.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def test_sigkilled_child_lock_freed_by_pool_hook_long_before_the_next_heartbeat_tick(
+    cluster: Callable[..., Cluster],
+) -> None:
+    c = cluster(owner_ttl=180, heartbeat=60)
+    w = c.start_worker("hook", concurrency=1)
+    result = c.send("hold", "h1", "t1", 1)
+    held = c.wait_held("t1")
+    owner = held["owner"]
+    assert owner and owner in c.owners_holding("res:h1")
+    record = c.lock_redis.hgetall(c.key("node", w.nodename))
+    assert record["hb"] == "0", record  # no heartbeat tick yet
+    started_ms = int(record["hb_ms"])
+
+    os.kill(held["pid"], signal.SIGKILL)
+    wait_for(
+        lambda: owner not in c.owners_holding("res:h1"),
+        timeout=45,
+        what="the dead child's lock to be freed",
+        on_timeout=c.report,
+    )
+    freed_ms = _redis_ms(c)
+
+    # freed before a regular tick was even due (Redis TIME, no local clock)
+    assert freed_ms - started_ms < INTERVAL_MS, (freed_ms - started_ms, c.report())
+    wait_for(lambda: not c.lock_redis.exists(c.key("held", owner)), 10, "dead child's registry")
+    assert owner not in c.active_owners()
+    assert c.lock_redis.exists(c.key("alive", owner)) == 0
+    assert w.log_lines("cleanup.dead-owner", owner), w.tail()
+    # the redelivered task runs in the replacement child
+    done = result.get(timeout=90)
+    assert done["attempt"] == 2 and done["pid"] != held["pid"]
