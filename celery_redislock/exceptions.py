@@ -19,7 +19,12 @@ from collections.abc import Sequence
 
 
 class LockError(Exception):
-    """Root of every error raised by celery-redislock."""
+    """Root of every error raised by celery-redislock.
+
+    Subclasses keep their constructor arguments as ``args`` and build the
+    message in ``__str__``, so an error raised in a task survives pickling
+    and Celery's result backend (which rebuilds it as ``cls(*args)``).
+    """
 
 
 class LockTimeout(LockError):
@@ -31,7 +36,10 @@ class LockTimeout(LockError):
     def __init__(self, resources: Sequence[str], timeout: float | None) -> None:
         self.resources = tuple(resources)
         self.timeout = timeout
-        super().__init__(f"locks not granted within {timeout}s: {', '.join(self.resources)}")
+        super().__init__(list(self.resources), timeout)
+
+    def __str__(self) -> str:
+        return f"locks not granted within {self.timeout}s: {', '.join(self.resources)}"
 
 
 class LockLost(LockError):
@@ -45,9 +53,12 @@ class LockLost(LockError):
         self.resources = tuple(resources)
         self.owner_id = owner_id
         self.fencing_token = fencing_token
-        super().__init__(
-            f"lease lost (owner {owner_id} lost its liveness): {', '.join(self.resources)}; "
-            f"fencing token {fencing_token} is stale"
+        super().__init__(list(self.resources), owner_id, fencing_token)
+
+    def __str__(self) -> str:
+        return (
+            f"lease lost (owner {self.owner_id} lost its liveness): "
+            f"{', '.join(self.resources)}; fencing token {self.fencing_token} is stale"
         )
 
 
@@ -55,8 +66,12 @@ class InvalidResource(LockError, ValueError):
     """A resource name or the shape of a request was refused before any I/O."""
 
     def __init__(self, message: str, resource: object = None) -> None:
+        self.message = message
         self.resource = resource
-        super().__init__(message)
+        super().__init__(message, resource)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class ConfigurationError(LockError, ValueError):
@@ -64,14 +79,22 @@ class ConfigurationError(LockError, ValueError):
 
     def __init__(self, setting: str, message: str) -> None:
         self.setting = setting
-        super().__init__(f"{setting}: {message}")
+        self.message = message
+        super().__init__(setting, message)
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.message}"
 
 
 class RedisUnavailable(LockError):
     """Redis could not be reached or answered with a connection error."""
 
-    def __init__(self, url: str, cause: BaseException) -> None:
+    def __init__(self, url: str, cause: BaseException | str) -> None:
         # Never carry a password into messages and logs.
-        self.url = url = re.sub(r"^([^:/?#]+://[^:@/]*:)[^@/]*@", r"\1***@", url)
+        self.url = re.sub(r"^([^:/?#]+://[^:@/]*:)[^@/]*@", r"\1***@", url)
         self.cause = cause
-        super().__init__(f"Redis at {url} is unavailable: {cause}")
+        # The cause travels as text: an exception object does not survive JSON.
+        super().__init__(self.url, str(cause))
+
+    def __str__(self) -> str:
+        return f"Redis at {self.url} is unavailable: {self.cause}"
