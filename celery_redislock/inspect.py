@@ -18,10 +18,11 @@ was read; re-run the command to see a later state.
 Node information (which Celery worker and incarnation an owner belongs to)
 is optional. For node names the caller gives, it comes from the node record
 ``{ns}:node:<name>`` (its ``inc`` field), that incarnation's group hash
-``{ns}:group:<inc>`` (owner -> pid) and tombstone ``{ns}:tomb:<inc>``. An
-owner whose liveness value carries ``inc=`` (and ``node=`` or ``name=``)
-fields is labelled without being asked. Owners of a plain
-:class:`LockManager` have none. Nodes are never searched for in the keyspace.
+``{ns}:group:<inc>`` (owner -> process tag, see ``identity.process_tag``)
+and tombstone ``{ns}:tomb:<inc>``. An owner whose liveness value carries
+``inc=`` (and ``node=`` or ``name=``) fields is labelled without being
+asked. Owners of a plain :class:`LockManager` have none. Nodes are never
+searched for in the keyspace.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import redis
 
 from .checks import check_eviction
 from .exceptions import RedisUnavailable
+from .identity import pid_of_tag
 from .keys import validate_resource
 from .manager import LockManager
 
@@ -196,7 +198,8 @@ class NodeInfo:
 
     ``record`` is the hash as stored (``inc``, ``hb``, ``hb_ms``, ``iv``,
     ``pid``, ``host``, ...); ``owners`` maps each owner of the current
-    incarnation's group ``{ns}:group:<inc>`` to its pid.
+    incarnation's group ``{ns}:group:<inc>`` to its pid (parsed from the
+    process tag stored there).
     """
 
     name: str
@@ -567,7 +570,7 @@ class Inspector:
             if isinstance(group, dict):
                 for k, v in group.items():
                     try:
-                        owners[_text(k)] = int(_text(v))
+                        owners[_text(k)] = pid_of_tag(_text(v))
                     except ValueError:
                         owners[_text(k)] = -1
             tomb = bool(t) and not isinstance(t, Exception)

@@ -156,8 +156,9 @@ class LockManager:
             key, as the Celery worker's main process does for its children.
         group: a callable returning the key of a group hash
             (``{ns}:group:<id>``) that the owner registers itself in
-            (``owner -> pid``) on its first acquire, or None. The Celery
-            integration groups a worker incarnation's owners this way.
+            (``owner -> process tag``, see ``identity.process_tag``) on its
+            first acquire, or None. The Celery integration groups a worker
+            incarnation's owners this way.
 
     Redis cost: acquire (per attempt), release, heartbeat and
     ``contenders()`` are one round trip each; nothing ever SCANs the keyspace.
@@ -434,7 +435,7 @@ class LockManager:
             self.keys.prefix,
             self._req_ttl_arg,
             self._limit_arg,
-            str(ident.pid),
+            ident.tag if group is not None else "",
         ]
         return self._call("acquire", keys, args)
 

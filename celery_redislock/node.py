@@ -32,6 +32,7 @@ import redis
 from .connect import clone_client
 from .exceptions import LockError
 from .heartbeat import Heartbeat
+from .identity import pid_of_tag, read_proc_stat
 from .manager import LockManager
 from .reports import CleanupReport
 
@@ -54,7 +55,11 @@ def node_key(prefix: str, nodename: str) -> str:
 
 
 def group_key(prefix: str, incarnation: str) -> str:
-    """``{ns}:group:<inc>``: owner id -> pid of one incarnation's owners."""
+    """``{ns}:group:<inc>``: owner id -> process tag of one incarnation's owners.
+
+    The value is ``identity.process_tag`` of the owner's process
+    (``"<pid>.<starttime>"``), or a bare pid from an older registration.
+    """
     return f"{prefix}group:{incarnation}"
 
 
@@ -67,9 +72,17 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _pairs(values: Iterable[Any]) -> list[tuple[str, int]]:
+def _pid(tag: str) -> int:
+    try:
+        return pid_of_tag(tag)
+    except ValueError:
+        return -1
+
+
+def _pairs(values: Iterable[Any]) -> list[tuple[str, str]]:
+    """``(owner, process tag)`` pairs of a flat reply."""
     flat = [_text(v) for v in values]
-    return [(o, int(p)) for o, p in zip(flat[::2], flat[1::2])]
+    return list(zip(flat[::2], flat[1::2]))
 
 
 def _proc_status(pid: int) -> tuple[str, int] | None:
@@ -77,13 +90,38 @@ def _proc_status(pid: int) -> tuple[str, int] | None:
 
     Raises OSError where /proc is not available.
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode("ascii", "replace")
-    except FileNotFoundError:
+    st = read_proc_stat(pid)
+    return None if st is None else (st[0], st[1])
+
+
+def live_tag(pid: int) -> str | None:
+    """The process tag of ``pid`` if it is a running process, else None.
+
+    ``"<pid>.<starttime>"`` from ``/proc/<pid>/stat`` (a pid whose stat
+    cannot be read, or a zombie, is not live); where /proc is unavailable,
+    ``"<pid>"`` if the pid exists.
+    """
+    if pid <= 0:
         return None
-    rest = data[data.rfind(")") + 2 :].split()
-    return rest[0], int(rest[1])
+    try:
+        st = read_proc_stat(pid)
+    except OSError:
+        return str(pid) if pid_alive(pid) else None
+    if st is None or st[0] in ("Z", "X"):
+        return None
+    return f"{pid}.{st[2]}"
+
+
+def _same_process(recorded: str, current: str | None) -> bool:
+    """Whether a group value names the live process tagged ``current``.
+
+    A bare pid (older registration, or no /proc) compares by pid only.
+    """
+    if current is None:
+        return False
+    if "." not in recorded or "." not in current:
+        return _pid(recorded) == _pid(current)
+    return recorded == current
 
 
 def pid_alive(pid: int) -> bool:
@@ -397,7 +435,15 @@ class Node:
 
     def _tick_locked(self) -> TickResult:
         me = os.getpid()
-        live = {p for p in self._pids() if pid_alive(p)} | {me}
+        # Live processes by tag (pid + start time: a reused pid does not
+        # match a dead owner's tag, race R6), and by bare pid for group
+        # values registered without a start time.
+        live: set[str] = {str(me)}
+        for pid in self._pids() | {me}:
+            tag = live_tag(pid)
+            if tag is not None:
+                live.add(tag)
+                live.add(str(pid))
         reply = self._run(
             "node_heartbeat",
             [self.node_key, self.group_key, self.tomb_key],
@@ -409,7 +455,7 @@ class Node:
                 "1" if self.state == "owner" else "0",
                 str(self._iv_ms),
                 *self._record_args(),
-                *(str(p) for p in sorted(live)),
+                *sorted(live),
             ],
         )
         if _text(reply[0]) == "evicted":
@@ -422,13 +468,14 @@ class Node:
         lost = _pairs(reply[8])
         if dead:
             fresh = self._pids()
-            for owner, pid in dead:
-                if pid_alive(pid) and (pid in fresh or _our_live_child(pid)):
+            for owner, tag in dead:
+                pid = _pid(tag)
+                if _same_process(tag, live_tag(pid)) and (pid in fresh or _our_live_child(pid)):
                     continue  # forked after we read the pool's pids (race R5)
                 self._free(owner, pid, "dead", result)
                 result.dead.append(owner)
-        for owner, pid in lost:
-            self._free(owner, pid, "lost", result)
+        for owner, tag in lost:
+            self._free(owner, _pid(tag), "lost", result)
             result.lost.append(owner)
         if owned:
             self.state = "owner"

@@ -11,6 +11,7 @@ The helpers here are reused by tests/test_cli.py.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -409,6 +410,7 @@ def test_owners_of_a_named_node_are_labelled_from_its_record_and_group(
     node = insp.node("celery@w1")
     assert node is not None and node.incarnation == "inc1"
     assert list(node.owners) == [child.owner_id] and node.record["hb"] == "3"
+    assert node.owners[child.owner_id] == os.getpid()  # parsed from the process tag
     assert insp.node("celery@nowhere") is None
     labelled = {o.owner_id: o for o in insp.owners(nodes=["celery@w1", "celery@nowhere"])}
     assert (labelled[child.owner_id].node, labelled[child.owner_id].incarnation) == (

@@ -9,6 +9,7 @@ which are measured by Redis TIME and waited for with a polling helper.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ import pytest
 import redis
 
 from celery_redislock import LockManager
+from celery_redislock.identity import parse_proc_stat, pid_of_tag, process_tag, read_proc_stat
 from celery_redislock.node import Node, group_key, new_incarnation, node_key, tomb_key
 
 NS = "nodetest"
@@ -307,7 +309,7 @@ def test_dead_child_locks_freed_in_one_tick_and_group_entry_removed(
     w.node.start()
     main_lease = w.mgr.acquire("main:1", timeout=1)
     pid = fork_child_holding(redis_url, w.inc, "repo:child")
-    group = {k.decode(): int(v) for k, v in r.hgetall(group_key(PREFIX, w.inc)).items()}
+    group = {k.decode(): pid_of_tag(v) for k, v in r.hgetall(group_key(PREFIX, w.inc)).items()}
     assert pid in group.values()
     child_owner = next(o for o, p in group.items() if p == pid)
     assert r.exists(f"{PREFIX}lock:repo:child")
@@ -379,12 +381,13 @@ def test_child_exit_notice_for_a_live_pid_wakes_nothing_and_frees_nothing(
     assert r.hexists(group_key(PREFIX, w.inc), "fake-owner")
 
 
-def test_live_child_pid_is_refreshed_not_freed(
+def test_live_child_registered_as_bare_pid_is_refreshed_not_freed(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
     w = workers()
     w.node.start()
     # A live "child" whose pid the pool reports: simulate with our parent's pid.
+    # Its group value is a bare pid (an older registration): compared by pid.
     other_pid = os.getppid()
     w.children.add(other_pid)
     r.hset(group_key(PREFIX, w.inc), "fake-owner", str(other_pid))
@@ -392,6 +395,71 @@ def test_live_child_pid_is_refreshed_not_freed(
     res = w.node.tick()
     assert res.dead == [] and res.lost == []
     assert r.pttl(f"{PREFIX}alive:fake-owner") > 1000
+
+
+def test_process_tag_is_pid_and_start_time_parsed_after_the_last_paren() -> None:
+    fields = ["S", "4242"] + [str(n) for n in range(5, 22)] + ["987654", "0", "0"]
+    # Field 22 (starttime) is the 20th field after the command name, which
+    # may contain spaces and parentheses.
+    line = "1234 (evil) name (x)) " + " ".join(fields) + "\n"
+    assert parse_proc_stat(line) == ("S", 4242, 987654)
+    with pytest.raises(ValueError):
+        parse_proc_stat("1234 (truncated) S 1")
+    assert pid_of_tag("1234.987654") == 1234
+    assert pid_of_tag(b"1234.987654") == 1234
+    assert pid_of_tag("1234") == 1234  # a bare pid (older registration)
+    with pytest.raises(ValueError):
+        pid_of_tag("not-a-tag")
+    me = os.getpid()
+    if sys.platform.startswith("linux"):
+        with open(f"/proc/{me}/stat") as f:
+            start = parse_proc_stat(f.read())[2]
+        assert process_tag(me) == f"{me}.{start}"
+    assert pid_of_tag(process_tag(me)) == me
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_dead_owner_whose_pid_was_reused_by_a_live_child_is_freed_not_refreshed(
+    workers: Callable[..., Worker], r: redis.Redis, redis_url: str
+) -> None:
+    w = workers()
+    w.node.start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        w.children.add(child.pid)
+        st = read_proc_stat(child.pid)
+        assert st is not None
+        key = group_key(PREFIX, w.inc)
+        made = [
+            LockManager(redis_url, NS, owner_ttl=TTL, heartbeat=False, group=lambda: key)
+            for _ in range(2)
+        ]
+        try:
+            dead_mgr, live_mgr = made
+            dead_mgr.acquire("repo:old", timeout=5)
+            live_lease = live_mgr.acquire("repo:new", timeout=5)
+            # The dead owner's process had the child's pid but started earlier:
+            # the pid was reused by the live child (race R6).
+            r.hset(key, dead_mgr.owner_id, f"{child.pid}.{st[2] - 1}")
+            # The live child's own owner carries its real tag.
+            r.hset(key, live_mgr.owner_id, f"{child.pid}.{st[2]}")
+            r.pexpire(f"{PREFIX}alive:{live_mgr.owner_id}", 500)
+
+            res = w.node.tick()
+            assert res.dead == [dead_mgr.owner_id] and res.lost == []
+            assert not r.exists(f"{PREFIX}lock:repo:old")
+            assert not r.hexists(key, dead_mgr.owner_id)
+            assert not r.sismember(f"{PREFIX}owners", dead_mgr.owner_id)
+            # The live child is refreshed, not freed.
+            assert r.hexists(f"{PREFIX}lock:repo:new", live_lease.token)
+            assert r.hexists(key, live_mgr.owner_id)
+            assert r.pttl(f"{PREFIX}alive:{live_mgr.owner_id}") > 1000
+        finally:
+            for m in made:
+                m.close()
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_owner_whose_liveness_vanished_is_reported_lost_and_its_leases_marked(

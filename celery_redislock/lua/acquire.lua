@@ -11,8 +11,9 @@
 --   7        {ns}:wake:<token>   this request's wake list
 --   8..7+n   {ns}:lock:<res>     lock hashes, one per resource
 --   8+n..7+2n {ns}:q:<res>       wait queues (zsets), same order
---   8+2n     (optional) {ns}:group:<id>  hash owner -> pid of a group of
---            owners (a Celery worker incarnation), written on registration
+--   8+2n     (optional) {ns}:group:<id>  hash owner -> process tag of a
+--            group of owners (a Celery worker incarnation), written on
+--            registration
 -- Keys read from locks and queues (other owners' alive, req, wake, contend
 -- and held keys) are built from ARGV[8] and stay in the same hash tag.
 --
@@ -27,7 +28,9 @@
 --   8 key prefix '{ns}:'
 --   9 request TTL in ms (queued request state, wake list)
 --  10 queue scan limit (entries looked at per queue)
---  11 pid recorded in the group hash (only read when KEYS[8+2n] is given)
+--  11 process tag recorded in the group hash: '<pid>.<starttime>' (field 22
+--     of /proc/<pid>/stat, so a reused pid does not match), or '<pid>' where
+--     /proc is unavailable (only read when KEYS[8+2n] is given)
 --
 -- Atomic steps:
 --   1. Register (SET NX PX, and the group entry) when asked; otherwise a missing liveness key means

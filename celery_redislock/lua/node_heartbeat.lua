@@ -4,7 +4,8 @@
 --
 -- KEYS (in {ns}):
 --   1 {ns}:node:<nodename>  node record (hash)
---   2 {ns}:group:<inc>      our group: owner id -> pid
+--   2 {ns}:group:<inc>      our group: owner id -> process tag
+--                           ('<pid>.<starttime>', or a bare '<pid>')
 --   3 {ns}:tomb:<inc>       our tombstone (set by a successor that evicted us)
 -- Liveness keys {ns}:alive:<owner> are built from ARGV[3] and the owner ids
 -- read from KEYS[2]; they stay in the same hash tag.
@@ -17,19 +18,24 @@
 --   5 '1' if the record should be ours (re-created if it vanished), else '0'
 --   6 our heartbeat interval, ms (stored in the record)
 --   7 pid, 8 host, 9 start time: fields for a re-created record
---   10.. pids that are live (the main process and live pool children)
+--   10.. live processes (the main process and live pool children), each
+--        as its process tag '<pid>.<starttime>' and as its bare '<pid>' (the
+--        latter matches only group values registered as a bare pid; a
+--        tag with another start time, a dead process whose pid was reused,
+--        matches neither)
 --
 -- Atomic steps:
 --   1. Tombstone set: refresh nothing, reply {'evicted'}.
---   2. For each group owner: pid live -> PEXPIRE its liveness key (a missing
---      key is not re-created: the owner is lost); pid not live -> dead.
+--   2. For each group owner: its value among the live ones -> PEXPIRE its
+--      liveness key (a missing key is not re-created: the owner is lost);
+--      otherwise -> dead.
 --   3. Record ours -> HINCRBY hb, hb_ms = TIME; missing and ARGV[5] = '1'
 --      -> re-created as ours; another incarnation's -> untouched.
 --
 -- Reply:
 --   {'evicted'}
---   {'ok', owned (0|1), inc, hb, hb_ms, iv, now_ms, {dead owner, pid, ...},
---    {lost owner, pid, ...}}   inc/hb/hb_ms/iv: the record ('' if none)
+--   {'ok', owned (0|1), inc, hb, hb_ms, iv, now_ms, {dead owner, tag, ...},
+--    {lost owner, tag, ...}}   inc/hb/hb_ms/iv: the record ('' if none)
 
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {'evicted'}

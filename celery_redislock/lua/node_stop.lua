@@ -2,7 +2,7 @@
 --
 -- KEYS (in {ns}):
 --   1 {ns}:node:<nodename>  node record (hash)
---   2 {ns}:group:<inc>      our group: owner id -> pid
+--   2 {ns}:group:<inc>      our group: owner id -> process tag
 --
 -- ARGV:
 --   1 our incarnation id
