@@ -58,14 +58,18 @@ end
 
 -- Next fencing token: one above the last, never below the server clock in
 -- microseconds, so it stays monotonic across a restart without persistence.
+-- (SET ... GET, Redis >= 6.2: one call in the usual case, where the clock
+-- is ahead of the counter; a second SET when it is not.)
 local function next_fence(key)
   local t = redis.call('TIME')
   local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local last = tonumber(redis.call('GET', key) or '0')
-  local f = last + 1
-  if now_us > f then f = now_us end
-  redis.call('SET', key, string.format('%.0f', f))
-  return f
+  local last = tonumber(redis.call('SET', key, string.format('%.0f', now_us), 'GET') or '0')
+  if last + 1 > now_us then
+    local f = last + 1
+    redis.call('SET', key, string.format('%.0f', f))
+    return f
+  end
+  return now_us
 end
 
 -- Resource names stored in a request's state, '\n'-separated (names never
@@ -128,8 +132,9 @@ local function try_handoff(prefix, token, ttl_ms, limit, served)
   end
   redis.call('HSET', req, 'state', 'g', 'fence', fence)
   redis.call('PEXPIRE', req, ttl_ms)
+  -- LPUSH puts the grant at the head, where BLPOP pops first; a stale plain
+  -- wake behind it is deleted with the request's other keys at release.
   local wk = prefix .. 'wake:' .. token
-  redis.call('DEL', wk)
   redis.call('LPUSH', wk, 'g' .. fence)
   redis.call('PEXPIRE', wk, ttl_ms)
   -- Leaving its other queues may let requests behind it follow (shared
