@@ -31,6 +31,7 @@ from .connect import (
     describe_client,
     is_sentinel_url,
     parse_sentinel_url,
+    redact,
 )
 from .exceptions import (
     ConfigurationError,
@@ -204,12 +205,12 @@ class LockManager:
         self.name = name
         if isinstance(redis_url, str):
             self.client: redis.Redis = client_from_url(redis_url, setting="redis_url")
-            # Display only (errors, status): a Sentinel URL in canonical form,
-            # its passwords masked.
+            # Display only (errors, logs, status): a Sentinel URL in canonical
+            # form; every password masked.
             self.url = (
                 parse_sentinel_url(redis_url).to_url(redacted=True)
                 if is_sentinel_url(redis_url)
-                else redis_url
+                else redact(redis_url)
             )
         elif isinstance(redis_url, redis.Redis):
             self.client = redis_url
@@ -599,6 +600,7 @@ class LockManager:
 
     def _lost_watch_loop(self) -> None:
         pid = os.getpid()
+        outage = False
         while not self._closed and self._watch_pid == pid:
             try:
                 ident = self._identity.peek()
@@ -607,10 +609,22 @@ class LockManager:
                     continue
                 client = self._heartbeat_client()
                 got = client.blpop([self.keys.lost(ident.owner_id)], timeout=self._block_cap)
+                if outage:
+                    outage = False
+                    log_heartbeat.info("heartbeat.watch-resumed url=%s", self.url)
                 if got is not None:
                     self._owner_lost(ident, "declared-dead")
                 self._retry_orphans(client)
-            except Exception:  # the watcher must outlive a Redis outage
+            except _REDIS_DOWN as exc:  # an outage: one line, not a traceback a second
+                if not outage and not self._closed:
+                    outage = True
+                    log_heartbeat.warning(
+                        "heartbeat.watch-unavailable url=%s error=%s: retrying every second",
+                        self.url,
+                        exc,
+                    )
+                real_sleep(1.0)
+            except Exception:  # the watcher must outlive anything else too
                 log_heartbeat.exception("heartbeat.watch-error")
                 real_sleep(1.0)
 

@@ -59,3 +59,14 @@ def test_error_survives_celerys_json_result_backend_with_its_fields(exc: LockErr
 def test_unavailable_redis_error_never_shows_the_password() -> None:
     exc = ERRORS[-1]
     assert "secret" not in str(exc) and "secret" not in repr(exc.args)
+
+
+def test_manager_url_shown_in_logs_and_errors_hides_the_password() -> None:
+    from celery_redislock import LockManager
+
+    mgr = LockManager("redis://user:secret@127.0.0.1:1/0")
+    try:
+        assert "secret" not in mgr.url
+        assert mgr.url == "redis://user:***@127.0.0.1:1/0"
+    finally:
+        mgr.close()
