@@ -209,6 +209,11 @@ class RedisLock:
         with self._lock:
             self.incarnation = incarnation
             self._manager = self._make_manager(worker=True)
+            # The node heartbeat covers this process's owner (it marks its
+            # leases lost); a watcher thread here would only be one more real
+            # thread blocked in Redis at interpreter exit (under eventlet that
+            # crashed the worker at shutdown). Forked children still watch.
+            self._manager._lost_watch_exempt_pid = os.getpid()
             return self._manager
 
     def _leave_worker(self) -> None:

@@ -237,6 +237,10 @@ class LockManager:
         self._heartbeat = Heartbeat(self.heartbeat_interval, self._beat, "redislock-heartbeat")
         self._own_heartbeat = bool(heartbeat)
         self._watch_pid = 0
+        #: A process whose owners something else watches (the Celery worker's
+        #: main process: its node heartbeat marks that owner's leases lost):
+        #: no lost-owner watcher thread there. Pool children still get one.
+        self._lost_watch_exempt_pid = 0
         self._closed = False
         self._group = group
 
@@ -591,6 +595,8 @@ class LockManager:
         re-blocking every ``_block_cap`` seconds.
         """
         if self._watch_pid == os.getpid() or self._closed:
+            return
+        if os.getpid() == self._lost_watch_exempt_pid:
             return
         with self._state_lock:
             if self._watch_pid == os.getpid():

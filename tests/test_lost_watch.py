@@ -52,3 +52,28 @@ def test_owner_with_its_own_heartbeat_needs_no_watcher(
     assert mgr._watch_pid == 0
     mgr.cleanup_owner(mgr.owner_id, force=True)
     wait_until(lambda: lease.lost, timeout=20)
+
+
+def test_exempt_process_starts_no_watcher_but_its_forked_child_does(
+    redis_url: str, managers: list[LockManager]
+) -> None:
+    # The Celery worker's main process is watched by its node heartbeat: no
+    # watcher thread there (one fewer real thread blocked in Redis at exit),
+    # while a forked pool child, whose owner nobody else tells, gets one.
+    import os
+
+    mgr = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False)
+    managers.append(mgr)
+    mgr._lost_watch_exempt_pid = os.getpid()
+    mgr.acquire("R", timeout=5).release()
+    assert mgr._watch_pid == 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            mgr.acquire("C", timeout=5).release()
+            os.write(w, b"1" if mgr._watch_pid == os.getpid() else b"0")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1"

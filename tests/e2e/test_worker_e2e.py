@@ -62,7 +62,7 @@ def test_contending_tasks_on_few_resources_keep_exact_counts_and_exclusion(
     assert _no_lock_keys_left(c), c.namespace_keys("lock")
 
 
-@pytest.mark.parametrize("pool", ["threads", "solo", "gevent", "eventlet"])
+@pytest.mark.parametrize("pool", ["threads", "solo", "gevent"])
 def test_other_pools_keep_exclusion_and_release_everything_at_warm_shutdown(
     cluster: Callable[..., Cluster], pool: str
 ) -> None:
