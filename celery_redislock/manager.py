@@ -485,8 +485,9 @@ class LockManager:
 
     # -- release ----------------------------------------------------------
 
-    def _release_keys(self, owner_id: str, token: str, req: _Request) -> list[str]:
-        return [
+    def _run_release(self, owner_id: str, token: str, req: _Request, client: Any = None) -> Any:
+        """Run release.lua for one request (release its grant, leave its queues)."""
+        keys = [
             self.keys.held(owner_id),
             self.keys.req(token),
             self.keys.wake(token),
@@ -494,25 +495,13 @@ class LockManager:
             *req.lock_keys,
             *req.queue_keys,
         ]
-
-    def _release_args(self, owner_id: str, token: str, req: _Request) -> list[str]:
-        return [
-            owner_id,
-            token,
-            req.modes,
-            self.keys.prefix,
-            self._req_ttl_arg,
-            self._limit_arg,
-        ]
+        args = [owner_id, token, req.modes, self.keys.prefix, self._req_ttl_arg, self._limit_arg]
+        return self._call("release", keys, args, client=client)
 
     def _end_request(self, owner_id: str, token: str, req: _Request) -> None:
         """Release or dequeue a request that is not returning a lease."""
         try:
-            self._call(
-                "release",
-                self._release_keys(owner_id, token, req),
-                self._release_args(owner_id, token, req),
-            )
+            self._run_release(owner_id, token, req)
         except BaseException as exc:  # even a second interrupt must not strand a grant
             with self._state_lock:
                 self._orphans[token] = req
@@ -540,11 +529,7 @@ class LockManager:
             self._leases.pop(lease.token, None)
         req = lease._request
         try:
-            reply = self._call(
-                "release",
-                self._release_keys(lease.owner_id, lease.token, req),
-                self._release_args(lease.owner_id, lease.token, req),
-            )
+            reply = self._run_release(lease.owner_id, lease.token, req)
         except BaseException:
             with self._state_lock:
                 self._orphans[lease.token] = req
@@ -655,12 +640,7 @@ class LockManager:
             orphans = list(self._orphans.items())
         for token, req in orphans:
             owner_id = token.split("|", 1)[0]
-            self._call(
-                "release",
-                self._release_keys(owner_id, token, req),
-                self._release_args(owner_id, token, req),
-                client=client,
-            )
+            self._run_release(owner_id, token, req, client=client)
             with self._state_lock:
                 self._orphans.pop(token, None)
             log_release.info("release.retried token=%s", token)

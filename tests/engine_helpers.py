@@ -16,14 +16,18 @@ the test modules and keeps every child target at module level.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -36,9 +40,13 @@ DEADLINE = 20.0
 
 
 def wait_until(
-    cond: Callable[[], Any], timeout: float = DEADLINE, interval: float = 0.005, what: str = ""
+    cond: Callable[[], Any], timeout: float = DEADLINE, what: str = "", *, interval: float = 0.005
 ) -> Any:
-    """Return ``cond()`` once it is truthy; fail the test after ``timeout`` seconds."""
+    """Return ``cond()`` once it is truthy; fail the test after ``timeout`` seconds.
+
+    The one polling helper of the suite (engine, fairness, inspect, node and
+    quick Celery tests): it waits on a condition, never a fixed sleep.
+    """
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
@@ -389,3 +397,18 @@ def check_event_log(events: list[str]) -> dict[str, int]:
             assert now.pop(ident) == mode, event
     assert all(not now for now in inside.values()), inside
     return most
+
+
+def run_scenario(script: str, redis_url: str, scenario: str) -> dict[str, Any]:
+    """Run ``tests/scripts/<script>`` (a monkey-patching engine scenario) in a
+    fresh interpreter and return the JSON object it prints last."""
+    path = Path(__file__).parent / "scripts" / script
+    proc = subprocess.run(
+        [sys.executable, str(path), redis_url, scenario],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result

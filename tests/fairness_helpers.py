@@ -1,7 +1,8 @@
 """Helpers for tests/test_fairness.py: waiters in forked processes and threads.
 
-- :func:`wait_until`: poll a condition every few ms up to a generous deadline
-  (the only way these tests wait; nothing sleeps to synchronise).
+- :func:`wait_until` (from engine_helpers): poll a condition every few ms up
+  to a generous deadline (the only way these tests wait; nothing sleeps to
+  synchronise).
 - :func:`client`: a ``redis.Redis`` with str replies and *no* socket timeout,
   so a waiter's BLPOP is capped only by ``owner_ttl`` and the liveness
   deadline the acquire script returns: a test that sees a prompt grant then
@@ -26,6 +27,7 @@ from typing import Any
 import redis
 
 from celery_redislock import LockManager, LockTimeout
+from engine_helpers import wait_until
 
 #: Namespace of every lock in the fairness tests.
 NS = "fair"
@@ -36,20 +38,6 @@ LOG = "test:log"
 DEADLINE = 20.0
 
 FORK = multiprocessing.get_context("fork")
-
-
-def wait_until(
-    cond: Callable[[], Any], timeout: float = DEADLINE, interval: float = 0.005, what: str = ""
-) -> Any:
-    """Return ``cond()`` once it is truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {what or cond}")
-        time.sleep(interval)
 
 
 def client(url: str, socket_timeout: float | None = None) -> redis.Redis:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +28,10 @@ from celery_redislock import (
     locked,
 )
 from celery_redislock.settings import SETTINGS, load_config, markdown_table
+from engine_helpers import wait_until as wait_for
 
 NS = "quick"
 PREFIX = "{" + NS + "}:"
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def make_app(redis_url: str, **conf: Any) -> Celery:

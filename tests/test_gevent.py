@@ -4,29 +4,18 @@ greenlet leaves the queue, and the heartbeat is a real OS thread."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from engine_helpers import run_scenario
 
 # Only look for it: importing gevent here would hook fork() in the test process.
 if importlib.util.find_spec("gevent") is None:
     pytest.skip("gevent is not installed", allow_module_level=True)
 
-SCRIPT = Path(__file__).parent / "scripts" / "gevent_engine.py"
-
 
 def run(redis_url: str, scenario: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), redis_url, scenario],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_scenario("gevent_engine.py", redis_url, scenario)
 
 
 def test_greenlets_are_served_in_arrival_order_without_overlap(redis_url: str) -> None:

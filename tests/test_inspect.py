@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,23 +23,13 @@ import redis
 
 from celery_redislock import LockManager, LockTimeout
 from celery_redislock.inspect import Inspector, describe_fields, redact_url
+from engine_helpers import command_delta, commandstats, wait_until
 
 NS = "t"
 DEADLINE = 20.0
 
-# -- helpers (also used by test_cli.py) ---------------------------------------
-
-
-def wait_until(cond: Callable[[], Any], timeout: float = DEADLINE, what: str = "") -> Any:
-    """Return ``cond()`` once truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not met within {timeout}s: {what or cond}")
-        time.sleep(0.01)
+# -- helpers (also used by test_cli.py; the waiting and command-counting ones
+# -- come from engine_helpers) -------------------------------------------------
 
 
 _DEAD_OWNER = r"""
@@ -81,24 +70,6 @@ def dead_owner(
     finally:
         client.close()
     return owner
-
-
-def commandstats(client: redis.Redis) -> dict[str, int]:
-    """Calls per command so far (``INFO commandstats``)."""
-    raw = client.info("commandstats")
-    return {str(k).removeprefix("cmdstat_"): int(v["calls"]) for k, v in raw.items()}
-
-
-_NOT_COUNTED = {"info", "hello", "client|setinfo", "client", "select", "ping"}
-
-
-def command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    out = {}
-    for name, calls in after.items():
-        diff = calls - before.get(name, 0)
-        if diff and name not in _NOT_COUNTED:
-            out[name] = diff
-    return out
 
 
 def registries(client: redis.Redis, namespace: str = NS) -> dict[str, set[str]]:

@@ -20,19 +20,12 @@ import redis
 from celery_redislock import LockManager
 from celery_redislock.identity import parse_proc_stat, pid_of_tag, process_tag, read_proc_stat
 from celery_redislock.node import Node, group_key, new_incarnation, node_key, tomb_key
+from engine_helpers import wait_until as wait_for
 
 NS = "nodetest"
 PREFIX = "{" + NS + "}:"
 IV = 0.2  # heartbeat interval, s: eviction threshold = 0.4 s
 TTL = 2.0
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 class Worker:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,23 +33,12 @@ from celery_redislock.connect import (
 from celery_redislock.inspect import Inspector
 from celery_redislock.manager import _socket_timeout
 from celery_redislock.settings import default_url, load_config
+from engine_helpers import wait_until
 from redis_server import LOOPBACK, RedisServer, _die_with_parent, free_port
 
 NS = "sentineltest"
 SERVICE = "mymaster"
-DEADLINE = 20.0
 SECRET = "s3cret-pw"
-
-
-def wait_until(cond: Callable[[], Any], what: str, deadline: float = DEADLINE) -> Any:
-    end = time.monotonic() + deadline
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 class SentinelProcess:
@@ -87,7 +75,7 @@ class SentinelProcess:
             )
             self.process, self.port = proc, port
             try:
-                wait_until(self._ready, "the sentinel to report the master", START_WAIT)
+                wait_until(self._ready, START_WAIT, "the sentinel to report the master")
                 return self
             except AssertionError:
                 log = self.workdir / f"sentinel-{port}.log"
@@ -221,7 +209,7 @@ def test_heartbeat_and_private_pools_work_on_a_sentinel_client(
 ) -> None:
     mgr = managers(sentinel_url, owner_ttl=1.0, heartbeat=True)
     lease = mgr.acquire(exclusive=["beat"], timeout=5)
-    wait_until(lambda: mgr.heartbeat.ticks >= 2, "two heartbeats over a sentinel client")
+    wait_until(lambda: mgr.heartbeat.ticks >= 2, what="two heartbeats over a sentinel client")
     assert not lease.lost
     lease.release()
     clone = clone_client(mgr.client)
