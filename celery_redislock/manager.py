@@ -436,7 +436,8 @@ class LockManager:
             "1" if queue else "0",
             "1" if nested else "0",
             "0" if ident.registered else str(ttl_ms),
-            ident.describe(self.name),
+            # Read by the script only when registering: not built on every attempt.
+            "" if ident.registered else ident.describe(self.name),
             self.keys.prefix,
             self._req_ttl_arg,
             self._limit_arg,
