@@ -486,8 +486,14 @@ class LockManager:
 
     # -- release ----------------------------------------------------------
 
-    def _run_release(self, owner_id: str, token: str, req: _Request, client: Any = None) -> Any:
-        """Run release.lua for one request (release its grant, leave its queues)."""
+    def _run_release(
+        self, owner_id: str, token: str, req: _Request, client: Any = None, *, lease: bool = False
+    ) -> Any:
+        """Run release.lua for one request (release its grant, leave its queues).
+
+        ``lease=True`` for a request returned as a lease: granted, so it has no
+        queue entries left and the script skips leaving them.
+        """
         keys = [
             self.keys.held(owner_id),
             self.keys.req(token),
@@ -496,7 +502,15 @@ class LockManager:
             *req.lock_keys,
             *req.queue_keys,
         ]
-        args = [owner_id, token, req.modes, self.keys.prefix, self._req_ttl_arg, self._limit_arg]
+        args = [
+            owner_id,
+            token,
+            req.modes,
+            self.keys.prefix,
+            self._req_ttl_arg,
+            self._limit_arg,
+            "1" if lease else "0",
+        ]
         return self._call("release", keys, args, client=client)
 
     def _end_request(self, owner_id: str, token: str, req: _Request) -> None:
@@ -530,7 +544,7 @@ class LockManager:
             self._leases.pop(lease.token, None)
         req = lease._request
         try:
-            reply = self._run_release(lease.owner_id, lease.token, req)
+            reply = self._run_release(lease.owner_id, lease.token, req, lease=True)
         except BaseException:
             with self._state_lock:
                 self._orphans[lease.token] = req

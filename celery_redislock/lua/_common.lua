@@ -10,6 +10,16 @@
 --   lock hash    field token -> 'x' | 's'
 --   queue zset   member '<mode><token>', score = arrival sequence
 --                (nested requests: sequence - 1e15, so they sort first)
+--
+-- Arguments to redis.call are strings: a Lua number there is converted with
+-- sprintf('%.14g') on every call, which costs more than most of the
+-- commands these scripts run. TTLs are passed on as the ARGV strings they
+-- arrived in, and integers are formatted with int() ('%d', no floating
+-- point formatting).
+
+local function int(n)
+  return string.format('%d', n)
+end
 
 local function owner_of(token)
   local i = string.find(token, '|', 1, true)
@@ -31,6 +41,7 @@ local function owner_pttl(prefix, owner)
 end
 
 -- Push a wake-up to one request's wake list: at most one element, expiring.
+-- TTL_MS: a string (see above), as in every helper below.
 local function wake(prefix, token, ttl_ms)
   local k = prefix .. 'wake:' .. token
   redis.call('LPUSH', k, '1')
@@ -59,17 +70,22 @@ end
 -- Next fencing token: one above the last, never below the server clock in
 -- microseconds, so it stays monotonic across a restart without persistence.
 -- (SET ... GET, Redis >= 6.2: one call in the usual case, where the clock
--- is ahead of the counter; a second SET when it is not.)
+-- is ahead of the counter; a second SET when it is not.) The clock's token
+-- is written as TIME's seconds followed by its six-digit microseconds, with
+-- no floating point formatting. Returns the token as a number and as the
+-- string stored (exact: tokens stay far below 2^53).
 local function next_fence(key)
   local t = redis.call('TIME')
-  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local last = tonumber(redis.call('SET', key, string.format('%.0f', now_us), 'GET') or '0')
+  local now_s = t[1] .. string.format('%06d', t[2])
+  local last = tonumber(redis.call('SET', key, now_s, 'GET') or '0')
+  local now_us = tonumber(now_s)
   if last + 1 > now_us then
     local f = last + 1
-    redis.call('SET', key, string.format('%.0f', f))
-    return f
+    local fs = int(f)
+    redis.call('SET', key, fs)
+    return f, fs
   end
-  return now_us
+  return now_us, now_s
 end
 
 -- Resource names stored in a request's state, '\n'-separated (names never
@@ -95,13 +111,17 @@ local wake_front
 -- that the owner is alive, that LOCK's holders allow the entry and that no
 -- earlier entry of that queue conflicts with it, so those checks are not
 -- repeated for that resource (hand-off sits on the release's critical path).
+-- ST is the request's state as wake_front read it (HMGET state, seq, modes,
+-- res, nested). The request hash keeps the TTL its last acquire attempt set
+-- (req TTL = 3 x owner TTL, refreshed at least once per owner TTL while it
+-- waits), so the grant does not extend it.
 -- Returns true when granted.
-local function try_handoff(prefix, token, ttl_ms, limit, served)
+local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   local req = prefix .. 'req:' .. token
-  local st = redis.call('HMGET', req, 'state', 'seq', 'modes', 'res', 'nested')
   if st[1] ~= 'q' or not st[3] or not st[4] then return false end
   local owner = owner_of(token)
-  local modes, names = st[3], split_names(st[4])
+  local modes, names = st[3], nil
+  if #modes == 1 then names = {st[4]} else names = split_names(st[4]) end
   local n = #modes
   if #names ~= n then return false end
   for i = 1, n do
@@ -114,7 +134,7 @@ local function try_handoff(prefix, token, ttl_ms, limit, served)
       end
       if st[5] ~= '1' then
         local ahead = redis.call('ZRANGEBYSCORE', prefix .. 'q:' .. names[i], '-inf',
-          '(' .. st[2], 'LIMIT', 0, limit)
+          '(' .. st[2], 'LIMIT', '0', int(limit))
         if #ahead >= limit then return false end
         for _, m in ipairs(ahead) do
           if conflicts(mode, string.sub(m, 1, 1)) then return false end
@@ -122,7 +142,7 @@ local function try_handoff(prefix, token, ttl_ms, limit, served)
       end
     end
   end
-  local fence = string.format('%.0f', next_fence(prefix .. 'fence'))
+  local _, fence = next_fence(prefix .. 'fence')
   local held = prefix .. 'held:' .. owner
   for i = 1, n do
     local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
@@ -131,7 +151,6 @@ local function try_handoff(prefix, token, ttl_ms, limit, served)
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
   redis.call('HSET', req, 'state', 'g', 'fence', fence)
-  redis.call('PEXPIRE', req, ttl_ms)
   -- LPUSH puts the grant at the head, where BLPOP pops first; a stale plain
   -- wake behind it is deleted with the request's other keys at release.
   local wk = prefix .. 'wake:' .. token
@@ -158,32 +177,37 @@ end
 -- way (owner liveness gone, or request state expired) is removed with its
 -- req and wake keys, and the next one is considered, so a dead head never
 -- swallows the wake-up. Looks at no more than LIMIT entries. PLAIN = true
--- only wakes (no hand-off).
-wake_front = function(prefix, queue, lock, limit, ttl_ms, plain)
-  local n = redis.call('HLEN', lock)
+-- only wakes (no hand-off). HOLDERS is HLEN of LOCK when the caller already
+-- has it (nil: read here).
+wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
+  local n = holders or redis.call('HLEN', lock)
   if n == 1 then
     local v = redis.call('HVALS', lock)
     if v[1] == 'x' then return 0 end
   end
   local woken = 0
-  local head = redis.call('ZRANGE', queue, 0, limit - 1)
+  local head = redis.call('ZRANGE', queue, '0', int(limit - 1))
   for _, m in ipairs(head) do
     local t = string.sub(m, 2)
-    if owner_pttl(prefix, owner_of(t)) < 0
-        or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
-      -- dead entry (Lua 5.1 has no goto: the live case is the else branch)
+    local st = nil
+    if owner_pttl(prefix, owner_of(t)) >= 0 then
+      st = redis.call('HMGET', prefix .. 'req:' .. t, 'state', 'seq', 'modes', 'res', 'nested')
+    end
+    if st == nil or not st[1] then
+      -- dead entry: owner liveness gone or request state expired (Lua 5.1
+      -- has no goto: the live case is the else branch)
       redis.call('ZREM', queue, m)
       redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
     elseif string.sub(m, 1, 1) == 'x' then
       if n == 0 and woken == 0 then
-        if plain or not try_handoff(prefix, t, ttl_ms, limit, queue) then
+        if plain or not try_handoff(prefix, t, ttl_ms, limit, queue, st) then
           wake(prefix, t, ttl_ms)
         end
         woken = woken + 1
       end
       return woken
     else
-      if plain or not try_handoff(prefix, t, ttl_ms, limit, queue) then
+      if plain or not try_handoff(prefix, t, ttl_ms, limit, queue, st) then
         wake(prefix, t, ttl_ms)
       end
       woken = woken + 1

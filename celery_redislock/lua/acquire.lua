@@ -57,13 +57,13 @@
 local prefix = ARGV[8]
 local owner, token, modes = ARGV[1], ARGV[2], ARGV[3]
 local want_queue, nested = ARGV[4] == '1', ARGV[5] == '1'
-local reg_ttl = tonumber(ARGV[6])
-local req_ttl, limit = tonumber(ARGV[9]), tonumber(ARGV[10])
+local reg_ttl = ARGV[6]
+local req_ttl, limit = ARGV[9], tonumber(ARGV[10])
 local n = #modes
 local req_key, wake_key = KEYS[6], KEYS[7]
 
 -- 1. liveness
-if reg_ttl > 0 then
+if reg_ttl ~= '0' then
   redis.call('SET', KEYS[5], ARGV[7], 'NX', 'PX', reg_ttl)
   if #KEYS > 7 + 2 * n then
     redis.call('HSET', KEYS[8 + 2 * n], owner, ARGV[11])
@@ -121,7 +121,7 @@ if not nested then
   if queued then max = '(' .. state[2] end
   for i = 1, n do
     local q, mode = KEYS[7 + n + i], string.sub(modes, i, i)
-    local ahead = redis.call('ZRANGEBYSCORE', q, '-inf', max, 'LIMIT', 0, limit)
+    local ahead = redis.call('ZRANGEBYSCORE', q, '-inf', max, 'LIMIT', '0', ARGV[10])
     for _, m in ipairs(ahead) do
       local t = string.sub(m, 2)
       if t ~= token and conflicts(mode, string.sub(m, 1, 1)) then
@@ -146,7 +146,7 @@ end
 
 if not blocked then
   -- 5. grant
-  local fence = next_fence(KEYS[1])
+  local fence, fence_s = next_fence(KEYS[1])
   for i = 1, n do
     local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
     redis.call('HSET', lock, token, mode)
@@ -158,7 +158,7 @@ if not blocked then
   end
   redis.call('SADD', KEYS[3], owner)
   redis.call('DEL', wake_key)
-  redis.call('HSET', req_key, 'state', 'g', 'fence', string.format('%.0f', fence))
+  redis.call('HSET', req_key, 'state', 'g', 'fence', fence_s)
   redis.call('PEXPIRE', req_key, req_ttl)
   for i, _ in pairs(rewake) do
     wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
@@ -176,11 +176,11 @@ if want_queue then
     if nested then seq = seq - 1e15 end
     for i = 1, n do
       local mode = string.sub(modes, i, i)
-      redis.call('ZADD', KEYS[7 + n + i], string.format('%.0f', seq), mode .. token)
+      redis.call('ZADD', KEYS[7 + n + i], int(seq), mode .. token)
     end
     local names = {}
     for i = 1, n do names[i] = string.sub(KEYS[7 + i], #prefix + 6) end
-    redis.call('HSET', req_key, 'state', 'q', 'seq', string.format('%.0f', seq),
+    redis.call('HSET', req_key, 'state', 'q', 'seq', int(seq),
       'modes', modes, 'res', table.concat(names, '\n'), 'nested', ARGV[5])
     redis.call('SADD', KEYS[3], owner)
   end

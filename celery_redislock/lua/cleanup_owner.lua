@@ -37,7 +37,7 @@
 
 local owner, prefix = ARGV[1], ARGV[2]
 local force = ARGV[3] == '1'
-local req_ttl, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
+local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
 
 if redis.call('EXISTS', KEYS[2]) == 1 then
   if not force then

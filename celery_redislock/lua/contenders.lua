@@ -11,7 +11,7 @@
 local token, limit = ARGV[1], tonumber(ARGV[2])
 local seen, count = {}, 0
 for i = 1, #KEYS do
-  for _, m in ipairs(redis.call('ZRANGE', KEYS[i], 0, limit - 1)) do
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[i], '0', int(limit - 1))) do
     local t = string.sub(m, 2)
     if t ~= token and not seen[t] then
       seen[t] = true

@@ -9,7 +9,7 @@
 -- Atomic steps: PEXPIRE each key (PEXPIRE on a missing key does nothing).
 -- Reply: {r1, ..., rm}: 1 extended, 0 gone (that owner is dead).
 
-local ttl = tonumber(ARGV[1])
+local ttl = ARGV[1]  -- kept a string: see _common.lua on numbers in redis.call
 local out = {}
 for i = 1, #KEYS do
   out[i] = redis.call('PEXPIRE', KEYS[i], ttl)

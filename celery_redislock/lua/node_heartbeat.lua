@@ -40,7 +40,8 @@
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {'evicted'}
 end
-local prefix, ttl, rec_ttl = ARGV[3], tonumber(ARGV[2]), tonumber(ARGV[4])
+-- TTLs stay strings (see _common.lua on numbers in redis.call).
+local prefix, ttl, rec_ttl = ARGV[3], ARGV[2], ARGV[4]
 local live = {}
 for i = 10, #ARGV do live[ARGV[i]] = true end
 

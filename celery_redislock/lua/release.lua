@@ -19,35 +19,43 @@
 --   4 key prefix '{ns}:'
 --   5 request TTL in ms (for wake lists)
 --   6 queue scan limit
+--   7 '1' when the request was returned as a lease (granted, so it has no
+--     queue entries: the queue ZREM is skipped); '0' on exit paths, where
+--     it may still be queued
 --
 -- Atomic steps, per resource: HDEL the token (delete-if-holder: only this
 -- token's field goes); drop the key from the registry once the owner holds
--- no other token there; ZREM the request's queue entry; if anything changed,
--- hand the locks to the head of the queue (try_handoff: the waiter gets
--- 'g<fence>' on its wake list) or wake it. Then delete the request's state, wake list
--- and contender signal list.
+-- no other token there (at once when the hash is left empty; HKEYS only
+-- when other holders remain); ZREM the request's queue entry (not for a
+-- lease, ARGV[7]); if anything changed, hand the locks to the head of the
+-- queue (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake
+-- it. Then delete the request's state, wake list and contender signal list.
 --
 -- Reply: {released, dequeued}: how many locks this token still held and how
 -- many queue entries it still had. released < n on a granted lease means
 -- some lock had already been taken from it (its owner was declared dead).
 
 local owner, token, modes, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local req_ttl, limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local req_ttl, limit = ARGV[5], tonumber(ARGV[6])
+local granted = ARGV[7] == '1'
 local n = #modes
 local released, dequeued = 0, 0
 for i = 1, n do
   local lock, q, mode = KEYS[4 + i], KEYS[4 + n + i], string.sub(modes, i, i)
   local r = redis.call('HDEL', lock, token)
+  local holders = nil
   if r == 1 then
     released = released + 1
-    if not owner_holds(lock, owner) then
+    holders = redis.call('HLEN', lock)
+    if holders == 0 or not owner_holds(lock, owner) then
       redis.call('SREM', KEYS[1], lock)
     end
   end
-  local d = redis.call('ZREM', q, mode .. token)
+  local d = 0
+  if not granted then d = redis.call('ZREM', q, mode .. token) end
   dequeued = dequeued + d
   if r == 1 or d == 1 then
-    wake_front(prefix, q, lock, limit, req_ttl)
+    wake_front(prefix, q, lock, limit, req_ttl, false, holders)
   end
 end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
