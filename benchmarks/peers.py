@@ -256,6 +256,11 @@ class ContentionResult:
     first_error: str = ""
     gave_up: int = 0
     killed: int = 0
+    #: Every wait (ms, ascending); kept so trials can be pooled.
+    waits_ms: list[float] = field(default_factory=list)
+    #: Handoff p50 (ms) of each trial pooled into this result, in run order
+    #: (one entry for a single run).
+    trial_p50s_ms: list[float] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -388,9 +393,79 @@ def _summarise(
             res.handoffs_ms.append((acq - prev_rel) / 1e6)
     res.handoffs_ms.sort()
     waits.sort()
+    res.waits_ms = waits
     res.max_wait_ms = waits[-1] if waits else 0.0
     res.wait_p99_ms = percentile(waits, 0.99)
+    res.trial_p50s_ms = [res.handoff_p50_ms]
     return res
+
+
+def pool(trials: list[ContentionResult]) -> ContentionResult:
+    """One result from several trials of the same library, mode and process count.
+
+    Samples are pooled (handoffs, waits), counts summed (grants per process,
+    violations, errors) and durations added, so percentiles and Jain's index
+    are over every trial at once. ``trial_p50s_ms`` keeps each trial's own
+    handoff p50, in run order, so the spread between trials stays visible.
+    """
+    if not trials:
+        raise ValueError("pool() needs at least one trial")
+    first = trials[0]
+    keys = {(t.lib, t.mode, t.procs) for t in trials}
+    if len(keys) != 1:
+        raise ValueError(f"pool() mixes configurations: {sorted(keys)}")
+    out = ContentionResult(lib=first.lib, procs=first.procs, duration=0.0, mode=first.mode)
+    out.per_process = [0] * first.procs
+    for t in trials:
+        out.duration += t.duration
+        out.grants += t.grants
+        out.per_process = [a + b for a, b in zip(out.per_process, t.per_process)]
+        out.handoffs_ms.extend(t.handoffs_ms)
+        out.waits_ms.extend(t.waits_ms)
+        out.self_reacquire += t.self_reacquire
+        out.violations += t.violations
+        out.lost_updates += t.lost_updates
+        out.errors += t.errors
+        out.first_error = out.first_error or t.first_error
+        out.gave_up += t.gave_up
+        out.killed += t.killed
+        out.trial_p50s_ms.extend(t.trial_p50s_ms)
+    out.handoffs_ms.sort()
+    out.waits_ms.sort()
+    out.max_wait_ms = out.waits_ms[-1] if out.waits_ms else 0.0
+    out.wait_p99_ms = percentile(out.waits_ms, 0.99)
+    return out
+
+
+def run_trials(
+    url: str,
+    procs: int,
+    duration: float,
+    trials: int,
+    cs_seconds: float = 0.0005,
+    *,
+    relay: bool = False,
+    libs: tuple[str, ...] = LIBS,
+    progress: Callable[[ContentionResult], None] | None = None,
+) -> list[ContentionResult]:
+    """Run ``trials`` rounds of every library, interleaved, and pool each library's rounds.
+
+    Round ``i`` runs the libraries in an order rotated by ``i`` (A B C, then
+    B C A, ...), so no library always runs first or right after another one,
+    and slow drifts of the machine (other jobs, thermal state) fall on every
+    library alike. Returns one pooled result per library, in ``libs`` order.
+    """
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, not {trials}")
+    runs: dict[str, list[ContentionResult]] = {lib: [] for lib in libs}
+    for i in range(trials):
+        order = libs[i % len(libs) :] + libs[: i % len(libs)]
+        for lib in order:
+            res = run_contention(url, lib, procs, duration, cs_seconds, relay=relay)
+            if progress is not None:
+                progress(res)
+            runs[lib].append(res)
+    return [pool(runs[lib]) for lib in libs]
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -442,10 +517,14 @@ def ratio_lines(results: list[ContentionResult], subject: str = "celery-redisloc
             parts = []
             relay_peer = by.get(("relay", lib, procs))
             if relay_me and relay_peer:
-                parts.append(
+                text = (
                     f"handoff p50 = {_ratio(relay_me.handoff_p50_ms, relay_peer.handoff_p50_ms)}"
                     f", p99 = {_ratio(relay_me.handoff_p99_ms, relay_peer.handoff_p99_ms)}"
                 )
+                pairs = list(zip(relay_me.trial_p50s_ms, relay_peer.trial_p50s_ms))
+                if len(pairs) > 1:
+                    text += " (p50 per trial: " + ", ".join(_ratio(a, b) for a, b in pairs) + ")"
+                parts.append(text)
             open_peer = by.get(("open", lib, procs))
             if open_me and open_peer:
                 parts.append(

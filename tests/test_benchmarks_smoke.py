@@ -48,6 +48,45 @@ def test_contention_ratios_compare_celery_redislock_with_each_peer(redis_url: st
     assert all("handoff p50" in line for line in lines)
 
 
+def test_interleaved_trials_are_pooled_per_library_keeping_each_rounds_p50(
+    redis_url: str,
+) -> None:
+    libs = ("celery-redislock", "python-redis-lock")
+    seen: list[str] = []
+
+    pooled = peers.run_trials(
+        redis_url, 2, 0.4, 2, relay=True, libs=libs, progress=lambda r: seen.append(r.lib)
+    )
+
+    # Round 2 runs the libraries in rotated order.
+    assert seen == [
+        "celery-redislock",
+        "python-redis-lock",
+        "python-redis-lock",
+        "celery-redislock",
+    ]
+    assert [r.lib for r in pooled] == list(libs)
+    for res in pooled:
+        assert res.mode == "relay"
+        assert len(res.trial_p50s_ms) == 2
+        assert res.duration == pytest.approx(0.8)
+        assert res.grants == sum(res.per_process) > 0
+        assert res.handoffs_ms == sorted(res.handoffs_ms)
+    ours = pooled[0]
+    assert ours.violations == ours.lost_updates == ours.errors == 0
+    assert "per trial" in "\n".join(peers.ratio_lines(pooled))
+
+
+def test_pooling_refuses_results_of_different_configurations() -> None:
+    a = peers.ContentionResult(lib="celery-redislock", procs=2, duration=1.0, mode="relay")
+    b = peers.ContentionResult(lib="celery-redislock", procs=4, duration=1.0, mode="relay")
+
+    with pytest.raises(ValueError, match="mixes configurations"):
+        peers.pool([a, b])
+    with pytest.raises(ValueError, match="at least one"):
+        peers.pool([])
+
+
 def test_cost_benchmark_counts_equal_commands_without_scan(redis_url: str) -> None:
     runs = [cost.measure_costs(redis_url, n) for n in (10, 2000)]
 
