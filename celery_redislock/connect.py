@@ -42,6 +42,7 @@ from redis.connection import parse_url
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from .exceptions import ConfigurationError
+from .redact import redact_url
 
 #: Schemes :meth:`redis.Redis.from_url` understands.
 DIRECT_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -70,10 +71,8 @@ def is_sentinel_url(url: str) -> bool:
     return url.strip().lower().startswith("sentinel://")
 
 
-def redact(url: str) -> str:
-    """``url`` with every password (userinfo or ``sentinel_password``) as ``***``."""
-    url = re.sub(r"(://[^:@/;,?#]*:)[^@/;?#]*@", r"\1***@", url)
-    return re.sub(r"((?:^|[?&;])sentinel_password=)[^&;#]*", r"\1***", url)
+#: Old name of :func:`celery_redislock.redact.redact_url` (every password as ``***``).
+redact = redact_url
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,7 @@ def parse_sentinel_url(
     Raises:
         ConfigurationError: naming ``setting`` and the problem (no password shown).
     """
-    shown = redact(url)
+    shown = redact_url(url)
     parts = [p.strip() for p in url.strip().split(";") if p.strip()]
     if not parts:
         raise ConfigurationError(setting, "is empty")
@@ -296,7 +295,7 @@ def validate_url(url: Any, *, setting: str = "redis_url", master_name: str | Non
         return parse_sentinel_url(url, setting=setting, master_name=master_name).to_url()
     if not url.lower().startswith(DIRECT_SCHEMES):
         raise ConfigurationError(
-            setting, f"must be a {', '.join(URL_SCHEMES)} URL, not {redact(url)!r}"
+            setting, f"must be a {', '.join(URL_SCHEMES)} URL, not {redact_url(url)!r}"
         )
     try:
         parse_url(url)
@@ -336,16 +335,13 @@ def client_from_url(
 
 
 def _url_error(setting: str, url: str, exc: ValueError) -> ConfigurationError:
-    message = str(exc)
-    password = _password_of(url)
-    if password:
-        message = message.replace(password, "***")
-    return ConfigurationError(setting, f"{message} ({redact(url)})")
-
-
-def _password_of(url: str) -> str | None:
-    match = re.match(r"^[^:/?#]+://[^:@/]*:([^@/]*)@", url)
-    return unquote(match.group(1)) if match else None
+    shown = redact_url(url)
+    # redis-py and urllib quote pieces of the URL ('...'): keep only those the
+    # masked URL shows too (a password with a '/' is read as a port, "'pa'").
+    message = re.sub(
+        r"'([^']*)'", lambda m: m.group(0) if m.group(1) in shown else "'***'", str(exc)
+    )
+    return ConfigurationError(setting, f"{message} ({shown})")
 
 
 def clone_client(client: redis.Redis) -> redis.Redis:

@@ -14,8 +14,9 @@ Every error the library raises on purpose derives from :class:`LockError`::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
+
+from .redact import redact_url
 
 
 class LockError(Exception):
@@ -91,7 +92,7 @@ class RedisUnavailable(LockError):
 
     def __init__(self, url: str, cause: BaseException | str) -> None:
         # Never carry a password into messages and logs.
-        self.url = re.sub(r"^([^:/?#]+://[^:@/]*:)[^@/]*@", r"\1***@", url)
+        self.url = redact_url(url)
         self.cause = cause
         # The cause travels as text: an exception object does not survive JSON.
         super().__init__(self.url, str(cause))

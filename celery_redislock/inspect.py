@@ -31,7 +31,6 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -40,6 +39,7 @@ from .exceptions import RedisUnavailable
 from .identity import pid_of_tag
 from .keys import validate_resource
 from .manager import LockManager
+from .redact import redact_url as redact_url  # old name, kept importable
 
 #: Default number of commands per round trip (SSCAN COUNT, pipeline size).
 DEFAULT_BATCH_SIZE = 500
@@ -62,22 +62,6 @@ def _opt_text(value: Any) -> str | None:
 def owner_of_token(token: str) -> str:
     """The owner id of a holder token ``<owner>|<request id>``."""
     return token.split("|", 1)[0]
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (safe to print)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def describe_fields(description: str | None) -> dict[str, str]:
@@ -700,7 +684,7 @@ class Inspector:
             )
         return Status(
             namespace=self.keys.namespace,
-            url=redact_url(self.manager.url),
+            url=self.manager.url,  # already masked (LockManager.url)
             redis_version=_opt_text(version),
             eviction_policy=ev.policy,
             may_evict=ev.may_evict,
