@@ -48,6 +48,16 @@ DEFAULT_WAITER_LIMIT = 1000
 
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 _MODES = {"x": "exclusive", "s": "shared"}
+
+
+def _grant_value(value: str) -> tuple[str, int | None]:
+    """A lock hash value ``'<mode><fence>'`` (e.g. ``'x1764456000123456'``) as (mode, fence)."""
+    try:
+        return value[:1], int(value[1:])
+    except ValueError:
+        return value[:1], None
+
+
 _FIELD_RE = re.compile(r"(\w+)=(\S+)")
 
 
@@ -100,7 +110,7 @@ class Holder:
     alive: bool
     ttl: float | None
     description: str | None
-    #: Fencing token of the grant while its request record lives (3x owner_ttl).
+    #: Fencing token of the grant (stored with it in the lock hash).
     fence: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -363,8 +373,8 @@ class Inspector:
     def holders(self, resource: str) -> list[Holder]:
         """Every grant on ``resource``: token, owner, mode, owner liveness.
 
-        Two round trips (the lock hash, then the owners' liveness and the
-        grants' fences). Exclusive first, then by owner.
+        Two round trips (the lock hash, which also holds each grant's fencing
+        token, then the owners' liveness). Exclusive first, then by owner.
         """
         return list(self.lock_info(resource).holders)
 
@@ -392,15 +402,14 @@ class Inspector:
                 pipe.type(key)
             for key, t in zip(batch, self._run(pipe)):
                 types[key] = _text(t)
-        grants: list[tuple[str, str, str]] = []  # key, token, mode
+        grants: list[tuple[str, str, str, int | None]] = []  # key, token, mode, fence
         for key, h, _ in raw:
             if isinstance(h, dict):
-                for token, mode in h.items():
-                    grants.append((key, _text(token), _text(mode)))
-        live = self.liveness(owner_of_token(t) for _, t, _ in grants)
-        fences = self._fences([t for _, t, _ in grants])
+                for token, value in h.items():
+                    grants.append((key, _text(token), *_grant_value(_text(value))))
+        live = self.liveness(owner_of_token(t) for _, t, _, _ in grants)
         holders: dict[str, list[Holder]] = {}
-        for key, token, mode in grants:
+        for key, token, mode, fence in grants:
             owner = owner_of_token(token)
             lv = live[owner]
             holders.setdefault(key, []).append(
@@ -412,7 +421,7 @@ class Inspector:
                     alive=lv.alive,
                     ttl=lv.ttl,
                     description=lv.description,
-                    fence=fences.get(token),
+                    fence=fence,
                 )
             )
         out: list[LockInfo] = []
@@ -427,20 +436,6 @@ class Inspector:
                     odd_type=types.get(key),
                 )
             )
-        return out
-
-    def _fences(self, tokens: Sequence[str]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for batch in self._batches(tokens):
-            pipe = self._pipe()
-            for token in batch:
-                pipe.hget(self.keys.req(token), "fence")
-            for token, fence in zip(batch, self._run(pipe)):
-                if fence is not None and not isinstance(fence, Exception):
-                    try:
-                        out[token] = int(_text(fence))
-                    except ValueError:
-                        pass
         return out
 
     def _resource(self, lock_key: str) -> str:

@@ -110,12 +110,21 @@ def kinds(keys: Iterable[str], namespace: str = "t") -> set[str]:
 
 
 def lock_holders(r: redis.Redis, namespace: str = "t") -> dict[str, dict[str, str]]:
-    """lock key -> {holder token: mode} for every lock hash of the namespace."""
+    """lock key -> {holder token: mode} for every lock hash of the namespace.
+
+    The mode is the first character of the stored value (``'x'`` or ``'s'``);
+    the fencing token that follows it is left out (see :func:`lock_fences`).
+    """
     out: dict[str, dict[str, str]] = {}
     for key in namespace_keys(r, namespace):
         if key.startswith("{" + namespace + "}:lock:") and _s(r.type(key)) == "hash":
-            out[key] = {_s(t): _s(m) for t, m in r.hgetall(key).items()}
+            out[key] = {_s(t): _s(v)[:1] for t, v in r.hgetall(key).items()}
     return out
+
+
+def lock_fences(r: redis.Redis, lock_key: str) -> dict[str, int]:
+    """{holder token: fencing token stored with its grant} of one lock hash."""
+    return {_s(t): int(_s(v)[1:]) for t, v in r.hgetall(lock_key).items()}
 
 
 def registries(r: redis.Redis, namespace: str = "t") -> dict[str, set[str]]:

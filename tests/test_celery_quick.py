@@ -318,7 +318,8 @@ def test_worker_locked_task_acquires_and_releases(
         assert node is not None and node.state == "owner"
         assert r.hget(PREFIX + f"node:{w.hostname}", "inc") == node.incarnation.encode()
         out = sync.delay(1, 2).get(timeout=20)
-        assert out["held"] and out["shared"] == b"s" and out["group"] is not None
+        assert out["held"] and out["group"] is not None
+        assert out["shared"] == f"s{out['fence']}".encode()  # mode, then the grant's fence
         assert out["owner"] != sync.request.id  # the owner is the process
         assert not r.exists(PREFIX + "lock:repo:1", PREFIX + "lock:remote:2")
         # The node heartbeat keeps the process's owner alive past its TTL.

@@ -56,13 +56,13 @@ def test_try_once_on_partial_conflict_leaves_only_the_holders_keys(
         other.acquire(exclusive=["a"], shared=["b"], timeout=0)
 
     assert info.value.resources == ("a", "b")
+    # A grant keeps no request record: its fence is stored in the lock hash.
     assert namespace_keys(r) == {
         "{t}:fence",
         "{t}:owners",
         lock("b"),
         "{t}:held:" + holder.owner_id,
         "{t}:alive:" + holder.owner_id,
-        "{t}:req:" + held.token,
         "{t}:contend:" + held.token,  # the holder was told someone wanted b
         "{t}:alive:" + other.owner_id,  # liveness expires by itself
     }
@@ -98,7 +98,6 @@ def test_timed_out_wait_on_partial_conflict_leaves_no_lock_queue_or_request(
         lock("b"),
         "{t}:held:" + holder.owner_id,
         "{t}:alive:" + holder.owner_id,
-        "{t}:req:" + held.token,
         "{t}:contend:" + held.token,
         "{t}:alive:" + other.owner_id,
     }

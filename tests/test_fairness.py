@@ -84,7 +84,8 @@ def make(redis_url: str, mgrs: list[LockManager]):  # type: ignore[no-untyped-de
 
 
 def _lock_holders(rs: redis.Redis, resource: str) -> dict[str, str]:
-    return dict(rs.hgetall(f"{PREFIX}lock:{resource}"))
+    """{holder token: mode} (the stored value is the mode, then the fence)."""
+    return {t: v[:1] for t, v in rs.hgetall(f"{PREFIX}lock:{resource}").items()}
 
 
 # ------------------------------------------------------- identity per process

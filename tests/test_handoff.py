@@ -67,7 +67,9 @@ def test_release_hands_the_lock_to_the_head_waiter_without_a_second_attempt(
     assert waiter.error is None
     assert [int(r[0]) for r in replies] == [0]  # queued once, never re-ran
     assert waiter.lease.fencing_token > lease.fencing_token
-    assert rs.hgetall(f"{PREFIX}lock:R") == {waiter.lease.token: "x"}
+    # The grant carries its fencing token in the lock hash, the one the
+    # waiter read from its wake list.
+    assert rs.hgetall(f"{PREFIX}lock:R") == {waiter.lease.token: f"x{waiter.lease.fencing_token}"}
     assert rs.smembers(f"{PREFIX}held:{waiter_mgr.owner_id}") == {f"{PREFIX}lock:R"}
     assert queue_len(rs, "R") == 0
     waiter.lease.release()
@@ -89,9 +91,9 @@ def test_handoff_of_a_multi_resource_request_is_all_or_nothing(rs: redis.Redis, 
     b.release()
     waiter.join()
     assert waiter.error is None
-    token = waiter.lease.token
-    assert rs.hgetall(f"{PREFIX}lock:A") == {token: "x"}
-    assert rs.hgetall(f"{PREFIX}lock:B") == {token: "x"}
+    token, fence = waiter.lease.token, waiter.lease.fencing_token
+    assert rs.hgetall(f"{PREFIX}lock:A") == {token: f"x{fence}"}
+    assert rs.hgetall(f"{PREFIX}lock:B") == {token: f"x{fence}"}
     waiter.lease.release()
 
 
@@ -109,7 +111,34 @@ def test_shared_waiters_behind_a_writer_are_all_handed_the_lock_together(
         r.join()
         assert r.error is None
     holders = rs.hgetall(f"{PREFIX}lock:R")
-    assert sorted(holders) == sorted(r.lease.token for r in readers)
-    assert set(holders.values()) == {"s"}
+    assert holders == {r.lease.token: f"s{r.lease.fencing_token}" for r in readers}
     for r in readers:
         r.lease.release()
+
+
+def test_a_waiter_that_missed_the_handoff_push_gets_the_same_grant_when_it_asks_again(
+    rs: redis.Redis, make: Any
+) -> None:
+    # A waiter whose BLPOP timed out (or whose connection dropped) just as
+    # the release handed it the lock runs its acquire script again: it must
+    # get the grant it already has, with its fence, not a second one.
+    holder, waiter_mgr = make(), make()
+    lease = holder.acquire("R")
+    req = waiter_mgr._request("R", None)
+    ident = waiter_mgr._identity.current()
+    token = f"{ident.owner_id}|missed-the-push"
+    assert int(waiter_mgr._attempt(ident, token, req, True, False)[0]) == 0  # queued
+    ident.registered = True
+
+    lease.release()  # hands R over; nobody pops the push
+    fence = int(rs.get(f"{PREFIX}fence"))
+    assert rs.lrange(f"{PREFIX}wake:{token}", 0, -1) == [f"g{fence}"]
+    again = waiter_mgr._attempt(ident, token, req, True, False)
+
+    assert int(again[0]) == 1 and int(again[1]) == fence
+    assert int(rs.get(f"{PREFIX}fence")) == fence  # no second grant
+    assert rs.hgetall(f"{PREFIX}lock:R") == {token: f"x{fence}"}
+    assert queue_len(rs, "R") == 0
+    # Its release frees the lock and the unread push with it.
+    waiter_mgr._run_release(ident.owner_id, token, req, lease=True)
+    assert rs.exists(f"{PREFIX}lock:R", f"{PREFIX}wake:{token}", f"{PREFIX}req:{token}") == 0

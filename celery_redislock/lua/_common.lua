@@ -7,7 +7,9 @@
 --
 -- Encodings:
 --   token        '<owner>|<request id>'   (one acquisition; owner ids never contain '|')
---   lock hash    field token -> 'x' | 's'
+--   lock hash    field token -> '<mode><fence>': 'x' (exclusive) or 's'
+--                (shared), then the grant's fencing token in decimal,
+--                e.g. 'x1764456000123456'; mode_of() reads the mode
 --   queue zset   member '<mode><token>', score = arrival sequence
 --                (nested requests: sequence - 1e15, so they sort first)
 --
@@ -25,6 +27,11 @@ local function owner_of(token)
   local i = string.find(token, '|', 1, true)
   if i == nil then return token end
   return string.sub(token, 1, i - 1)
+end
+
+-- The mode of a lock hash value ('x' or 's').
+local function mode_of(v)
+  return string.sub(v, 1, 1)
 end
 
 -- Two modes conflict unless both are shared.
@@ -71,21 +78,20 @@ end
 -- microseconds, so it stays monotonic across a restart without persistence.
 -- (SET ... GET, Redis >= 6.2: one call in the usual case, where the clock
 -- is ahead of the counter; a second SET when it is not.) The clock's token
--- is written as TIME's seconds followed by its six-digit microseconds, with
--- no floating point formatting. Returns the token as a number and as the
--- string stored (exact: tokens stay far below 2^53).
+-- is TIME's seconds followed by its microseconds padded to six digits, and
+-- the usual case compares it with the last token as strings (digit strings
+-- of equal length order like their numbers), so no number is formatted.
+-- Returns the token as the decimal string stored.
 local function next_fence(key)
   local t = redis.call('TIME')
-  local now_s = t[1] .. string.format('%06d', t[2])
-  local last = tonumber(redis.call('SET', key, now_s, 'GET') or '0')
-  local now_us = tonumber(now_s)
-  if last + 1 > now_us then
-    local f = last + 1
-    local fs = int(f)
-    redis.call('SET', key, fs)
-    return f, fs
+  local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+  local last = redis.call('SET', key, now, 'GET')
+  if last and (#last > #now or (#last == #now and last >= now)) then
+    local f = int(tonumber(last) + 1)
+    redis.call('SET', key, f)
+    return f
   end
-  return now_us, now_s
+  return now
 end
 
 -- Resource names stored in a request's state, '\n'-separated (names never
@@ -102,9 +108,13 @@ local wake_front
 -- now, if nothing blocks it: no conflicting holder on any of its resources
 -- and (unless nested) no earlier conflicting queue entry. Its owner must be
 -- alive. The grant is what acquire.lua step 5 does; the fencing token is
--- pushed to the request's wake list as 'g<fence>', so the waiter learns it
--- from its BLPOP without another round trip. Dead holders or entries are
--- not reclaimed here: the request is left to its own script (plain wake).
+-- stored with the grant in each lock hash and pushed to the request's wake
+-- list as 'g<fence>', so the waiter learns it from its BLPOP without
+-- another round trip. The push does not expire: a waiter blocked on the
+-- list pops it at once, and otherwise the list goes with the grant (the
+-- lease's release, or whoever frees the lock of a dead holder, deletes
+-- it). Dead holders or entries are not reclaimed here: the request is left
+-- to its own script (plain wake).
 -- Keys touched: {ns}:req|wake:<token>, {ns}:lock|q:<its resources>,
 -- {ns}:held:<its owner>, {ns}:fence — all in the namespace's hash tag.
 -- SERVED is the queue wake_front is serving: the caller has already checked
@@ -112,12 +122,10 @@ local wake_front
 -- earlier entry of that queue conflicts with it, so those checks are not
 -- repeated for that resource (hand-off sits on the release's critical path).
 -- ST is the request's state as wake_front read it (HMGET state, seq, modes,
--- res, nested). The request hash keeps the TTL its last acquire attempt set
--- (req TTL = 3 x owner TTL, refreshed at least once per owner TTL while it
--- waits), so the grant does not extend it.
+-- res, nested). It is left as it is: once granted, the request is in no
+-- queue, and a retry of its acquire finds its token in the lock hash.
 -- Returns true when granted.
 local function try_handoff(prefix, token, ttl_ms, limit, served, st)
-  local req = prefix .. 'req:' .. token
   if st[1] ~= 'q' or not st[3] or not st[4] then return false end
   local owner = owner_of(token)
   local modes, names = st[3], nil
@@ -130,7 +138,7 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
       local hn = redis.call('HLEN', lock)
       if hn > 0 then
         if mode == 'x' then return false end
-        if hn == 1 and redis.call('HVALS', lock)[1] == 'x' then return false end
+        if hn == 1 and mode_of(redis.call('HVALS', lock)[1]) == 'x' then return false end
       end
       if st[5] ~= '1' then
         local ahead = redis.call('ZRANGEBYSCORE', prefix .. 'q:' .. names[i], '-inf',
@@ -142,20 +150,17 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
       end
     end
   end
-  local _, fence = next_fence(prefix .. 'fence')
+  local fence = next_fence(prefix .. 'fence')
   local held = prefix .. 'held:' .. owner
   for i = 1, n do
     local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
-    redis.call('HSET', lock, token, mode)
+    redis.call('HSET', lock, token, mode .. fence)
     redis.call('SADD', held, lock)
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
-  redis.call('HSET', req, 'state', 'g', 'fence', fence)
   -- LPUSH puts the grant at the head, where BLPOP pops first; a stale plain
   -- wake behind it is deleted with the request's other keys at release.
-  local wk = prefix .. 'wake:' .. token
-  redis.call('LPUSH', wk, 'g' .. fence)
-  redis.call('PEXPIRE', wk, ttl_ms)
+  redis.call('LPUSH', prefix .. 'wake:' .. token, 'g' .. fence)
   -- Leaving its other queues may let requests behind it follow (shared
   -- behind shared): wake those, without a further hand-off (bounded work).
   -- The served queue is the caller's to go on with.
@@ -182,8 +187,7 @@ end
 wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
   local n = holders or redis.call('HLEN', lock)
   if n == 1 then
-    local v = redis.call('HVALS', lock)
-    if v[1] == 'x' then return 0 end
+    if mode_of(redis.call('HVALS', lock)[1]) == 'x' then return 0 end
   end
   local woken = 0
   local head = redis.call('ZRANGE', queue, '0', int(limit - 1))

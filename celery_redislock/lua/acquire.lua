@@ -6,8 +6,9 @@
 --   3        {ns}:owners         set of owners that may hold or wait for locks
 --   4        {ns}:held:<owner>   this owner's registry: set of lock keys held
 --   5        {ns}:alive:<owner>  this owner's liveness key (string, TTL)
---   6        {ns}:req:<token>    this request's state hash (state, seq, fence,
---                                 modes, res, nested: what a hand-off needs)
+--   6        {ns}:req:<token>    this request's state hash while it queues
+--                                 (state 'q', seq, modes, res, nested: what a
+--                                 hand-off needs)
 --   7        {ns}:wake:<token>   this request's wake list
 --   8..7+n   {ns}:lock:<res>     lock hashes, one per resource
 --   8+n..7+2n {ns}:q:<res>       wait queues (zsets), same order
@@ -35,21 +36,25 @@
 -- Atomic steps:
 --   1. Register (SET NX PX, and the group entry) when asked; otherwise a missing liveness key means
 --      this owner was declared dead: reply {-1}.
---   2. Idempotency: a request already granted replies its grant again.
+--   2. Idempotency: a request already granted (its token is in its first
+--      lock hash: grants are all or nothing) replies its grant again, with
+--      the fence stored there.
 --   3. Holders: a conflicting holder whose owner is dead is reclaimed (token
---      removed from the lock and, if it was the owner's last token there, the
---      key removed from that owner's registry); a live one blocks.
+--      removed from the lock, its request state and wake list deleted, and,
+--      if it was the owner's last token there, the key removed from that
+--      owner's registry); a live one blocks.
 --   4. Queue (not for nested requests): an earlier queued request that
 --      conflicts blocks, unless its owner is dead or its state has expired, in
 --      which case the entry is removed.
---   5. Not blocked: grant every lock (token -> mode), add the keys to the
---      registry, leave the queues, record the grant, wake whoever can follow.
+--   5. Not blocked: grant every lock (token -> mode and fence), add the keys
+--      to the registry, leave the queues, wake whoever can follow.
 --   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token, and
 --      record the request (modes, resource names, nested) in its state so a
 --      release can hand it the locks (_common.lua try_handoff).
 --
 -- Reply:
---   {1, fence}         granted (or granted earlier: same fence)
+--   {1, fence}         granted (or granted earlier: same fence); the fence
+--                      is a decimal string
 --   {0, wait_ms, why}  blocked; wait_ms = soonest a blocking owner's liveness
 --                      runs out (-1 if unknown); why = 'held' | 'queued'
 --   {-1}               this owner's liveness is gone: use a new identity
@@ -73,10 +78,11 @@ elseif redis.call('EXISTS', KEYS[5]) == 0 then
 end
 
 -- 2. idempotency
-local state = redis.call('HMGET', req_key, 'state', 'seq', 'fence')
-if state[1] == 'g' then
-  return {1, tonumber(state[3])}
+local first = redis.call('HGETALL', KEYS[8])
+for j = 1, #first, 2 do
+  if first[j] == token then return {1, string.sub(first[j + 1], 2)} end
 end
+local state = redis.call('HMGET', req_key, 'state', 'seq')
 local queued = state[1] == 'q'
 
 local blocked, why = false, 'held'
@@ -89,16 +95,17 @@ local rewake = {}
 -- 3. holders
 for i = 1, n do
   local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
-  local h = redis.call('HGETALL', lock)
+  local h = first
+  if i > 1 then h = redis.call('HGETALL', lock) end
   local dead_owners = {}
   for j = 1, #h, 2 do
-    local t, hm = h[j], h[j + 1]
+    local t, hm = h[j], mode_of(h[j + 1])
     if conflicts(mode, hm) then
       local o = owner_of(t)
       local ms = owner_pttl(prefix, o)
       if ms < 0 then
         redis.call('HDEL', lock, t)
-        redis.call('DEL', prefix .. 'req:' .. t)
+        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
         dead_owners[o] = true
         rewake[i] = true
       else
@@ -146,10 +153,10 @@ end
 
 if not blocked then
   -- 5. grant
-  local fence, fence_s = next_fence(KEYS[1])
+  local fence = next_fence(KEYS[1])
   for i = 1, n do
     local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
-    redis.call('HSET', lock, token, mode)
+    redis.call('HSET', lock, token, mode .. fence)
     redis.call('SADD', KEYS[4], lock)
     if queued then
       redis.call('ZREM', KEYS[7 + n + i], mode .. token)
@@ -158,8 +165,6 @@ if not blocked then
   end
   redis.call('SADD', KEYS[3], owner)
   redis.call('DEL', wake_key)
-  redis.call('HSET', req_key, 'state', 'g', 'fence', fence_s)
-  redis.call('PEXPIRE', req_key, req_ttl)
   for i, _ in pairs(rewake) do
     wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
   end

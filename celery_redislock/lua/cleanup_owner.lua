@@ -22,8 +22,9 @@
 -- (built from ARGV[2]) so a still-running owner learns it is dead; for each
 -- registry member:
 -- a missing key is dropped from the registry (nothing held); a hash has
--- every field of this owner deleted, the request state of each such token
--- deleted, its waiters woken, then the key leaves the registry; a key of
+-- every field of this owner deleted, the request state, wake list and
+-- contender list of each such token deleted, its waiters woken, then the
+-- key leaves the registry; a key of
 -- any other type is kept and reported. A failing key is reported and kept;
 -- the others go on. An owner with an empty registry leaves the owners set.
 --
@@ -74,7 +75,7 @@ local function clean_one(lock)
   for _, f in ipairs(redis.call('HKEYS', lock)) do
     if string.sub(f, 1, #p) == p then
       redis.call('HDEL', lock, f)
-      redis.call('DEL', prefix .. 'req:' .. f, prefix .. 'contend:' .. f)
+      redis.call('DEL', prefix .. 'req:' .. f, prefix .. 'wake:' .. f, prefix .. 'contend:' .. f)
       released = released + 1
     end
   end

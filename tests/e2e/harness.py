@@ -365,9 +365,13 @@ class Cluster:
         return f"{prefix}{kind}:{name}" if name else f"{prefix}{kind}"
 
     def lock_holders(self, resource: str) -> dict[str, str]:
-        """Holder token -> mode of a resource's lock (empty when free)."""
+        """Holder token -> mode of a resource's lock (empty when free).
+
+        The stored value is the mode followed by the grant's fencing token;
+        only the mode is returned.
+        """
         raw = self.lock_redis.hgetall(self.key("lock", resource))
-        return {str(k): str(v) for k, v in raw.items()}
+        return {str(k): str(v)[:1] for k, v in raw.items()}
 
     def owners_holding(self, resource: str) -> set[str]:
         """Owner ids holding ``resource``."""
