@@ -173,6 +173,24 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   return true
 end
 
+-- The state of queue entry token T (HMGET state, seq, modes, res, nested),
+-- or nil when the entry is dead: its owner's liveness is gone or its
+-- request state expired.
+local function entry_state(prefix, t)
+  if owner_pttl(prefix, owner_of(t)) < 0 then return nil end
+  local st = redis.call('HMGET', prefix .. 'req:' .. t, 'state', 'seq', 'modes', 'res', 'nested')
+  if not st[1] then return nil end
+  return st
+end
+
+-- Hand queue entry M (state ST) its locks, or wake it to run its own script.
+local function serve(prefix, queue, m, st, limit, ttl_ms, plain)
+  local t = string.sub(m, 2)
+  if plain or not try_handoff(prefix, t, ttl_ms, limit, queue, st) then
+    wake(prefix, t, ttl_ms)
+  end
+end
+
 -- Serve the head of QUEUE now that LOCK changed: every queued request that
 -- the holders of LOCK no longer block and that no earlier queued request
 -- blocks on this resource (the first entry if exclusive, only when the lock
@@ -184,36 +202,38 @@ end
 -- swallows the wake-up. Looks at no more than LIMIT entries. PLAIN = true
 -- only wakes (no hand-off). HOLDERS is HLEN of LOCK when the caller already
 -- has it (nil: read here).
+-- The head is read first, alone: a live exclusive head (the usual case)
+-- decides by itself, and the rest of the window is read only when the scan
+-- must go past it (a dead head, a run of shared entries).
 wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
   local n = holders or redis.call('HLEN', lock)
-  if n == 1 then
-    if mode_of(redis.call('HVALS', lock)[1]) == 'x' then return 0 end
+  if n == 1 and mode_of(redis.call('HVALS', lock)[1]) == 'x' then return 0 end
+  local first = redis.call('ZRANGE', queue, '0', '0')
+  if #first == 0 then return 0 end
+  if string.sub(first[1], 1, 1) == 'x' then
+    local st = entry_state(prefix, string.sub(first[1], 2))
+    if st then
+      if n > 0 then return 0 end
+      serve(prefix, queue, first[1], st, limit, ttl_ms, plain)
+      return 1
+    end
   end
   local woken = 0
-  local head = redis.call('ZRANGE', queue, '0', int(limit - 1))
-  for _, m in ipairs(head) do
+  for _, m in ipairs(redis.call('ZRANGE', queue, '0', int(limit - 1))) do
     local t = string.sub(m, 2)
-    local st = nil
-    if owner_pttl(prefix, owner_of(t)) >= 0 then
-      st = redis.call('HMGET', prefix .. 'req:' .. t, 'state', 'seq', 'modes', 'res', 'nested')
-    end
-    if st == nil or not st[1] then
-      -- dead entry: owner liveness gone or request state expired (Lua 5.1
-      -- has no goto: the live case is the else branch)
+    local st = entry_state(prefix, t)
+    if st == nil then
+      -- dead entry (Lua 5.1 has no goto: the live cases are the else branches)
       redis.call('ZREM', queue, m)
       redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
     elseif string.sub(m, 1, 1) == 'x' then
       if n == 0 and woken == 0 then
-        if plain or not try_handoff(prefix, t, ttl_ms, limit, queue, st) then
-          wake(prefix, t, ttl_ms)
-        end
+        serve(prefix, queue, m, st, limit, ttl_ms, plain)
         woken = woken + 1
       end
       return woken
     else
-      if plain or not try_handoff(prefix, t, ttl_ms, limit, queue, st) then
-        wake(prefix, t, ttl_ms)
-      end
+      serve(prefix, queue, m, st, limit, ttl_ms, plain)
       woken = woken + 1
     end
   end
