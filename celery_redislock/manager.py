@@ -503,7 +503,6 @@ class LockManager:
             *req.queue_keys,
         ]
         args = [
-            owner_id,
             token,
             req.modes,
             self.keys.prefix,

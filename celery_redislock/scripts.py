@@ -1,18 +1,22 @@
 """Loads the Lua scripts in ``lua/`` and runs them with EVALSHA.
 
-Each script is ``_common.lua`` followed by the script's own file. redis-py's
-:class:`redis.commands.core.Script` sends EVALSHA and, on NOSCRIPT (after a
-Redis restart or SCRIPT FLUSH), loads the script and retries, so callers
-never see a missing script.
+Each script is ``_common.lua`` followed by the script's own file.
+:meth:`Scripts.run` sends EVALSHA and, on NOSCRIPT (after a Redis restart or
+SCRIPT FLUSH), loads the script and retries, so callers never see a missing
+script. (It calls ``evalsha`` itself rather than through redis-py's
+``Script`` object: the release sits on the hand-off's critical path, and
+that wrapper copies every key and argument once more on each call.)
 """
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from importlib import resources
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 #: Scripts shipped in ``celery_redislock/lua``, one per operation.
 SCRIPT_NAMES = (
@@ -38,11 +42,30 @@ def source(name: str) -> str:
 
 
 class Scripts:
-    """The scripts registered on one client; call ``scripts.run(name, keys, args)``."""
+    """The scripts of one client; call ``scripts.run(name, keys, args)``."""
 
     def __init__(self, client: redis.Redis, names: tuple[str, ...] = SCRIPT_NAMES) -> None:
-        self._scripts = {name: client.register_script(source(name)) for name in names}
+        self._client = client
+        self._source = {name: source(name) for name in names}
+        self._sha = {
+            name: hashlib.sha1(text.encode("utf-8")).hexdigest()
+            for name, text in self._source.items()
+        }
+
+    @property
+    def shas(self) -> dict[str, str]:
+        """Script name -> SHA1 that EVALSHA runs it by."""
+        return dict(self._sha)
 
     def run(self, name: str, keys: list[str], args: list[Any], client: Any = None) -> Any:
-        """Run script ``name`` (EVALSHA, loading it on NOSCRIPT); one round trip."""
-        return self._scripts[name](keys=keys, args=args, client=client)
+        """Run script ``name`` (EVALSHA, loading it on NOSCRIPT); one round trip.
+
+        ``client``: another client of the same server (e.g. the heartbeat's);
+        default the one given at construction.
+        """
+        c = self._client if client is None else client
+        try:
+            return c.evalsha(self._sha[name], len(keys), *keys, *args)
+        except NoScriptError:
+            c.script_load(self._source[name])
+            return c.evalsha(self._sha[name], len(keys), *keys, *args)

@@ -86,9 +86,7 @@ def test_fencing_tokens_stay_above_earlier_ones_after_a_restart_without_persiste
     client = redis_server.client()
     try:
         assert client.dbsize() == 0
-        assert client.script_exists(*[s.sha for s in mgr._scripts._scripts.values()]) == [
-            False
-        ] * len(mgr._scripts._scripts)
+        assert client.script_exists(*mgr._scripts.shas.values()) == [False] * len(mgr._scripts.shas)
         # the same manager (stale connections, NOSCRIPT, liveness gone) ...
         after_same = mgr.acquire(exclusive=["a"], timeout=5)
         # ... and a fresh one both get tokens above every earlier one

@@ -10,16 +10,15 @@
 --   4        {ns}:contend:<token> the lease's contender signal list
 --   5..4+n   {ns}:lock:<res>     lock hashes
 --   5+n..4+2n {ns}:q:<res>       wait queues, same order
--- Keys of waiters to wake are built from ARGV[4] and stay in {ns}.
+-- Keys of waiters to wake are built from ARGV[3] and stay in {ns}.
 --
 -- ARGV:
---   1 owner id
---   2 token
---   3 modes, one char per resource ('x' | 's')
---   4 key prefix '{ns}:'
---   5 request TTL in ms (for wake lists)
---   6 queue scan limit
---   7 '1' when the request was returned as a lease (granted, so it has no
+--   1 token '<owner>|<request id>' (the owner id is read from it)
+--   2 modes, one char per resource ('x' | 's')
+--   3 key prefix '{ns}:'
+--   4 request TTL in ms (for wake lists)
+--   5 queue scan limit
+--   6 '1' when the request was returned as a lease (granted, so it has no
 --     queue entries: the queue ZREM is skipped); '0' on exit paths, where
 --     it may still be queued
 --
@@ -27,7 +26,7 @@
 -- token's field goes); drop the key from the registry once the owner holds
 -- no other token there (at once when the hash is left empty; HKEYS only
 -- when other holders remain); ZREM the request's queue entry (not for a
--- lease, ARGV[7]); if anything changed, hand the locks to the head of the
+-- lease, ARGV[6]); if anything changed, hand the locks to the head of the
 -- queue (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake
 -- it. Then delete the request's state, wake list and contender signal list.
 --
@@ -35,9 +34,10 @@
 -- many queue entries it still had. released < n on a granted lease means
 -- some lock had already been taken from it (its owner was declared dead).
 
-local owner, token, modes, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local req_ttl, limit = ARGV[5], tonumber(ARGV[6])
-local granted = ARGV[7] == '1'
+local token, modes, prefix = ARGV[1], ARGV[2], ARGV[3]
+local owner = owner_of(token)
+local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
+local granted = ARGV[6] == '1'
 local n = #modes
 local released, dequeued = 0, 0
 for i = 1, n do
