@@ -19,11 +19,13 @@ from celery_redislock import (
     RedisUnavailable,
     check_eviction,
 )
+from celery_redislock.inspect import Inspector
 from celery_redislock.keys import MAX_RESOURCE_BYTES, MAX_RESOURCES
 from engine_helpers import (
     Managers,
     all_keys,
     assert_registry_truth,
+    lock_fences,
     lock_holders,
     namespace_keys,
     registries,
@@ -43,6 +45,31 @@ def lock(name: str) -> str:
 
 
 # -- grants and fencing ----------------------------------------------------
+
+
+def test_each_grant_stores_its_fence_in_the_lock_hash_for_as_long_as_it_holds(
+    managers: Managers, r: redis.Redis
+) -> None:
+    mgr = managers(owner_ttl=1.0)
+    lease = mgr.acquire(exclusive=["a"], shared=["b"])
+    reader = managers().acquire(shared=["b"])
+
+    assert lock_fences(r, lock("a")) == {lease.token: lease.fencing_token}
+    assert lock_fences(r, lock("b")) == {
+        lease.token: lease.fencing_token,
+        reader.token: reader.fencing_token,
+    }
+    # No request record to expire: the fence is part of the grant itself,
+    # so operators see it however long the lock is held.
+    assert not r.exists("{t}:req:" + lease.token)
+    [holder] = Inspector(mgr).holders("a")
+    assert (holder.token, holder.mode, holder.fence) == (
+        lease.token,
+        "exclusive",
+        lease.fencing_token,
+    )
+    lease.release()
+    reader.release()
 
 
 def test_lock_context_manager_grants_then_releases_everything(

@@ -142,3 +142,28 @@ def test_a_waiter_that_missed_the_handoff_push_gets_the_same_grant_when_it_asks_
     # Its release frees the lock and the unread push with it.
     waiter_mgr._run_release(ident.owner_id, token, req, lease=True)
     assert rs.exists(f"{PREFIX}lock:R", f"{PREFIX}wake:{token}", f"{PREFIX}req:{token}") == 0
+
+
+@pytest.mark.parametrize("freed_by", ["next acquirer", "cleanup_owner"])
+def test_a_handed_over_grant_whose_waiter_died_leaves_no_unread_push_behind(
+    rs: redis.Redis, make: Any, freed_by: str
+) -> None:
+    # The grant push has no TTL (a blocked waiter pops it at once): whoever
+    # frees the grant of a waiter that died before popping it deletes it.
+    holder, waiter_mgr, other = make(), make(), make()
+    lease = holder.acquire("R")
+    req = waiter_mgr._request("R", None)
+    ident = waiter_mgr._identity.current()
+    token = f"{ident.owner_id}|died-before-popping"
+    assert int(waiter_mgr._attempt(ident, token, req, True, False)[0]) == 0
+    lease.release()  # handed over; the waiter never pops it
+    assert rs.llen(f"{PREFIX}wake:{token}") == 1
+    rs.delete(f"{PREFIX}alive:{ident.owner_id}")  # the waiter's process died
+
+    if freed_by == "next acquirer":
+        other.acquire("R", timeout=0).release()  # reclaims the dead grant
+    else:
+        other.cleanup_owner(ident.owner_id)
+
+    assert rs.exists(f"{PREFIX}wake:{token}", f"{PREFIX}req:{token}") == 0
+    assert rs.exists(f"{PREFIX}lock:R") == 0
