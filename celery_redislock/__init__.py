@@ -1,7 +1,8 @@
 """Crash-safe, fork-safe, fair Redis resource locks for Celery tasks.
 
 The engine (:class:`LockManager`, :class:`Lease`) works without Celery;
-importing this package does not import Celery. The Celery face is
+importing this package does not import Celery. :class:`Inspector` reads
+who holds and who waits for what (what the CLI shows). The Celery face is
 :class:`RedisLock` (the extension), :func:`locked` (the task decorator) and
 :func:`current_lease` (the lease of the running ``@locked`` body).
 """
@@ -16,6 +17,7 @@ from .exceptions import (
     LockTimeout,
     RedisUnavailable,
 )
+from .inspect import Inspector
 from .lease import Lease
 from .manager import LockManager
 from .reports import CleanupReport, ReconcileReport
@@ -27,6 +29,7 @@ __all__ = [
     "CleanupReport",
     "ConfigurationError",
     "EvictionCheck",
+    "Inspector",
     "InvalidResource",
     "Lease",
     "LockError",

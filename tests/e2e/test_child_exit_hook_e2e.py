@@ -53,7 +53,14 @@ def test_sigkilled_child_lock_freed_by_pool_hook_long_before_the_next_heartbeat_
     wait_for(lambda: not c.lock_redis.exists(c.key("held", owner)), 10, "dead child's registry")
     assert owner not in c.active_owners()
     assert c.lock_redis.exists(c.key("alive", owner)) == 0
-    assert w.log_lines("cleanup.dead-owner", owner), w.tail()
+    # The node logs after the cleanup script and its group HDEL: wait for
+    # the line rather than read the log the moment Redis shows the result.
+    wait_for(
+        lambda: w.log_lines("cleanup.dead-owner", owner),
+        timeout=10,
+        what="the cleanup.dead-owner log line",
+        on_timeout=w.tail,
+    )
     # the redelivered task runs in the replacement child
     done = result.get(timeout=90)
     assert done["attempt"] == 2 and done["pid"] != held["pid"]

@@ -311,7 +311,9 @@ def test_dead_worker_locks_freed_by_beat_reconcile_and_by_next_acquirer_without_
     )
     assert c.alive_pttl(owner1) == -2  # freed only once its liveness was gone
     assert not c.lock_redis.exists(c.key("held", owner1))
-    assert keeper.log_lines("reconcile"), keeper.tail()
+    wait_for(
+        lambda: keeper.log_lines("reconcile"), 10, "a reconcile log line", on_timeout=keeper.tail
+    )
     assert owner2 in c.owners_holding("res:x2"), "a live owner's lock was freed"
 
     # 2. no beat, no other worker: the next acquirer reclaims victim2's lock
