@@ -52,7 +52,7 @@ end
 local function wake(prefix, token, ttl_ms)
   local k = prefix .. 'wake:' .. token
   redis.call('LPUSH', k, '1')
-  redis.call('LTRIM', k, 0, 0)
+  redis.call('LTRIM', k, '0', '0')
   redis.call('PEXPIRE', k, ttl_ms)
 end
 
@@ -60,7 +60,7 @@ end
 local function contended(prefix, token, ttl_ms)
   local k = prefix .. 'contend:' .. token
   redis.call('LPUSH', k, '1')
-  redis.call('LTRIM', k, 0, 0)
+  redis.call('LTRIM', k, '0', '0')
   redis.call('PEXPIRE', k, ttl_ms)
 end
 

@@ -52,7 +52,7 @@ end
 -- of that process BLPOPs this list and marks its leases lost.
 local lost = prefix .. 'lost:' .. owner
 redis.call('LPUSH', lost, 'lost')
-redis.call('LTRIM', lost, 0, 0)
+redis.call('LTRIM', lost, '0', '0')
 redis.call('PEXPIRE', lost, req_ttl)
 
 local lock_prefix = prefix .. 'lock:'

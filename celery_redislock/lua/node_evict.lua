@@ -42,7 +42,7 @@ end
 local prefix, old = ARGV[1], ARGV[2]
 local owners = redis.call('HKEYS', prefix .. 'group:' .. old)
 if ARGV[5] == 'evict' then
-  redis.call('SET', prefix .. 'tomb:' .. old, ARGV[6], 'PX', tonumber(ARGV[12]))
+  redis.call('SET', prefix .. 'tomb:' .. old, ARGV[6], 'PX', ARGV[12])
   for _, owner in ipairs(owners) do
     redis.call('DEL', prefix .. 'alive:' .. owner)
   end
@@ -50,5 +50,5 @@ end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'inc', ARGV[6], 'hb', '0', 'hb_ms', string.format('%.0f', now),
   'iv', ARGV[10], 'pid', ARGV[7], 'host', ARGV[8], 'started', ARGV[9])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[11]))
+redis.call('PEXPIRE', KEYS[1], ARGV[11])
 return {'evicted', owners}

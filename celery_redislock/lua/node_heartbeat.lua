@@ -66,7 +66,7 @@ local now = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[
 local cur = redis.call('HMGET', KEYS[1], 'inc', 'hb', 'hb_ms', 'iv')
 local owned = 0
 if cur[1] == ARGV[1] then
-  local hb = redis.call('HINCRBY', KEYS[1], 'hb', 1)
+  local hb = redis.call('HINCRBY', KEYS[1], 'hb', '1')
   redis.call('HSET', KEYS[1], 'hb_ms', now, 'iv', ARGV[6])
   redis.call('PEXPIRE', KEYS[1], rec_ttl)
   cur = {ARGV[1], tostring(hb), now, ARGV[6]}

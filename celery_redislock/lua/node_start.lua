@@ -26,7 +26,7 @@ local cur = redis.call('HMGET', KEYS[1], 'inc', 'hb', 'hb_ms', 'iv')
 if not cur[1] then
   redis.call('HSET', KEYS[1], 'inc', ARGV[1], 'hb', '0', 'hb_ms', string.format('%.0f', now),
     'iv', ARGV[5], 'pid', ARGV[2], 'host', ARGV[3], 'started', ARGV[4])
-  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[6]))
+  redis.call('PEXPIRE', KEYS[1], ARGV[6])
   return {'new'}
 end
 if cur[1] == ARGV[1] then
