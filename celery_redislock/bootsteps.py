@@ -130,16 +130,11 @@ class RedisLockNode(bootsteps.StartStopStep):
             cfg.heartbeat_interval,
             cfg.owner_ttl,
         )
+        checked = cfg.eviction_check == "ignore"
         try:
-            if cfg.eviction_check != "ignore":
-                check = node.manager.check_eviction()
-                if check.may_evict:
-                    if cfg.eviction_check == "raise":
-                        raise ConfigurationError(
-                            "redislock_eviction_check",
-                            f"{check.describe()} (or set redislock_eviction_check='warn')",
-                        )
-                    log.warning("startup.eviction-risk %s", check.describe())
+            if not checked:
+                self._check_eviction(node, cfg.eviction_check)
+                checked = True
             node.start()
         except RedisUnavailable as exc:
             if cfg.eviction_check == "raise":
@@ -147,8 +142,23 @@ class RedisLockNode(bootsteps.StartStopStep):
             log.error(
                 "node.start-error node=%s error=%s: retrying on every heartbeat", node.nodename, exc
             )
+            if not checked:
+                # Run the skipped check once the heartbeat reaches Redis.
+                node.on_late_start = lambda: self._check_eviction(node, "warn")
         node.start_heartbeat()
         self._hook_pool(w)
+
+    @staticmethod
+    def _check_eviction(node: Node, mode: str) -> None:
+        """The start-up eviction-policy check: raise (mode 'raise') or log a warning."""
+        check = node.manager.check_eviction()
+        if check.may_evict:
+            if mode == "raise":
+                raise ConfigurationError(
+                    "redislock_eviction_check",
+                    f"{check.describe()} (or set redislock_eviction_check='warn')",
+                )
+            log.warning("startup.eviction-risk %s", check.describe())
 
     def register_with_event_loop(self, w: Any, hub: Any) -> None:
         # Steps register in reverse start order, so the prefork AsynPool

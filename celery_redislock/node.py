@@ -239,6 +239,11 @@ class Node:
         self.host = socket.gethostname()
         self.started = int(time.time())
         self.state = "init"
+        #: Called once, in the heartbeat thread, when a retried ``node_start``
+        #: succeeds after :meth:`start` failed (Redis unreachable at start-up):
+        #: the bootstep runs the start-up checks it had to skip. Errors are
+        #: logged, never raised into the heartbeat.
+        self.on_late_start: Callable[[], None] | None = None
         #: (inc, hb) of the other incarnation's record we watch.
         self._seen: tuple[str, str] | None = None
         self._duplicate_logged: str | None = None
@@ -431,7 +436,17 @@ class Node:
                 return TickResult(self.state, evicted=self.state == "evicted")
             if self.state == "init":
                 self._start_locked()
+                self._late_start()
             return self._tick_locked()
+
+    def _late_start(self) -> None:
+        hook, self.on_late_start = self.on_late_start, None
+        if hook is None:
+            return
+        try:
+            hook()
+        except Exception:
+            log.exception("node.late-start-error node=%s", self.nodename)
 
     def _tick_locked(self) -> TickResult:
         me = os.getpid()

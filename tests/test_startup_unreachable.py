@@ -210,7 +210,13 @@ def test_worker_starts_without_the_lock_redis_and_claims_its_node_once_redis_is_
         held = lock_client.hexists(PREFIX + f"lock:repo:{n}", lease.token)
         return {"held": bool(held), "fence": lease.fencing_token}
 
-    server = RedisServer(workdir=tmp_path / "lock-redis", port=lock_port)
+    # The lock Redis that comes up later may evict keys: the eviction check
+    # skipped at start-up must still run once it answers ('warn').
+    server = RedisServer(
+        workdir=tmp_path / "lock-redis",
+        port=lock_port,
+        extra_args=["--maxmemory-policy", "allkeys-lru"],
+    )
     lock_client = server.client()
     hostname = f"celery@r9-{mode}"
     try:
@@ -252,6 +258,14 @@ def test_worker_starts_without_the_lock_redis_and_claims_its_node_once_redis_is_
                     m.startswith(f"node.start node={hostname} inc={inc} predecessor=none")
                     for m in messages(records)
                 )
+                if mode == "warn":
+                    wait_until(
+                        lambda: any(
+                            m.startswith("startup.eviction-risk") and "allkeys-lru" in m
+                            for m in messages(records)
+                        ),
+                        what="the skipped eviction check to run late and warn",
+                    )
 
                 out = sync.delay(1).get(timeout=20)
                 assert out["held"] and out["fence"] > 0
@@ -261,6 +275,8 @@ def test_worker_starts_without_the_lock_redis_and_claims_its_node_once_redis_is_
             assert not lock_client.exists(node_key(PREFIX, hostname), group_key(PREFIX, inc))
         # Nothing of the namespace went to the broker's Redis.
         assert r.keys(PREFIX + "*") == []
+        risk = [m for m in messages(records) if m.startswith("startup.eviction-risk")]
+        assert len(risk) == (1 if mode == "warn" else 0), risk  # once, and never when 'ignore'
     finally:
         lock_client.close()
         server.close()
