@@ -39,7 +39,12 @@ from urllib.parse import quote, unquote, urlencode
 
 import redis
 from redis.connection import parse_url
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 
 from .exceptions import ConfigurationError
 from .redact import redact_url
@@ -304,6 +309,37 @@ def validate_url(url: Any, *, setting: str = "redis_url", master_name: str | Non
     return url
 
 
+class _DemotedMasterAware:
+    """Treat Redis 6.2's script-wrapped READONLY like redis-py treats READONLY.
+
+    redis-py's Sentinel connection turns a ``READONLY`` reply from the master
+    (it was demoted to a replica) into a ConnectionError, drops the
+    connection and asks the Sentinels again. Redis 6.2 answers a script that
+    writes on a replica with ``ERR Error running script ... -READONLY ...``
+    instead, which redis-py would raise as a plain ResponseError on every
+    call: the engine would raise it instead of RedisUnavailable.
+    """
+
+    connection_pool: Any
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError as exc:
+            if self.connection_pool.is_master and "-READONLY " in str(exc):
+                self.disconnect()  # type: ignore[attr-defined]
+                raise redis.ConnectionError("The previous master is now a replica") from exc
+            raise
+
+
+class _MasterConnection(_DemotedMasterAware, SentinelManagedConnection):
+    pass
+
+
+class _MasterSSLConnection(_DemotedMasterAware, SentinelManagedSSLConnection):
+    pass
+
+
 def client_from_url(
     url: str,
     *,
@@ -324,8 +360,12 @@ def client_from_url(
         spec = parse_sentinel_url(url, setting=setting, master_name=master_name)
         master_kwargs, sentinel_kwargs = spec.connection_kwargs()
         manager = Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs)
+        ssl = master_kwargs.pop("ssl", False)
         client: redis.Redis = manager.master_for(
-            spec.service_name, decode_responses=decode_responses, **master_kwargs
+            spec.service_name,
+            decode_responses=decode_responses,
+            connection_class=_MasterSSLConnection if ssl else _MasterConnection,
+            **master_kwargs,
         )
         return client
     try:
