@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis
+from redis.cluster import RedisCluster
+
+from .connect import AnyRedis
 
 #: Policies under which Redis never evicts a key to make room.
 SAFE_POLICIES = frozenset({"noeviction"})
@@ -31,19 +34,31 @@ class EvictionCheck:
         return f"maxmemory-policy is {self.policy!r}: keys are never evicted"
 
 
-def check_eviction(client: redis.Redis) -> EvictionCheck:
+def check_eviction(client: AnyRedis) -> EvictionCheck:
     """Read ``maxmemory_policy`` from ``INFO memory`` (works where CONFIG is disabled).
 
     One round trip. ``may_evict`` is True for every policy but ``noeviction``,
-    and when the policy cannot be read (reported with ``policy=None``).
+    and when the policy cannot be read (reported with ``policy=None``). On
+    Redis Cluster every primary is asked and the first unsafe (or unreadable)
+    policy wins, since any of them may own the namespace's slot.
     """
     try:
-        info = client.info("memory")
+        if isinstance(client, RedisCluster):
+            replies = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            infos = list(replies.values()) if "maxmemory_policy" not in replies else [replies]
+        else:
+            infos = [client.info("memory")]
     except redis.ResponseError:
         return EvictionCheck(None, True)
-    policy = info.get("maxmemory_policy")
-    if isinstance(policy, bytes):
-        policy = policy.decode()
-    if policy is None:
-        return EvictionCheck(None, True)
-    return EvictionCheck(str(policy), str(policy) not in SAFE_POLICIES)
+    found: EvictionCheck | None = None
+    for info in infos:
+        policy = info.get("maxmemory_policy") if isinstance(info, dict) else None
+        if isinstance(policy, bytes):
+            policy = policy.decode()
+        if policy is None:
+            return EvictionCheck(None, True)
+        check = EvictionCheck(str(policy), str(policy) not in SAFE_POLICIES)
+        if check.may_evict:
+            return check
+        found = found or check
+    return found or EvictionCheck(None, True)

@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urlencode
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
 from redis.sentinel import (
     Sentinel,
@@ -48,6 +49,10 @@ from redis.sentinel import (
 
 from .exceptions import ConfigurationError
 from .redact import redact_url
+
+#: A client the engine accepts: standalone / Sentinel, or Redis Cluster (every
+#: key of a namespace shares one hash tag, so every script is single-slot).
+AnyRedis = redis.Redis | RedisCluster
 
 #: Schemes :meth:`redis.Redis.from_url` understands.
 DIRECT_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -384,8 +389,27 @@ def _url_error(setting: str, url: str, exc: ValueError) -> ConfigurationError:
     return ConfigurationError(setting, f"{message} ({shown})")
 
 
-def clone_client(client: redis.Redis) -> redis.Redis:
-    """A client on a new, private pool with the same settings (Sentinel pools too)."""
+def clone_client(client: AnyRedis) -> AnyRedis:
+    """A client on a new, private pool with the same settings (Sentinel pools too).
+
+    A :class:`~redis.cluster.RedisCluster` gets a new cluster client (its own
+    per-node pools) seeded with the nodes the source knows.
+    """
+    if isinstance(client, RedisCluster):
+        manager = client.nodes_manager
+        ckwargs = dict(manager.connection_kwargs)
+        # The source client's on-connect hook: the new client installs its own.
+        ckwargs.pop("redis_connect_func", None)
+        if client.read_from_replicas:  # deprecated in redis-py 5.3: passed only if set
+            ckwargs["read_from_replicas"] = True
+        return RedisCluster(
+            startup_nodes=[ClusterNode(n.host, n.port) for n in client.get_nodes()],
+            require_full_coverage=getattr(manager, "_require_full_coverage", True),
+            load_balancing_strategy=client.load_balancing_strategy,
+            address_remap=manager.address_remap,
+            retry=client.retry,
+            **ckwargs,
+        )
     src = client.connection_pool
     kwargs = dict(src.connection_kwargs)
     if isinstance(src, SentinelConnectionPool):
@@ -403,8 +427,11 @@ def clone_client(client: redis.Redis) -> redis.Redis:
     return redis.Redis(connection_pool=pool)
 
 
-def describe_client(client: redis.Redis) -> str:
+def describe_client(client: AnyRedis) -> str:
     """A URL-like description of where ``client`` connects (no password)."""
+    if isinstance(client, RedisCluster):
+        nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())
+        return f"cluster://{nodes}"
     pool = client.connection_pool
     kw = pool.connection_kwargs
     if isinstance(pool, SentinelConnectionPool):

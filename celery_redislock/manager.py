@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from ._threads import real_sleep, start_os_thread
 from .checks import EvictionCheck, check_eviction
 from .connect import (
+    AnyRedis,
     client_from_url,
     clone_client,
     describe_client,
@@ -63,13 +65,16 @@ DEFAULT_SCAN_LIMIT = 256
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
-def _socket_timeout(client: redis.Redis) -> float | None:
+def _socket_timeout(client: AnyRedis) -> float | None:
     """The socket timeout the client's connections use (None: no timeout).
 
     ``Redis.from_url`` leaves ``socket_timeout`` out of the pool's kwargs when
     the URL does not set it, and the connection class's default (5 s in
     redis-py 5+) applies: read that default rather than assume none.
     """
+    if isinstance(client, RedisCluster):  # its node pools share these kwargs
+        cluster_value = client.nodes_manager.connection_kwargs.get("socket_timeout", 5.0)
+        return float(cluster_value) if cluster_value else None
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
     if "socket_timeout" in kwargs:
@@ -137,8 +142,8 @@ class LockManager:
     Args:
         redis_url: a ``redis://``, ``rediss://``, ``unix://`` or
             ``sentinel://`` URL (forms: :mod:`celery_redislock.connect`), or a
-            ready :class:`redis.Redis` client (its pool is reused; replies may
-            be bytes or str).
+            ready :class:`redis.Redis` or :class:`redis.cluster.RedisCluster`
+            client (its pool is reused; replies may be bytes or str).
         namespace: keys live under the hash tag ``{namespace}``; managers,
             workers and the CLI with the same namespace share the same locks.
         owner_ttl: seconds an owner stays alive without a heartbeat. A
@@ -167,7 +172,7 @@ class LockManager:
 
     def __init__(
         self,
-        redis_url: str | redis.Redis = "redis://127.0.0.1:6379/0",
+        redis_url: str | AnyRedis = "redis://127.0.0.1:6379/0",
         namespace: str = "redislock",
         *,
         owner_ttl: float = DEFAULT_OWNER_TTL,
@@ -204,7 +209,7 @@ class LockManager:
         self.queue_scan_limit = queue_scan_limit
         self.name = name
         if isinstance(redis_url, str):
-            self.client: redis.Redis = client_from_url(redis_url, setting="redis_url")
+            self.client: AnyRedis = client_from_url(redis_url, setting="redis_url")
             # Display only (errors, logs, status): a Sentinel URL in canonical
             # form; every password masked.
             self.url = (
@@ -212,13 +217,14 @@ class LockManager:
                 if is_sentinel_url(redis_url)
                 else redact(redis_url)
             )
-        elif isinstance(redis_url, redis.Redis):
+        elif isinstance(redis_url, (redis.Redis, RedisCluster)):
             self.client = redis_url
             self.url = describe_client(redis_url)
         else:
             raise ConfigurationError(
                 "redis_url",
-                f"must be a URL or a redis.Redis client, not {type(redis_url).__name__}",
+                "must be a URL, a redis.Redis or a redis.cluster.RedisCluster client, "
+                f"not {type(redis_url).__name__}",
             )
         timeout = _socket_timeout(self.client)
         #: Longest single BLPOP: below the client's socket timeout (a client
@@ -232,7 +238,7 @@ class LockManager:
         self._leases: dict[str, Lease] = {}
         self._orphans: dict[str, _Request] = {}
         self._local = threading.local()
-        self._hb_client: redis.Redis | None = None
+        self._hb_client: AnyRedis | None = None
         self._hb_client_pid = 0
         self._heartbeat = Heartbeat(self.heartbeat_interval, self._beat, "redislock-heartbeat")
         self._own_heartbeat = bool(heartbeat)
@@ -576,7 +582,7 @@ class LockManager:
             where,
         )
 
-    def _heartbeat_client(self) -> redis.Redis:
+    def _heartbeat_client(self) -> AnyRedis:
         if self._hb_client is None or self._hb_client_pid != os.getpid():
             self._hb_client = clone_client(self.client)
             self._hb_client_pid = os.getpid()
@@ -648,7 +654,7 @@ class LockManager:
                 self._owner_lost(ident, "heartbeat")
         self._retry_orphans(client)
 
-    def _retry_orphans(self, client: redis.Redis) -> None:
+    def _retry_orphans(self, client: AnyRedis) -> None:
         """Retry the releases that failed on an exit path (deferred)."""
         with self._state_lock:
             orphans = list(self._orphans.items())

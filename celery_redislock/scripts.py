@@ -15,8 +15,9 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-import redis
 from redis.exceptions import NoScriptError
+
+from .connect import AnyRedis
 
 #: Scripts shipped in ``celery_redislock/lua``, one per operation.
 SCRIPT_NAMES = (
@@ -44,7 +45,7 @@ def source(name: str) -> str:
 class Scripts:
     """The scripts of one client; call ``scripts.run(name, keys, args)``."""
 
-    def __init__(self, client: redis.Redis, names: tuple[str, ...] = SCRIPT_NAMES) -> None:
+    def __init__(self, client: AnyRedis, names: tuple[str, ...] = SCRIPT_NAMES) -> None:
         self._client = client
         self._source = {name: source(name) for name in names}
         self._sha = {

@@ -1,0 +1,307 @@
+"""The engine on a real three-master Redis Cluster (redis-py ``RedisCluster``).
+
+Pins the design's claim that every key of a namespace shares the ``{ns}``
+hash tag, so every script is single-slot and runs unchanged on a cluster:
+acquire/release between managers seeded from different nodes, the hand-off
+to a blocked waiter (BLPOP routed by its key), the heartbeat on its cloned
+cluster client, owner cleanup and the lost-owner watch, the inspector, the
+worker node's scripts, NOSCRIPT after SCRIPT FLUSH, and the eviction check
+that asks every primary.
+
+The module fixture starts three ``redis-server --cluster-enabled yes``
+processes (no persistence), assigns the 16384 slots with CLUSTER
+ADDSLOTSRANGE, joins them with CLUSTER MEET and waits for
+``cluster_state:ok``. It skips only when the binary cannot run in cluster
+mode.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+from celery_redislock import LockManager
+from celery_redislock.checks import check_eviction
+from celery_redislock.exceptions import LockTimeout
+from celery_redislock.inspect import Inspector
+from celery_redislock.lease import Lease
+from celery_redislock.node import Node, group_key, new_incarnation
+from engine_helpers import wait_until
+from redis_server import RedisServer, RedisServerError, free_port
+
+SLOTS = 16384
+MASTERS = 3
+#: Seconds for a freshly MEET cluster to report cluster_state:ok (about 4 s here).
+CLUSTER_OK_DEADLINE = 20.0
+
+
+def _info_text(reply: Any) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+@pytest.fixture(scope="module")
+def cluster_servers() -> Iterator[list[RedisServer]]:
+    """Three cluster-mode redis-servers sharing all slots, cluster_state:ok."""
+    servers: list[RedisServer] = []
+    bus_ports: list[int] = []
+    try:
+        for _ in range(MASTERS):
+            server = RedisServer(
+                extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            )
+            if server.version >= (7, 0, 0):
+                # The bus port defaults to port + 10000, which may exceed 65535.
+                bus_ports.append(free_port())
+                server.extra_args += ["--cluster-port", str(bus_ports[-1])]
+            servers.append(server)
+            try:
+                server.start()
+            except RedisServerError as exc:
+                pytest.skip(f"redis-server cannot run in cluster mode: {exc}")
+        clients = [s.client() for s in servers]
+        per = SLOTS // MASTERS
+        for i, client in enumerate(clients):
+            last = SLOTS - 1 if i == MASTERS - 1 else (i + 1) * per - 1
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+        meet = [servers[0].host, servers[0].port, *bus_ports[:1]]  # the bus port, if set
+        for client in clients[1:]:
+            client.execute_command("CLUSTER", "MEET", *meet)
+
+        def ok() -> bool:
+            infos = [_info_text(c.execute_command("CLUSTER", "INFO")) for c in clients]
+            return all(
+                "cluster_state:ok" in i and f"cluster_known_nodes:{MASTERS}" in i for i in infos
+            )
+
+        wait_until(ok, CLUSTER_OK_DEADLINE, "cluster_state:ok on every node", interval=0.05)
+        for client in clients:
+            client.close()
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.fixture
+def cluster(cluster_servers: list[RedisServer]) -> Iterator[Callable[..., RedisCluster]]:
+    """Makes RedisCluster clients seeded from node ``seed`` (closed after the test)."""
+    made: list[RedisCluster] = []
+
+    def make(seed: int = 0, **kwargs: Any) -> RedisCluster:
+        client = RedisCluster(host="127.0.0.1", port=cluster_servers[seed].port, **kwargs)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+@pytest.fixture
+def managers(cluster: Callable[..., RedisCluster]) -> Iterator[Callable[..., LockManager]]:
+    """Makes LockManagers on cluster clients, in one fresh namespace per test."""
+    namespace = "c" + uuid.uuid4().hex[:8]
+    made: list[LockManager] = []
+
+    def make(seed: int = 0, client_kw: dict[str, Any] | None = None, **kw: Any) -> LockManager:
+        kw.setdefault("owner_ttl", 2.0)
+        mgr = LockManager(cluster(seed, **(client_kw or {})), namespace, **kw)
+        made.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in made:
+        mgr.close()
+
+
+def _server_of(servers: list[RedisServer], client: RedisCluster, key: str) -> RedisServer:
+    node = client.get_node_from_key(key)
+    return next(s for s in servers if s.port == node.port)
+
+
+def test_namespaces_spread_over_the_masters_each_on_one_slot(
+    cluster: Callable[..., RedisCluster],
+) -> None:
+    rc = cluster()
+    assert len(rc.get_primaries()) == MASTERS
+    mgr = LockManager(rc, "spread")
+    try:
+        keys = [
+            mgr.keys.lock("r"),
+            mgr.keys.queue("r"),
+            mgr.keys.owners,
+            mgr.keys.fence,
+            mgr.keys.held("o"),
+        ]
+        assert {rc.keyslot(k) for k in keys} == {rc.keyslot("{spread}")}
+        assert mgr.url.startswith("cluster://")
+    finally:
+        mgr.close()
+    owners = {rc.get_node_from_key(f"{{ns{i}}}:x").name for i in range(30)}
+    assert len(owners) == MASTERS
+
+
+def test_two_managers_on_different_seed_nodes_exclude_each_other(
+    managers: Callable[..., LockManager],
+) -> None:
+    a, b = managers(0), managers(2)
+    lease = a.acquire("repo:1", timeout=0)
+    with pytest.raises(LockTimeout):
+        b.acquire("repo:1", timeout=0)
+    lease.release()
+    second = b.acquire("repo:1", timeout=0)
+    assert second.fencing_token > lease.fencing_token
+    second.release()
+    a.acquire("repo:1", timeout=0).release()
+
+
+def test_blocked_waiter_is_handed_the_lock_on_release(
+    managers: Callable[..., LockManager], cluster: Callable[..., RedisCluster]
+) -> None:
+    a, b = managers(0), managers(1)
+    rc = cluster()
+    held = a.acquire(["repo:2", "repo:3"], timeout=0)
+    got: dict[str, Any] = {}
+
+    def waiter() -> None:
+        try:
+            got["lease"] = b.acquire(["repo:2", "repo:3"], timeout=20)
+        except BaseException as exc:  # reported by the assertion below
+            got["error"] = exc
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_until(lambda: rc.zcard(b.keys.queue("repo:2")) == 1, what="waiter queued")
+    held.release()
+    thread.join(20)
+    assert "error" not in got, got
+    lease: Lease = got["lease"]
+    assert lease.fencing_token > held.fencing_token
+    assert not lease.lost
+    lease.release()
+    assert rc.zcard(b.keys.queue("repo:2")) == 0
+
+
+def test_waiter_reblocks_past_a_short_cluster_socket_timeout(
+    managers: Callable[..., LockManager],
+    cluster: Callable[..., RedisCluster],
+    cluster_servers: list[RedisServer],
+) -> None:
+    a = managers(0)
+    b = managers(1, client_kw={"socket_timeout": 0.5})
+    assert b._block_cap < 0.5
+    held = a.acquire("slow", timeout=0)
+    server = _server_of(cluster_servers, cluster(), a.keys.lock("slow"))
+    direct = server.client()
+
+    def blpops() -> int:
+        stats = direct.info("commandstats").get("cmdstat_blpop")
+        return int(stats["calls"]) if stats else 0
+
+    before = blpops()
+    got: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: got.update(lease=b.acquire("slow", timeout=20)))
+    thread.start()
+    # Three BLPOPs: the waiter has blocked longer than its 0.5 s socket timeout.
+    wait_until(lambda: blpops() >= before + 3, what="waiter re-blocked")
+    held.release()
+    thread.join(20)
+    direct.close()
+    assert "lease" in got
+    got["lease"].release()
+
+
+def test_heartbeat_keeps_a_cluster_owner_alive_past_its_ttl(
+    managers: Callable[..., LockManager], cluster: Callable[..., RedisCluster]
+) -> None:
+    a = managers(0, owner_ttl=1.0)
+    lease = a.acquire("hb", timeout=0)
+    # 1/3 s interval: six beats span twice the owner TTL.
+    wait_until(lambda: a.heartbeat.ticks >= 6, what="six heartbeats")
+    assert isinstance(a._hb_client, RedisCluster)
+    assert a._hb_client is not a.client
+    assert not lease.lost
+    assert cluster().pttl(a.keys.alive(a.owner_id)) > 0
+    lease.release()
+
+
+def test_cleanup_owner_frees_a_dead_owner_and_its_lost_watch_is_told(
+    managers: Callable[..., LockManager],
+) -> None:
+    a = managers(0)
+    b = managers(2, owner_ttl=5.0, heartbeat=False)
+    lease = b.acquire(["x1", "x2"], timeout=0)
+    assert a.cleanup_owner(b.owner_id).status == "alive"
+    report = a.cleanup_owner(b.owner_id, force=True)
+    assert (report.status, report.released, report.errors) == ("cleaned", 2, ())
+    wait_until(lambda: lease.lost, what="lost-owner watch marks the lease lost")
+    a.acquire(["x1", "x2"], timeout=0).release()
+    assert a.reconcile().errors == {}
+
+
+def test_inspector_reports_status_and_locks(managers: Callable[..., LockManager]) -> None:
+    a, b = managers(0), managers(1)
+    lease = a.acquire("seen", shared=["also"], timeout=0)
+    status = Inspector(b).status()
+    assert (status.eviction_policy, status.may_evict) == ("noeviction", False)
+    assert status.alive_owners == 1 and status.registered_locks == 2
+    assert status.fence == lease.fencing_token
+    locks = {info.resource: info for info in Inspector(b).locks()}
+    assert set(locks) == {"seen", "also"}
+    assert [h.owner_id for h in locks["seen"].holders] == [a.owner_id]
+    lease.release()
+    assert Inspector(b).locks() == []
+
+
+def test_scripts_reload_after_script_flush_on_every_primary(
+    managers: Callable[..., LockManager], cluster_servers: list[RedisServer]
+) -> None:
+    a = managers(0)
+    a.acquire("f", timeout=0).release()
+    for server in cluster_servers:
+        client = server.client()
+        client.script_flush()
+        client.close()
+    a.acquire("f", timeout=0).release()
+
+
+def test_worker_node_starts_ticks_and_frees_its_owners_on_shutdown(
+    managers: Callable[..., LockManager],
+) -> None:
+    a = managers(0)
+    inc = new_incarnation()
+    key = group_key(a.keys.prefix, inc)
+    worker = managers(1, heartbeat_interval=0.2, heartbeat=False, group=lambda: key)
+    node = Node(worker, "celery@cluster", inc)
+    try:
+        assert node.start() == "owner"
+        worker.acquire("job", timeout=0)
+        assert node.tick().owned
+        info = Inspector(a).node("celery@cluster")
+        assert info is not None and info.incarnation == inc
+        reports = node.shutdown()
+        assert [(r.status, r.released) for r in reports] == [("cleaned", 1)]
+        a.acquire("job", timeout=0).release()
+    finally:
+        node._heartbeat.stop()
+
+
+def test_eviction_check_asks_every_primary(
+    cluster: Callable[..., RedisCluster], cluster_servers: list[RedisServer]
+) -> None:
+    rc = cluster()
+    assert check_eviction(rc).may_evict is False
+    last: redis.Redis = cluster_servers[-1].client()
+    try:
+        last.config_set("maxmemory-policy", "allkeys-lru")
+        check = check_eviction(rc)
+        assert (check.policy, check.may_evict) == ("allkeys-lru", True)
+    finally:
+        last.config_set("maxmemory-policy", "noeviction")
+        last.close()
