@@ -10,13 +10,14 @@ that asks every primary.
 
 The module fixture starts three ``redis-server --cluster-enabled yes``
 processes (no persistence), assigns the 16384 slots with CLUSTER
-ADDSLOTSRANGE, joins them with CLUSTER MEET and waits for
+ADDSLOTS, joins them with CLUSTER MEET and waits for
 ``cluster_state:ok``. It skips only when the binary cannot run in cluster
 mode.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from celery_redislock.inspect import Inspector
 from celery_redislock.lease import Lease
 from celery_redislock.node import Node, group_key, new_incarnation
 from engine_helpers import wait_until
-from redis_server import RedisServer, RedisServerError, free_port
+from redis_server import LOOPBACK, RedisServer, RedisServerError, free_port
 
 SLOTS = 16384
 MASTERS = 3
@@ -45,6 +46,21 @@ def _info_text(reply: Any) -> str:
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
+def _port_with_free_bus() -> int:
+    """A free loopback port P whose cluster bus port P + 10000 is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as probe:
+                probe.bind((LOOPBACK, port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no loopback port with a free cluster bus port")
+
+
 @pytest.fixture(scope="module")
 def cluster_servers() -> Iterator[list[RedisServer]]:
     """Three cluster-mode redis-servers sharing all slots, cluster_state:ok."""
@@ -52,13 +68,16 @@ def cluster_servers() -> Iterator[list[RedisServer]]:
     bus_ports: list[int] = []
     try:
         for _ in range(MASTERS):
-            server = RedisServer(
-                extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            )
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            server = RedisServer(extra_args=args)
             if server.version >= (7, 0, 0):
                 # The bus port defaults to port + 10000, which may exceed 65535.
                 bus_ports.append(free_port())
                 server.extra_args += ["--cluster-port", str(bus_ports[-1])]
+            else:
+                # Redis 6.2 has no --cluster-port: pick a port whose bus port
+                # (port + 10000) exists and is free.
+                server = RedisServer(extra_args=args, port=_port_with_free_bus())
             servers.append(server)
             try:
                 server.start()
@@ -68,7 +87,8 @@ def cluster_servers() -> Iterator[list[RedisServer]]:
         per = SLOTS // MASTERS
         for i, client in enumerate(clients):
             last = SLOTS - 1 if i == MASTERS - 1 else (i + 1) * per - 1
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+            # ADDSLOTS (not 7.0's ADDSLOTSRANGE) so Redis 6.2 runs it too.
+            client.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, last + 1))
         meet = [servers[0].host, servers[0].port, *bus_ports[:1]]  # the bus port, if set
         for client in clients[1:]:
             client.execute_command("CLUSTER", "MEET", *meet)
