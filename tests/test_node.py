@@ -154,12 +154,14 @@ def test_predecessor_with_stale_heartbeat_is_evicted_at_start(
     old = workers()
     old.node.start()
     lease = old.mgr.acquire("repo:1", timeout=1)
+    # Read now: once freed, old.mgr's lost-owner watcher retires the identity.
+    old_id = old.mgr.owner_id
     age_record(r, "celery@host", 10_000)  # it crashed long ago (its beat is stale)
 
     new = workers()
     assert new.node.start() == "owner"
     assert r.exists(tomb_key(PREFIX, old.inc))
-    assert not r.exists(f"{PREFIX}alive:{old.mgr.owner_id}")
+    assert not r.exists(f"{PREFIX}alive:{old_id}")
     assert not r.exists(f"{PREFIX}lock:repo:1")
     assert not r.exists(group_key(PREFIX, old.inc))
     assert r.hget(node_key(PREFIX, "celery@host"), "inc") == new.inc.encode()
@@ -175,6 +177,7 @@ def test_predecessor_whose_heartbeat_stops_is_evicted_after_two_intervals(
     old.node.start()
     old.node.tick()
     old.mgr.acquire("repo:1", timeout=1)  # its liveness is still fresh (TTL 2 s)
+    old_id = old.mgr.owner_id  # read before its identity can be retired
 
     new = workers()
     assert new.node.start() == "watching"
@@ -183,7 +186,7 @@ def test_predecessor_whose_heartbeat_stops_is_evicted_after_two_intervals(
     wait_for(lambda: new.node.tick().predecessor == old.inc, what="eviction")
     assert new.node.state == "owner"
     assert not r.exists(f"{PREFIX}lock:repo:1")
-    assert r.ttl(f"{PREFIX}alive:{old.mgr.owner_id}") == -2
+    assert r.ttl(f"{PREFIX}alive:{old_id}") == -2
 
 
 def test_predecessor_whose_heartbeat_keeps_advancing_is_a_duplicate_never_freed(
@@ -431,18 +434,21 @@ def test_dead_owner_whose_pid_was_reused_by_a_live_child_is_freed_not_refreshed(
             dead_mgr, live_mgr = made
             dead_mgr.acquire("repo:old", timeout=5)
             live_lease = live_mgr.acquire("repo:new", timeout=5)
+            # Read once: when the tick frees it, dead_mgr's lost-owner watcher
+            # retires that identity and owner_id then names a fresh one.
+            dead_id = dead_mgr.owner_id
             # The dead owner's process had the child's pid but started earlier:
             # the pid was reused by the live child (race R6).
-            r.hset(key, dead_mgr.owner_id, f"{child.pid}.{st[2] - 1}")
+            r.hset(key, dead_id, f"{child.pid}.{st[2] - 1}")
             # The live child's own owner carries its real tag.
             r.hset(key, live_mgr.owner_id, f"{child.pid}.{st[2]}")
             r.pexpire(f"{PREFIX}alive:{live_mgr.owner_id}", 500)
 
             res = w.node.tick()
-            assert res.dead == [dead_mgr.owner_id] and res.lost == []
+            assert res.dead == [dead_id] and res.lost == []
             assert not r.exists(f"{PREFIX}lock:repo:old")
-            assert not r.hexists(key, dead_mgr.owner_id)
-            assert not r.sismember(f"{PREFIX}owners", dead_mgr.owner_id)
+            assert not r.hexists(key, dead_id)
+            assert not r.sismember(f"{PREFIX}owners", dead_id)
             # The live child is refreshed, not freed.
             assert r.hexists(f"{PREFIX}lock:repo:new", live_lease.token)
             assert r.hexists(key, live_mgr.owner_id)
