@@ -38,7 +38,7 @@ from .checks import check_eviction
 from .exceptions import RedisUnavailable
 from .identity import pid_of_tag
 from .keys import validate_resource
-from .manager import LockManager
+from .manager import REDIS_DOWN_ERRORS, LockManager
 from .redact import redact_url as redact_url  # old name, kept importable
 
 #: Default number of commands per round trip (SSCAN COUNT, pipeline size).
@@ -46,7 +46,7 @@ DEFAULT_BATCH_SIZE = 500
 #: Most waiters ``waiters()`` lists by default.
 DEFAULT_WAITER_LIMIT = 1000
 
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+_REDIS_DOWN = REDIS_DOWN_ERRORS
 _MODES = {"x": "exclusive", "s": "shared"}
 
 

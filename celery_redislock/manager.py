@@ -62,7 +62,15 @@ DEFAULT_OWNER_TTL = 30.0
 #: Default queue scan limit: entries one script looks at per wait queue.
 DEFAULT_SCAN_LIMIT = 256
 
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+#: Errors that mean Redis cannot be reached or cannot serve (reported as
+#: RedisUnavailable): a dropped or refused connection, a timeout, and a Redis
+#: Cluster that marked itself down (CLUSTERDOWN, e.g. a master lost).
+REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterDownError,
+)
+_REDIS_DOWN = REDIS_DOWN_ERRORS
 
 
 def _socket_timeout(client: AnyRedis) -> float | None:

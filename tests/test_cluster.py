@@ -21,6 +21,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from redis.cluster import RedisCluster
 
 from celery_redislock import LockManager
 from celery_redislock.checks import check_eviction
-from celery_redislock.exceptions import LockTimeout
+from celery_redislock.exceptions import LockTimeout, RedisUnavailable
 from celery_redislock.inspect import Inspector
 from celery_redislock.lease import Lease
 from celery_redislock.node import Node, group_key, new_incarnation
@@ -61,14 +62,14 @@ def _port_with_free_bus() -> int:
     raise RuntimeError("no loopback port with a free cluster bus port")
 
 
-@pytest.fixture(scope="module")
-def cluster_servers() -> Iterator[list[RedisServer]]:
+@contextmanager
+def running_cluster(*extra: str) -> Iterator[list[RedisServer]]:
     """Three cluster-mode redis-servers sharing all slots, cluster_state:ok."""
     servers: list[RedisServer] = []
     bus_ports: list[int] = []
     try:
         for _ in range(MASTERS):
-            args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *extra]
             server = RedisServer(extra_args=args)
             if server.version >= (7, 0, 0):
                 # The bus port defaults to port + 10000, which may exceed 65535.
@@ -106,6 +107,13 @@ def cluster_servers() -> Iterator[list[RedisServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+@pytest.fixture(scope="module")
+def cluster_servers() -> Iterator[list[RedisServer]]:
+    """The module's cluster (every test but the one that breaks its own)."""
+    with running_cluster() as servers:
+        yield servers
 
 
 @pytest.fixture
@@ -325,3 +333,39 @@ def test_eviction_check_asks_every_primary(
     finally:
         last.config_set("maxmemory-policy", "noeviction")
         last.close()
+
+
+def test_a_cluster_that_lost_a_master_is_reported_as_redis_unavailable() -> None:
+    # Its own cluster (it kills a master), with a short node timeout so the
+    # survivors mark the cluster down quickly (full coverage is required).
+    with running_cluster("--cluster-node-timeout", "500") as servers:
+        client = RedisCluster(host="127.0.0.1", port=servers[0].port, socket_timeout=2)
+        try:
+            # A namespace served by the first master, which stays up: its
+            # calls reach a live node that answers CLUSTERDOWN.
+            ns = next(
+                f"down{i}"
+                for i in range(1000)
+                if client.keyslot(f"{{down{i}}}:x") < SLOTS // MASTERS
+            )
+            mgr = LockManager(client, ns, heartbeat=False)
+            mgr.acquire("r", timeout=0).release()
+
+            servers[-1].kill()
+            survivors = [s.client() for s in servers[:-1]]
+            wait_until(
+                lambda: all(
+                    "cluster_state:fail" in _info_text(c.execute_command("CLUSTER", "INFO"))
+                    for c in survivors
+                ),
+                CLUSTER_OK_DEADLINE,
+                "the survivors to mark the cluster down",
+            )
+            for c in survivors:
+                c.close()
+
+            with pytest.raises(RedisUnavailable):
+                mgr.acquire("r", timeout=0)
+            mgr.close()
+        finally:
+            client.close()
