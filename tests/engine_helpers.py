@@ -58,17 +58,27 @@ def wait_until(
 
 
 class Managers:
-    """Creates LockManagers for a test; ``close_all()`` stops their heartbeats."""
+    """Creates LockManagers for a test; ``close_all()`` stops their heartbeats.
 
-    def __init__(self, url: str, namespace: str = "t") -> None:
+    ``managers(**kw)`` connects to the ``url`` given here, ``managers(url,
+    **kw)`` (or ``url=``) to another one. Keyword arguments override
+    ``defaults``, then ``namespace`` and ``owner_ttl=30``.
+    """
+
+    def __init__(self, url: Any = None, namespace: str = "t", **defaults: Any) -> None:
         self.url = url
         self.namespace = namespace
+        self.defaults = defaults
         self.made: list[LockManager] = []
 
-    def __call__(self, **kwargs: Any) -> LockManager:
+    def __call__(self, url: Any = None, /, **kwargs: Any) -> LockManager:
+        kwargs = {**self.defaults, **kwargs}
         kwargs.setdefault("namespace", self.namespace)
         kwargs.setdefault("owner_ttl", 30.0)
-        url = kwargs.pop("url", self.url)
+        if url is None:
+            url = kwargs.pop("url", self.url)
+        if url is None:
+            raise TypeError("Managers: no url given here or at construction")
         mgr = LockManager(url, **kwargs)
         self.made.append(mgr)
         return mgr

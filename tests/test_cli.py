@@ -24,6 +24,7 @@ from click.testing import CliRunner, Result
 
 from celery_redislock import LockManager
 from celery_redislock.cli import redislock
+from engine_helpers import Managers
 from test_inspect import (
     DEADLINE,
     NS,
@@ -57,18 +58,10 @@ def cli(app: Celery) -> Callable[..., Result]:
 
 
 @pytest.fixture
-def managers(redis_url: str) -> Iterator[Callable[..., LockManager]]:
-    made: list[LockManager] = []
-
-    def make(**kw: Any) -> LockManager:
-        kw.setdefault("owner_ttl", 30.0)
-        m = LockManager(redis_url, NS, **kw)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.close()
+def managers(redis_url: str) -> Iterator[Managers]:
+    made = Managers(redis_url, NS)
+    yield made
+    made.close_all()
 
 
 def ok(result: Result) -> Result:

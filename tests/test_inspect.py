@@ -23,7 +23,7 @@ import redis
 
 from celery_redislock import LockManager, LockTimeout
 from celery_redislock.inspect import Inspector, describe_fields, redact_url
-from engine_helpers import command_delta, commandstats, wait_until
+from engine_helpers import Managers, command_delta, commandstats, wait_until
 
 NS = "t"
 DEADLINE = 20.0
@@ -82,18 +82,10 @@ def registries(client: redis.Redis, namespace: str = NS) -> dict[str, set[str]]:
 
 
 @pytest.fixture
-def managers(redis_url: str) -> Iterator[Callable[..., LockManager]]:
-    made: list[LockManager] = []
-
-    def make(**kw: Any) -> LockManager:
-        kw.setdefault("owner_ttl", 30.0)
-        m = LockManager(redis_url, kw.pop("namespace", NS), **kw)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.close()
+def managers(redis_url: str) -> Iterator[Managers]:
+    made = Managers(redis_url, NS)
+    yield made
+    made.close_all()
 
 
 @pytest.fixture

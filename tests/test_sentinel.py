@@ -33,7 +33,7 @@ from celery_redislock.connect import (
 from celery_redislock.inspect import Inspector
 from celery_redislock.manager import _socket_timeout
 from celery_redislock.settings import default_url, load_config
-from engine_helpers import wait_until
+from engine_helpers import Managers, wait_until
 from redis_server import LOOPBACK, RedisServer, _die_with_parent, free_port
 
 NS = "sentineltest"
@@ -141,19 +141,11 @@ def sentinel_url(sentinel: SentinelProcess, redis_url: str) -> str:
 
 
 @pytest.fixture
-def managers() -> Iterator[Callable[..., LockManager]]:
-    made: list[LockManager] = []
-
-    def make(url: Any, **kw: Any) -> LockManager:
-        kw.setdefault("owner_ttl", 30.0)
-        kw.setdefault("heartbeat", False)
-        m = LockManager(url, NS, **kw)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.close()
+def managers() -> Iterator[Managers]:
+    """``managers(url, **kw)``: LockManagers in NS without their own heartbeat."""
+    made = Managers(namespace=NS, heartbeat=False)
+    yield made
+    made.close_all()
 
 
 # -- the engine over Sentinel ------------------------------------------------

@@ -36,7 +36,7 @@ import redis
 
 from celery_redislock import LockManager, LockTimeout, RedisUnavailable
 from celery_redislock.inspect import Inspector
-from engine_helpers import wait_until
+from engine_helpers import Managers, wait_until
 from redis_server import LOOPBACK, RedisServer, RedisServerError, _die_with_parent, free_port
 
 NS = "failovertest"
@@ -192,19 +192,11 @@ def group(tmp_path: Path) -> Iterator[Group]:
 
 
 @pytest.fixture
-def managers() -> Iterator[Callable[..., LockManager]]:
-    made: list[LockManager] = []
-
-    def make(url: str, **kw: Any) -> LockManager:
-        kw.setdefault("owner_ttl", 30.0)
-        kw.setdefault("heartbeat", False)
-        m = LockManager(url, NS, **kw)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        m.close()
+def managers() -> Iterator[Managers]:
+    """``managers(url, **kw)``: LockManagers in NS without their own heartbeat."""
+    made = Managers(namespace=NS, heartbeat=False)
+    yield made
+    made.close_all()
 
 
 def _until_the_new_master_answers(mgr: LockManager) -> tuple[int, int]:
