@@ -142,6 +142,18 @@ def supports_tls(binary: str) -> bool:
     return not (b"Bad directive" in out and b"tls-port" in out)
 
 
+def stop_process(proc: subprocess.Popen[Any], timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM ``proc`` if it still runs, then SIGKILL it after ``timeout`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def make_tls_files(folder: Path, host: str = LOOPBACK) -> tuple[Path, Path, Path]:
     """Write a throw-away CA and a server certificate for ``host`` into ``folder``.
 
@@ -320,14 +332,8 @@ class RedisServer:
         """Stop the server (SIGTERM, then SIGKILL after STOP_TIMEOUT)."""
         proc, self.process = self.process, None
         _live.discard(self)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_process(proc)
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash would."""

@@ -34,7 +34,7 @@ from celery_redislock.inspect import Inspector
 from celery_redislock.manager import _socket_timeout
 from celery_redislock.settings import default_url, load_config
 from engine_helpers import Managers, wait_until
-from redis_server import LOOPBACK, RedisServer, _die_with_parent, free_port
+from redis_server import LOOPBACK, RedisServer, _die_with_parent, free_port, stop_process
 
 NS = "sentineltest"
 SERVICE = "mymaster"
@@ -103,13 +103,8 @@ class SentinelProcess:
 
     def stop(self) -> None:
         proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_process(proc)
 
 
 START_WAIT = 15.0

@@ -39,6 +39,7 @@ from redis_server import (
     binary_version,
     free_port,
     resolve_binary,
+    stop_process,
     supports_tls,
 )
 from test_inspect import dead_owner
@@ -218,17 +219,22 @@ def test_cleanup_owner_over_tls_frees_a_dead_owners_locks(
 # -- refused connections ------------------------------------------------------------
 
 
+def refused(url: str, resource: str) -> tuple[RedisUnavailable, LockManager]:
+    """The RedisUnavailable an acquire over ``url`` raises, and its (closed) manager."""
+    mgr = LockManager(url, NS, owner_ttl=2.0)
+    try:
+        with pytest.raises(RedisUnavailable) as info:
+            mgr.acquire(exclusive=[resource], timeout=0)
+    finally:
+        mgr.close()
+    return info.value, mgr
+
+
 def test_client_not_trusting_the_ca_gets_redis_unavailable_naming_the_url(
     tls_server: RedisServer, tls_url: str
 ) -> None:
     url = untrusted_url(tls_server)
-    mgr = LockManager(url, NS, owner_ttl=2.0)
-    try:
-        with pytest.raises(RedisUnavailable) as info:
-            mgr.acquire(exclusive=["repo:5"], timeout=0)
-    finally:
-        mgr.close()
-    exc = info.value
+    exc, _ = refused(url, "repo:5")
     assert exc.url == url
     assert str(exc).startswith(f"Redis at {url} is unavailable: ")
     assert "CERTIFICATE_VERIFY_FAILED" in str(exc)
@@ -245,14 +251,7 @@ def test_password_in_a_tls_url_never_appears_in_the_error(tmp_path: Path) -> Non
             ok.acquire(exclusive=["repo:6"], timeout=0).release()
         finally:
             ok.close()
-        url = untrusted_url(server, auth=f"user:{SECRET}@")
-        mgr = LockManager(url, NS, owner_ttl=2.0)
-        try:
-            with pytest.raises(RedisUnavailable) as info:
-                mgr.acquire(exclusive=["repo:6"], timeout=0)
-        finally:
-            mgr.close()
-        exc = info.value
+        exc, mgr = refused(untrusted_url(server, auth=f"user:{SECRET}@"), "repo:6")
         shown = untrusted_url(server, auth="user:***@")
         assert exc.url == shown and shown in str(exc)
         everything = "".join(traceback.format_exception(exc)) + repr(exc) + repr(exc.args)
@@ -355,12 +354,7 @@ def tls_sentinel(tls_server: RedisServer) -> Iterator[int]:
         try:
             yield port
         finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
         return
     raise AssertionError(f"the TLS sentinel did not start: {errors[-1]}")
 
