@@ -97,6 +97,8 @@ end
 -- Resource names stored in a request's state, '\n'-separated (names never
 -- contain control characters).
 local function split_names(s)
+  -- One name (the usual request) needs no pattern matching.
+  if s ~= '' and not string.find(s, '\n', 1, true) then return {s} end
   local out = {}
   for name in string.gmatch(s, '[^\n]+') do out[#out + 1] = name end
   return out
@@ -128,8 +130,7 @@ local wake_front
 local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   if st[1] ~= 'q' or not st[3] or not st[4] then return false end
   local owner = owner_of(token)
-  local modes, names = st[3], nil
-  if #modes == 1 then names = {st[4]} else names = split_names(st[4]) end
+  local modes, names = st[3], split_names(st[4])
   local n = #modes
   if #names ~= n then return false end
   for i = 1, n do
