@@ -46,7 +46,6 @@ DEFAULT_BATCH_SIZE = 500
 #: Most waiters ``waiters()`` lists by default.
 DEFAULT_WAITER_LIMIT = 1000
 
-_REDIS_DOWN = REDIS_DOWN_ERRORS
 _MODES = {"x": "exclusive", "s": "shared"}
 
 
@@ -292,7 +291,7 @@ class Inspector:
     def _run(self, pipe: Any) -> list[Any]:
         try:
             return list(pipe.execute(raise_on_error=False))
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.manager.url, exc) from exc
 
     def _pipe(self) -> Any:
@@ -309,7 +308,7 @@ class Inspector:
         while True:
             try:
                 cursor, members = self.client.sscan(key, cursor, count=self.batch_size)
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.manager.url, exc) from exc
             batch = [m for m in (_text(x) for x in members) if m not in seen]
             seen.update(batch)
@@ -458,7 +457,7 @@ class Inspector:
             entries: Any = self.client.zrange(
                 self.keys.queue(resource), 0, limit - 1, withscores=True
             )
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.manager.url, exc) from exc
         except redis.ResponseError:
             return []  # not a zset: nothing the engine queued
@@ -531,7 +530,7 @@ class Inspector:
         prefix = self.keys.prefix
         try:
             raw = self.client.hgetall(f"{prefix}node:{name}")
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.manager.url, exc) from exc
         except redis.ResponseError:
             return None
@@ -649,7 +648,7 @@ class Inspector:
             except redis.ResponseError:  # INFO denied by an ACL: version unknown
                 server = None
             fence = self.client.get(self.keys.fence)
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.manager.url, exc) from exc
         version = server.get("redis_version") if isinstance(server, dict) else None
         owners = alive = dead = registered = dead_locks = 0

@@ -70,7 +70,6 @@ REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (
     redis.TimeoutError,
     redis.exceptions.ClusterDownError,
 )
-_REDIS_DOWN = REDIS_DOWN_ERRORS
 
 
 def _socket_timeout(client: AnyRedis) -> float | None:
@@ -315,7 +314,7 @@ class LockManager:
     def _call(self, name: str, keys: list[str], args: list[Any], client: Any = None) -> Any:
         try:
             return self._scripts.run(name, keys, args, client=client)
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
 
     # -- acquire ----------------------------------------------------------
@@ -475,7 +474,7 @@ class LockManager:
         """Wait for a push to the request's wake list; the fence of a hand-off."""
         try:
             got = self.client.blpop([self.keys.wake(token)], timeout=seconds)
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
         if got is None:
             return None
@@ -634,7 +633,7 @@ class LockManager:
                 if got is not None:
                     self._owner_lost(ident, "declared-dead")
                 self._retry_orphans(client)
-            except _REDIS_DOWN as exc:  # an outage: one line, not a traceback a second
+            except REDIS_DOWN_ERRORS as exc:  # an outage: one line, not a traceback a second
                 if not outage and not self._closed:
                     outage = True
                     log_heartbeat.warning(
@@ -706,7 +705,7 @@ class LockManager:
                 return False
             try:
                 got = self.client.blpop([key], timeout=max(0.001, min(remaining, self._block_cap)))
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
             # The signal may be stale (a request that only tried, or has
             # given up since): count again, and keep waiting if nobody waits.
@@ -781,7 +780,7 @@ class LockManager:
         while True:
             try:
                 cursor, members = self.client.sscan(self.keys.owners, cursor, count=batch_size)
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
             batch = [m for m in (_text(x) for x in members) if m not in seen]
             seen.update(batch)
@@ -819,5 +818,5 @@ class LockManager:
         """Whether Redis may evict keys (``maxmemory_policy`` from INFO)."""
         try:
             return check_eviction(self.client)
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
