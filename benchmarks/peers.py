@@ -248,15 +248,13 @@ class ContentionResult:
     per_process: list[int] = field(default_factory=list)
     handoffs_ms: list[float] = field(default_factory=list)
     self_reacquire: int = 0
-    max_wait_ms: float = 0.0
-    wait_p99_ms: float = math.nan
     violations: int = 0
     lost_updates: int = 0
     errors: int = 0
     first_error: str = ""
     gave_up: int = 0
     killed: int = 0
-    #: Every wait (ms, ascending); kept so trials can be pooled.
+    #: Every wait (ms, ascending): max and p99 derive from it, and trials pool it.
     waits_ms: list[float] = field(default_factory=list)
     #: Handoff p50 (ms) of each trial pooled into this result, in run order
     #: (one entry for a single run).
@@ -274,6 +272,15 @@ class ContentionResult:
     @property
     def handoff_p99_ms(self) -> float:
         return percentile(self.handoffs_ms, 0.99)
+
+    @property
+    def max_wait_ms(self) -> float:
+        """The longest wait (a request still waiting at the end counts up to the end)."""
+        return self.waits_ms[-1] if self.waits_ms else 0.0
+
+    @property
+    def wait_p99_ms(self) -> float:
+        return percentile(self.waits_ms, 0.99)
 
     @property
     def jain(self) -> float:
@@ -394,8 +401,6 @@ def _summarise(
     res.handoffs_ms.sort()
     waits.sort()
     res.waits_ms = waits
-    res.max_wait_ms = waits[-1] if waits else 0.0
-    res.wait_p99_ms = percentile(waits, 0.99)
     res.trial_p50s_ms = [res.handoff_p50_ms]
     return res
 
@@ -432,8 +437,6 @@ def pool(trials: list[ContentionResult]) -> ContentionResult:
         out.trial_p50s_ms.extend(t.trial_p50s_ms)
     out.handoffs_ms.sort()
     out.waits_ms.sort()
-    out.max_wait_ms = out.waits_ms[-1] if out.waits_ms else 0.0
-    out.wait_p99_ms = percentile(out.waits_ms, 0.99)
     return out
 
 
