@@ -44,25 +44,14 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A real redis-server on a free 127.0.0.1 port, for the whole session."""
-    server = RedisServer(workdir=tmp_path_factory.mktemp("redis-server"))
-    try:
-        server.start()
+    with RedisServer(workdir=tmp_path_factory.mktemp("redis-server")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """URL of the session's Redis, emptied (FLUSHALL) for this test."""
-    if not redis_server.running:  # a previous test stopped or killed it
-        redis_server.start()
-    client = redis_server.client()
-    try:
-        client.flushall()
-    finally:
-        client.close()
-    return redis_server.url
+    return redis_server.emptied_url()
 
 
 @pytest.fixture

@@ -348,6 +348,17 @@ class RedisServer:
         self.kill()
         return self.start()
 
+    def emptied_url(self) -> str:
+        """The server's URL after FLUSHALL; restarts it if a test stopped or killed it."""
+        if not self.running:
+            self.start()
+        client = self.client()
+        try:
+            client.flushall()
+        finally:
+            client.close()
+        return self.url
+
     def close(self) -> None:
         """Stop the server and remove its temporary working directory."""
         self.stop()

@@ -28,12 +28,8 @@ OWNER_TTL = 120.0  # first heartbeat after 40 s: none while counting
 
 @pytest.fixture(scope="module")
 def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(workdir=Path(tmp_path_factory.mktemp("cost-redis")))
-    server.start()
-    try:
+    with RedisServer(workdir=Path(tmp_path_factory.mktemp("cost-redis"))) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -63,25 +63,14 @@ def _tls_binary() -> str:
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A redis-server speaking only TLS, with its own CA, for this module."""
-    server = RedisServer(_tls_binary(), tmp_path_factory.mktemp("tls-redis"), tls=True)
-    server.start()
-    try:
+    with RedisServer(_tls_binary(), tmp_path_factory.mktemp("tls-redis"), tls=True) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def tls_url(tls_server: RedisServer) -> str:
     """``rediss://127.0.0.1:PORT/0?ssl_ca_certs=<ca>&ssl_cert_reqs=required``, emptied."""
-    if not tls_server.running:
-        tls_server.start()
-    client = tls_server.client()
-    try:
-        client.flushall()
-    finally:
-        client.close()
-    return tls_server.url
+    return tls_server.emptied_url()
 
 
 @pytest.fixture
