@@ -53,9 +53,5 @@ def cluster(
 @pytest.fixture(scope="module")
 def lock_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A second redis-server, only for the lock engine (not the broker)."""
-    server = RedisServer(workdir=tmp_path_factory.mktemp("lock-redis"))
-    try:
-        server.start()
+    with RedisServer(workdir=tmp_path_factory.mktemp("lock-redis")) as server:
         yield server
-    finally:
-        server.stop()
