@@ -1,0 +1,76 @@
+"""``python -m chaos``: one randomized fault-injection run (``make chaos``).
+
+Run from the repository root with ``PYTHONPATH=.:tests`` (the Makefile does).
+Exit status: 0 without violations, 1 with violations, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+from . import checker
+from .faults import FAULTS, KNOWN_TO_FAIL, parse_faults
+from .runner import Config, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m chaos",
+        description="Randomized fault injection against real redis-servers; checks the "
+        "lock invariants from every process's timeline afterwards.",
+        epilog="fault kinds: " + "; ".join(f"{k}: {v}" for k, v in FAULTS.items()),
+    )
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
+    ap.add_argument("--seed", type=int, default=None, help="replay a run (default: random)")
+    ap.add_argument("--processes", type=int, default=4, help="worker processes (default 4)")
+    ap.add_argument("--threads", type=int, default=3, help="threads per worker (default 3)")
+    ap.add_argument("--resources", type=int, default=8, help="resource names (default 8)")
+    ap.add_argument("--owner-ttl", type=float, default=1.5, help="seconds (default 1.5)")
+    ap.add_argument("--faults", default="all", help="comma-separated fault kinds, 'all' or 'none'")
+    ap.add_argument("--out", default="", help="folder for timelines and logs (default: a temp dir)")
+    ap.add_argument("--check-only", metavar="FOLDER", help="re-run the checker on a finished run")
+    args = ap.parse_args(argv)
+    if args.check_only:
+        report = checker.check(args.check_only)
+        print(json.dumps(report.stats, indent=1))
+        print(checker.render(report))
+        return 1 if report.violations else 0
+    try:
+        faults = parse_faults(args.faults)
+    except ValueError as exc:
+        ap.error(str(exc))
+    seed = args.seed if args.seed is not None else random.randrange(1, 10**9)
+    cfg = Config(
+        seed=seed,
+        duration=args.duration,
+        processes=args.processes,
+        threads=args.threads,
+        resources=args.resources,
+        owner_ttl=args.owner_ttl,
+        faults=faults,
+        long_timeout=(max(5.0, 3.3 * args.owner_ttl), max(8.0, 5.3 * args.owner_ttl)),
+        out=args.out,
+    )
+    outcome = run(cfg)
+    print(json.dumps(outcome.stats, indent=1))
+    if outcome.violations:
+        print(checker.render(checker.Report(outcome.stats, outcome.violations)))
+        known = [k for k in faults if k in KNOWN_TO_FAIL]
+        if known:
+            print("known engine bugs exposed by faults of this run:")
+            for k in known:
+                print(f"  {k}: {KNOWN_TO_FAIL[k]}")
+    verdict = f"{len(outcome.violations)} violation(s)" if outcome.violations else "no violation"
+    print(
+        f"chaos: {verdict}; seed={seed}; replay: make chaos SEED={seed} DURATION={args.duration:g}"
+        + ("" if args.faults == "all" else f" FAULTS={args.faults}")
+        + f"; output in {cfg.out}"
+    )
+    return 1 if outcome.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""A chaos worker process: threads that lock random resource sets.
+
+Run by :mod:`chaos.runner` as ``python -m chaos.worker ...``. Each thread
+loops: pick 1-3 of the resources, each exclusive or shared, and a timeout
+(0, short, or long); acquire; ``check()``; fenced read-modify-write of
+every exclusive resource and fenced read of every shared one on the store;
+``check()`` again; release. Every step is appended to this process's
+timeline (JSON lines, ``t`` = ``time.monotonic()``, which is one clock for
+every process of the machine, ``w`` = wall time).
+
+Timeline events (besides ``ev``, ``p`` process label, ``pid``, ``th``,
+``t``, ``w``):
+
+==============  ===========================================================
+``start``       owner_ttl, namespace
+``acq``         op, x (exclusive names), s (shared names), timeout
+``granted``     op, fence, owner
+``timeout``     op (LockTimeout)
+``acq_error``   op, err
+``cs_begin``    op, ok (check() passed), tc (time just before check())
+``store``       op, res, kind (read/write), mode, ok, value
+``cs_end``      op, ok, tc (time just before check())
+``released``    op, lost (lease.lost after release)
+``release_error`` op, lost, err
+``reconcile``   owners_seen, alive, cleaned, released, errors
+``exit``        (clean exit after SIGTERM)
+==============  ===========================================================
+
+SIGTERM: finish the current operation and exit. SIGUSR1: run
+``LockManager.reconcile()`` once, from a thread of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import threading
+import time
+from typing import Any
+
+from celery_redislock import LockManager, LockTimeout
+
+from .store import Store
+
+
+class Timeline:
+    """Append-only JSON lines, one per event, flushed at each line."""
+
+    def __init__(self, path: str, label: str) -> None:
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._lock = threading.Lock()
+        self.label = label
+
+    def write(self, ev: str, **fields: Any) -> None:
+        rec = {
+            "ev": ev,
+            "p": self.label,
+            "pid": os.getpid(),
+            "th": threading.current_thread().name,
+            "t": time.monotonic(),
+            "w": time.time(),
+            **fields,
+        }
+        line = json.dumps(rec, separators=(",", ":"))
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tl = Timeline(args.timeline, args.label)
+        self.manager = LockManager(args.url, args.namespace, owner_ttl=args.owner_ttl)
+        self.store = Store(args.store_url)
+        self.resources = [f"r{i}" for i in range(args.resources)]
+        self.stopping = threading.Event()
+        self.reconcile_now = threading.Event()
+
+    def run(self) -> None:
+        self.tl.write("start", owner_ttl=self.args.owner_ttl, namespace=self.args.namespace)
+        signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
+        signal.signal(signal.SIGUSR1, lambda *_: self.reconcile_now.set())
+        threads = [
+            threading.Thread(target=self.loop, args=(i,), name=f"T{i}", daemon=True)
+            for i in range(self.args.threads)
+        ]
+        rec = threading.Thread(target=self.reconcile_loop, name="reconcile", daemon=True)
+        rec.start()
+        for th in threads:
+            th.start()
+        while any(th.is_alive() for th in threads):
+            for th in threads:
+                th.join(0.1)  # short joins: signal handlers run in this thread
+        self.manager.close()
+        self.tl.write("exit")
+        self.tl.close()
+
+    def reconcile_loop(self) -> None:
+        while not self.stopping.is_set():
+            if not self.reconcile_now.wait(0.2):
+                continue
+            self.reconcile_now.clear()
+            try:
+                rep = self.manager.reconcile()
+            except Exception as exc:
+                self.tl.write("reconcile_error", err=repr(exc))
+                continue
+            self.tl.write(
+                "reconcile",
+                owners_seen=rep.owners_seen,
+                alive=rep.alive,
+                cleaned=rep.cleaned,
+                released=rep.released,
+                errors=len(rep.errors),
+            )
+
+    def pick(self, rng: random.Random) -> tuple[list[str], list[str], float]:
+        names = rng.sample(self.resources, rng.choice((1, 1, 2, 2, 3)))
+        ex = [n for n in names if rng.random() < 0.6]
+        sh = [n for n in names if n not in ex]
+        roll = rng.random()
+        if roll < 0.2:
+            timeout = 0.0
+        elif roll < 0.7:
+            timeout = round(rng.uniform(0.1, 1.5), 3)
+        else:
+            timeout = round(rng.uniform(*self.args.long_timeout), 3)
+        return ex, sh, timeout
+
+    def loop(self, index: int) -> None:
+        rng = random.Random(f"{self.args.seed}:{self.args.label}:{index}")
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            self.operation(rng, f"{self.args.label}.{index}.{n}")
+            time.sleep(rng.uniform(0.0, 0.06))
+
+    def operation(self, rng: random.Random, op: str) -> None:
+        tl = self.tl
+        ex, sh, timeout = self.pick(rng)
+        tl.write("acq", op=op, x=ex, s=sh, timeout=timeout)
+        try:
+            lease = self.manager.acquire(ex, sh, timeout=timeout)
+        except LockTimeout:
+            tl.write("timeout", op=op)
+            return
+        except Exception as exc:
+            tl.write("acq_error", op=op, err=repr(exc))
+            time.sleep(0.05)
+            return
+        fence = lease.fencing_token
+        tl.write("granted", op=op, fence=fence, owner=lease.owner_id)
+        hold = rng.uniform(0.0, 0.03)
+        try:
+            tc = time.monotonic()
+            ok = _check(lease)
+            tl.write("cs_begin", op=op, ok=ok, tc=tc)
+            if ok:
+                for res in ex:
+                    accepted, value = self.store.read(res, fence, "x")
+                    tl.write(
+                        "store", op=op, res=res, kind="read", mode="x", ok=accepted, value=value
+                    )
+                    if not accepted:
+                        continue
+                    time.sleep(hold)
+                    accepted, before = self.store.write(res, fence, value, value + 1, op)
+                    tl.write(
+                        "store", op=op, res=res, kind="write", mode="x", ok=accepted, value=before
+                    )
+                for res in sh:
+                    accepted, value = self.store.read(res, fence, "s")
+                    tl.write(
+                        "store", op=op, res=res, kind="read", mode="s", ok=accepted, value=value
+                    )
+                time.sleep(hold)
+            tc = time.monotonic()
+            tl.write("cs_end", op=op, ok=_check(lease), tc=tc)
+        except Exception as exc:
+            tl.write("store_error", op=op, err=repr(exc))
+        try:
+            lease.release()
+        except Exception as exc:
+            tl.write("release_error", op=op, lost=lease.lost, err=repr(exc))
+        else:
+            tl.write("released", op=op, lost=lease.lost)
+
+
+def _check(lease: Any) -> bool:
+    try:
+        lease.check()
+    except Exception:
+        return False
+    return True
+
+
+def reconcile_once(args: argparse.Namespace) -> None:
+    """The end-of-run reconcile, run by several of these processes at once."""
+    tl = Timeline(args.timeline, args.label)
+    manager = LockManager(args.url, args.namespace, owner_ttl=args.owner_ttl)
+    try:
+        rep = manager.reconcile()
+        tl.write(
+            "reconcile",
+            owners_seen=rep.owners_seen,
+            alive=rep.alive,
+            cleaned=rep.cleaned,
+            released=rep.released,
+            errors=len(rep.errors),
+        )
+    except Exception as exc:
+        tl.write("reconcile_error", err=repr(exc))
+    finally:
+        manager.close()
+        tl.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--store-url", required=True)
+    ap.add_argument("--namespace", required=True)
+    ap.add_argument("--timeline", required=True)
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--seed", required=True)
+    ap.add_argument("--threads", type=int, default=3)
+    ap.add_argument("--resources", type=int, default=8)
+    ap.add_argument("--owner-ttl", type=float, default=1.5)
+    ap.add_argument("--long-timeout", type=float, nargs=2, default=(5.0, 8.0))
+    ap.add_argument("--reconcile-once", action="store_true")
+    args = ap.parse_args()
+    if args.reconcile_once:
+        reconcile_once(args)
+    else:
+        Worker(args).run()
+
+
+if __name__ == "__main__":
+    main()
