@@ -6,9 +6,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dev-install.stamp
 PYTEST_ARGS ?=
+# make chaos: seconds of load, seed to replay (empty: random), fault kinds.
+DURATION ?= 120
+SEED     ?=
+FAULTS   ?= all
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-redis7 test-redis62 lint format ci demo bench clean
+.PHONY: help venv test test-fast test-redis7 test-redis62 lint format ci demo bench chaos clean
 
 help:
 	@echo "make demo       run the example (embedded Redis, no install needed)"
@@ -18,6 +22,7 @@ help:
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make ci         lint + test (what .ci/run runs)"
 	@echo "make bench      benchmarks"
+	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all), see docs/chaos.md"
 	@echo "make clean      remove the venv and caches"
 
 # Create the venv and install the package with its dev extras. Re-runs only
@@ -59,6 +64,11 @@ demo: venv
 
 bench: venv
 	$(BIN)/python -m benchmarks.run
+
+# Randomized fault-injection run against real redis-servers; prints the seed
+# (replay with SEED=...) and exits non-zero on any invariant violation.
+chaos: venv
+	PYTHONPATH=.:tests $(BIN)/python -m chaos --duration $(DURATION) --faults $(FAULTS) $(if $(SEED),--seed $(SEED))
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -79,6 +79,9 @@ class Op:
     t_rel: float | None = None
     store: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: The process's owner id when the acquire began (a lost owner is replaced
+    #: during the acquire: ``owner`` is the one granted).
+    acq_owner: str | None = None
 
     @property
     def resources(self) -> list[str]:
@@ -98,9 +101,11 @@ class Violation:
     kind: str
     summary: str
     trace: list[str]
+    #: The operations involved (to drop a stale_check an overlap already shows).
+    ops: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "summary": self.summary, "trace": self.trace}
+        return {"kind": self.kind, "summary": self.summary, "trace": self.trace, "ops": self.ops}
 
     def render(self) -> str:
         return "\n".join(
@@ -183,6 +188,7 @@ def load(folder: Path) -> Run:
             events[ev] += 1
             if ev == "acq":
                 ops[e["op"]] = Op(e["op"], e["p"], e["th"], e["x"], e["s"], e["timeout"], e["t"])
+                ops[e["op"]].acq_owner = e.get("owner")
                 continue
             if ev in ("reconcile_error",):
                 errors.append((e["t"], e["p"], f"{ev} {e.get('err')}"))
@@ -255,6 +261,7 @@ def check_overlap(run: Run) -> list[Violation]:
                 f"{run.rel(min(a.ce_tc or 0, b.ce_tc or 0))}; every check passed, neither "
                 "lease lost",
                 [run.fmt_op(a), run.fmt_op(b), *run.faults_between(lo - 1, hi + 1)],
+                (a.op, b.op),
             )
         )
     return out
@@ -316,6 +323,7 @@ def check_stale_check(run: Run) -> list[Violation]:
                     f"(fence {M.fence} > {L.fence}) held {res} ({M.mode(res)}) since "
                     f"{run.rel(M.cb_t)}",
                     [run.fmt_op(L), run.fmt_op(M), *run.faults_between(L.t_acq - 1, tc + 0.5)],
+                    (L.op, M.op),
                 )
             )
     return out
@@ -445,6 +453,28 @@ def check_leftover(run: Run) -> list[Violation]:
     lines = [
         f"{k['key']} type={k['type']} pttl={k['pttl']} members={k.get('members')}" for k in bad
     ]
+    # Who left them: the last requests of the owners named in queue entries
+    # (``<mode><owner>|<request id>``) or registries, on the same resource.
+    owners: dict[str, set[str]] = defaultdict(set)
+    for k in bad:
+        res = k["key"].split(":", 2)[-1] if ":q:" in k["key"] else None
+        members = k.get("members") or []
+        for m in members if isinstance(members, list) else list(members):
+            owner = str(m).split("|", 1)[0].lstrip("xs")
+            owners[owner].add(res or "")
+    procs: dict[str, set[str]] = defaultdict(set)  # process -> resources
+    for o in run.ops:
+        for who in (o.acq_owner, o.owner):
+            if who in owners:
+                procs[o.proc] |= owners[who]
+    suspects = [
+        o
+        for o in run.ops
+        if o.proc in procs
+        and (o.outcome in ("open", "error") or (o.outcome == "granted" and o.release is None))
+        and (procs[o.proc] & (set(o.resources) | {""}))
+    ]
+    lines += ["left by " + run.fmt_op(o) for o in suspects[:10]]
     return [
         Violation(
             "leftover_key",
@@ -493,6 +523,11 @@ def check(folder: str | Path) -> Report:
     violations: list[Violation] = []
     for fn in CHECKS:
         violations += fn(run)
+    # An overlap is also a stale check of each side: report it once.
+    overlaps = {frozenset(v.ops) for v in violations if v.kind == "overlap"}
+    violations = [
+        v for v in violations if not (v.kind == "stale_check" and frozenset(v.ops) in overlaps)
+    ]
     return Report(stats_of(run, violations), violations)
 
 

@@ -13,7 +13,7 @@ Timeline events (besides ``ev``, ``p`` process label, ``pid``, ``th``,
 
 ==============  ===========================================================
 ``start``       owner_ttl, namespace
-``acq``         op, x (exclusive names), s (shared names), timeout
+``acq``         op, x (exclusive names), s (shared names), timeout, owner
 ``granted``     op, fence, owner
 ``timeout``     op (LockTimeout)
 ``acq_error``   op, err
@@ -144,7 +144,7 @@ class Worker:
     def operation(self, rng: random.Random, op: str) -> None:
         tl = self.tl
         ex, sh, timeout = self.pick(rng)
-        tl.write("acq", op=op, x=ex, s=sh, timeout=timeout)
+        tl.write("acq", op=op, x=ex, s=sh, timeout=timeout, owner=self.manager.owner_id)
         try:
             lease = self.manager.acquire(ex, sh, timeout=timeout)
         except LockTimeout:
