@@ -161,16 +161,20 @@ def test_a_check_passing_after_a_later_conflicting_grant_is_a_stale_check(tl: Ti
     assert any("stop_worker" in line for line in found[0].trace)
 
 
-def test_a_stale_check_is_excused_by_a_lock_server_restart(tl: Timelines) -> None:
-    tl.section("a", "a.0.1", 10.0, x=("r1",), hold=3.0, lost=True, fence=10)
-    tl.section("b", "b.0.1", 11.5, x=("r1",), hold=0.1, fence=11)
+def test_a_stale_check_is_excused_for_owner_ttl_after_a_lock_server_restart(
+    tl: Timelines,
+) -> None:
+    tl.section("a", "a.0.1", 10.0, x=("r1",), hold=1.5, lost=True, fence=10)
+    tl.section("b", "b.0.1", 11.3, x=("r1",), hold=0.1, fence=11)
     tl.fault("redis_restart", 11.0, 11.2)
-    assert tl.check() == []
+    assert tl.check() == []  # a's second check at 11.52: within 1 s of the restart
+    tl.faults[0].update(t0=10.1, t1=10.3)  # 1.22 s after it: a should have known
+    assert kinds(tl.check()) == ["stale_check"]
 
 
 def test_a_stale_check_is_excused_by_a_forced_cleanup_of_that_owner_only(tl: Timelines) -> None:
-    tl.section("a", "a.0.1", 10.0, x=("r1",), hold=3.0, lost=True, fence=10, owner="oa")
-    tl.section("b", "b.0.1", 11.5, x=("r1",), hold=0.1, fence=11, owner="ob")
+    tl.section("a", "a.0.1", 10.0, x=("r1",), hold=1.5, lost=True, fence=10, owner="oa")
+    tl.section("b", "b.0.1", 11.3, x=("r1",), hold=0.1, fence=11, owner="ob")
     tl.fault("force_cleanup", 11.0, 11.1, owner="oa")
     assert tl.check() == []
     tl.faults[0]["owner"] = "someone-else"

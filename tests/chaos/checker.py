@@ -18,10 +18,11 @@ each is sound); what cannot be proven from the timelines is not reported:
 ``stale_check``
     A lease's ``check()`` passed although a conflicting lease with a higher
     fence had already been granted and told so (its own first check
-    returned before this check was called), and neither a restart of the
-    lock server nor a forced cleanup of this owner happened since this
-    acquire began (those lose state that no holder can notice at once).
-    The holder would have written believing it held the lock.
+    returned before this check was called). Excused only within owner_ttl
+    after a restart of the lock server or a forced cleanup of this owner
+    that happened since this acquire began (state lost in a way no holder
+    sees at once; the heartbeat and the local deadline tell it within
+    owner_ttl). The holder would have written believing it held the lock.
 ``fence_backwards``
     A grant whose acquire began after another grant had returned got a
     fence that is not larger.
@@ -267,15 +268,20 @@ def check_overlap(run: Run) -> list[Violation]:
     return out
 
 
-def _excused(run: Run, o: Op, until: float) -> bool:
-    """Lost state no holder can notice at once: a lock-server restart, or a
-    forced cleanup of this owner, since this acquire began."""
+def _excused(run: Run, o: Op, tc: float) -> bool:
+    """Whether a check at ``tc`` may pass though superseded: the lock state was
+    lost in a way no holder sees at once (a lock-server restart, or a forced
+    cleanup of this owner) after this acquire began and at most owner_ttl
+    before ``tc``. Its next heartbeat (every owner_ttl / 3) finds its liveness
+    gone, and its local deadline (last successful refresh + owner_ttl) bounds
+    the wait even when heartbeats fail, so a check later than that is stale."""
+    ttl = float(run.config["owner_ttl"])
     for f in run.faults:
-        if f["t1"] < o.t_acq or f["t0"] > until:
+        if f["t1"] < o.t_acq or f["t0"] > tc or tc > f["t1"] + ttl:
             continue
         if f["kind"] == "redis_restart":
             return True
-        if f["kind"] == "force_cleanup" and f.get("owner") == o.owner:
+        if f["kind"] == "force_cleanup" and f.get("owner") in (o.owner, o.acq_owner):
             return True
     return False
 
