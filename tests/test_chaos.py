@@ -270,7 +270,7 @@ def test_a_waiter_is_not_stalled_when_a_fault_or_error_settles_meanwhile(tl: Tim
     tl.fault("script_flush", 12.8)  # quiet: 10.54-12.8, 13.8-15.0
     assert tl.check() == []
     tl.faults = []
-    tl.ev("c", "acq", 12.5, op="c.0.1", x=["r9"], s=[], timeout=1.0)
+    tl.ev("c", "acq", 12.5, op="c.0.1", x=["r9"], s=[], timeout=0)
     tl.ev("c", "acq_error", 12.6, op="c.0.1", err="RedisUnavailable()")
     assert tl.check() == []
 
@@ -282,6 +282,27 @@ def test_a_killed_waiter_blocks_until_it_was_killed(tl: Timelines) -> None:
     found = tl.check()  # free and quiet from 13.0 (kill + owner_ttl) to 20.0
     assert kinds(found) == ["waiter_stalled"]
     assert "from +13.000" in found[0].summary
+
+
+# -- waiter errors ---------------------------------------------------------------
+
+
+def test_a_waiter_raising_while_the_server_runs_is_a_waiter_error(tl: Timelines) -> None:
+    tl.ev("a", "acq", 10.0, op="a.0.1", x=["r1"], s=[], timeout=2.0)
+    tl.ev("a", "acq_error", 10.5, op="a.0.1", err="RedisUnavailable('u', 'Connection closed')")
+    tl.ev("a", "acq", 11.0, op="a.0.2", x=["r1"], s=[], timeout=0)  # tried once: not a waiter
+    tl.ev("a", "acq_error", 11.1, op="a.0.2", err="RedisUnavailable('u', 'Connection closed')")
+    tl.fault("client_kill", 10.49, 10.5)
+    found = tl.check()
+    assert kinds(found) == ["waiter_error"]
+    assert "a.0.1" in found[0].summary and "client_kill" in found[0].trace[-1]
+
+
+def test_a_waiter_raising_during_a_lock_server_restart_is_excused(tl: Timelines) -> None:
+    tl.ev("a", "acq", 10.0, op="a.0.1", x=["r1"], s=[], timeout=2.0)
+    tl.ev("a", "acq_error", 10.5, op="a.0.1", err="RedisUnavailable('u', 'Connection refused')")
+    tl.fault("redis_restart", 10.3, 10.45)
+    assert tl.check() == []
 
 
 # -- leftover keys -------------------------------------------------------------

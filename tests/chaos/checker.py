@@ -35,6 +35,11 @@ each is sound); what cannot be proven from the timelines is not reported:
     within its wait, no other request touched any of its resources (no
     holder, no waiter, not even one that ended in an error) and no fault
     or error of any kind happened within owner_ttl before or during it.
+``waiter_error``
+    An acquire with a timeout (a waiter) raised an error although no
+    restart of the lock server was under way (within 0.2 s before to 1 s
+    after one): a killed connection or a stalled server (shorter than the
+    clients' socket timeout) must not end a wait early.
 ``leftover_key``
     After every process exited and the final reconcile ran, a key of the
     lock namespace other than ``fence``/``seq``, or a key of a TTL'd kind
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -452,6 +458,27 @@ def check_waiter_stalled(run: Run) -> list[Violation]:
     return out
 
 
+def check_waiter_error(run: Run) -> list[Violation]:
+    """Waiters that raised although the lock server never went away."""
+    restarts = [(f["t0"] - 0.2, f["t1"] + 1.0) for f in run.faults if f["kind"] == "redis_restart"]
+    out = []
+    for o in run.ops:
+        if o.outcome != "error" or not o.timeout or o.t_end is None:
+            continue
+        if any(lo <= o.t_end and o.t_acq <= hi for lo, hi in restarts):
+            continue
+        out.append(
+            Violation(
+                "waiter_error",
+                f"{o.op} (timeout {o.timeout}) raised at {run.rel(o.t_end)} though the lock "
+                f"server kept running: {o.errors[0] if o.errors else '?'}",
+                [run.fmt_op(o), *run.faults_between(o.t_acq - 0.5, o.t_end)],
+                (o.op,),
+            )
+        )
+    return out
+
+
 def check_leftover(run: Run) -> list[Violation]:
     bad = [k for k in run.audit.get("keys", []) if not k.get("allowed")]
     if not bad:
@@ -497,8 +524,19 @@ CHECKS = (
     check_fence_backwards,
     check_store,
     check_waiter_stalled,
+    check_waiter_error,
     check_leftover,
 )
+
+
+def _error_kind(what: str) -> str:
+    """``acq_error RedisUnavailable('redis://...', 'Connection closed by server.')``
+    -> ``acq_error RedisUnavailable: Connection closed by server.``"""
+    event, _, err = what.partition(" ")
+    name = err.split("(", 1)[0]
+    detail = err.rsplit(", ", 1)[-1].strip("')\"") if ", " in err else err[len(name) :].strip("()'")
+    detail = re.sub(r"\d+\.\d+\.\d+\.\d+:\d+", "<addr>", detail)
+    return f"{event} {name}: {detail}"
 
 
 def stats_of(run: Run, violations: list[Violation]) -> dict[str, Any]:
@@ -519,6 +557,7 @@ def stats_of(run: Run, violations: list[Violation]) -> dict[str, Any]:
         "store_writes_accepted": sum(st["kind"] == "write" and st["ok"] for st in store_events),
         "store_refused": sum(not st["ok"] for st in store_events),
         "reconciles": run.events.get("reconcile", 0),
+        "errors": dict(Counter(_error_kind(what) for _t, _p, what in run.errors)),
         "faults": dict(Counter(f["kind"] for f in run.faults)),
         "violations": dict(Counter(v.kind for v in violations)),
     }
