@@ -136,6 +136,7 @@ class Run:
     events: dict[str, int]
     kills: dict[str, float]
     audit: dict[str, Any]
+    calm_s: float = 0.0
 
     def rel(self, t: float | None) -> str:
         return "?" if t is None else f"+{t - self.t0:.3f}"
@@ -180,6 +181,8 @@ def load(folder: Path) -> Run:
     fpath = folder / "faults.jsonl"
     if fpath.exists():
         faults = [json.loads(line) for line in fpath.read_text().splitlines() if line.strip()]
+    calm = sum(f["t1"] - f["t0"] for f in faults if f["kind"] == "calm")
+    faults = [f for f in faults if f["kind"] != "calm"]  # a calm is the absence of faults
     faults.sort(key=lambda f: f["t0"])
     kills = {f["target"]: f["t0"] for f in faults if f["kind"] in ("kill_worker", "drain_kill")}
     ops: dict[str, Op] = {}
@@ -233,7 +236,7 @@ def load(folder: Path) -> Run:
     audit_path = folder / "audit.json"
     audit = json.loads(audit_path.read_text()) if audit_path.exists() else {}
     return Run(meta["config"], meta["t0"], list(ops.values()), faults, sorted(errors),
-               dict(events), kills, audit)  # fmt: skip
+               dict(events), kills, audit, calm)  # fmt: skip
 
 
 def _conflict(a: Op, b: Op, res: str) -> bool:
@@ -559,6 +562,7 @@ def stats_of(run: Run, violations: list[Violation]) -> dict[str, Any]:
         "reconciles": run.events.get("reconcile", 0),
         "errors": dict(Counter(_error_kind(what) for _t, _p, what in run.errors)),
         "faults": dict(Counter(f["kind"] for f in run.faults)),
+        "calm_s": round(run.calm_s, 1),
         "violations": dict(Counter(v.kind for v in violations)),
     }
 

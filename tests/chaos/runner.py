@@ -5,8 +5,10 @@ Phases:
 1. Start two redis-servers (tests/redis_server.py): the lock server, which
    faults hit, and the store server, which they never touch.
 2. Start ``processes`` workers (:mod:`chaos.worker`).
-3. Until ``duration`` has passed, inject a random fault from ``faults``
-   every 0.3-2 s (one at a time; a paused process is always resumed).
+3. Until ``duration`` has passed, alternate storms (8-16 s: a random
+   fault from ``faults`` every 0.3-2 s, one at a time; a paused process is
+   always resumed) and calms (8-14 s without faults, in which only one
+   thread per worker makes requests, slowly).
 4. Drain: SIGTERM every worker (each finishes its current operation).
 5. Wait until every owner's liveness key has expired, then run
    ``reconcile()`` from three processes at once.
@@ -59,6 +61,9 @@ class Config:
     owner_ttl: float = 1.5
     faults: tuple[str, ...] = ALL_FAULTS
     fault_gap: tuple[float, float] = (0.3, 2.0)
+    #: Faults come in storms (seconds) separated by calms without faults.
+    storm: tuple[float, float] = (8.0, 16.0)
+    calm: tuple[float, float] = (8.0, 14.0)
     long_timeout: tuple[float, float] = (5.0, 8.0)
     namespace: str = "chaos"
     out: str = ""
@@ -88,6 +93,7 @@ class Runner:
         self.store_srv = RedisServer(workdir=self.out / "store-redis")
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.spawned = 0
+        self.quiet_flag = self.out / "quiet"
         self.fault_file = open(self.out / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
         self.t0 = time.monotonic()
 
@@ -115,6 +121,7 @@ class Runner:
             "--resources", str(c.resources),
             "--owner-ttl", str(c.owner_ttl),
             "--long-timeout", *(str(x) for x in c.long_timeout),
+            "--quiet-flag", str(self.quiet_flag),
             *extra,
         ]  # fmt: skip
 
@@ -271,6 +278,8 @@ class Runner:
                     proc.kill()
                     proc.wait()
             self.fault_file.close()
+            if self.lock_srv.process is not None:  # interrupted during a redis_stop
+                self.lock_srv.process.send_signal(signal.SIGCONT)
             self.lock_srv.stop()
             self.store_srv.stop()
 
@@ -287,7 +296,20 @@ class Runner:
         for _ in range(c.processes):
             self.spawn_worker()
         end = self.t0 + c.duration
+        storm_end = self.t0 + self.rng.uniform(*c.storm)
         while True:
+            now = time.monotonic()
+            if now >= storm_end:
+                # A calm: no fault for a while, so that the waiter check has
+                # quiet windows and damage left by the storm shows up.
+                calm = min(self.rng.uniform(*c.calm), max(0.0, end - now))
+                self.record("calm", now, now + calm)
+                self.say(f"calm for {calm:.1f}s")
+                self.quiet_flag.touch()
+                time.sleep(calm)
+                self.quiet_flag.unlink()
+                storm_end = time.monotonic() + self.rng.uniform(*c.storm)
+                continue
             gap = self.rng.uniform(*c.fault_gap)
             if time.monotonic() + gap >= end:
                 break

@@ -27,7 +27,10 @@ Timeline events (besides ``ev``, ``p`` process label, ``pid``, ``th``,
 ==============  ===========================================================
 
 SIGTERM: finish the current operation and exit. SIGUSR1: run
-``LockManager.reconcile()`` once, from a thread of its own.
+``LockManager.reconcile()`` once, from a thread of its own. While the file
+named by ``--quiet-flag`` exists (the runner's calm between fault storms),
+only thread 0 works, pausing 0.3-1.5 s between requests, so resources are
+left alone long enough for the checker to prove a waiter was not blocked.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class Worker:
         self.manager = LockManager(args.url, args.namespace, owner_ttl=args.owner_ttl)
         self.store = Store(args.store_url)
         self.resources = [f"r{i}" for i in range(args.resources)]
+        self.weights = [1.0 / (i + 1) for i in range(args.resources)]
         self.stopping = threading.Event()
         self.reconcile_now = threading.Event()
 
@@ -121,7 +125,14 @@ class Worker:
             )
 
     def pick(self, rng: random.Random) -> tuple[list[str], list[str], float]:
-        names = rng.sample(self.resources, rng.choice((1, 1, 2, 2, 3)))
+        # r0 is the busiest and the last resource the quietest (weight 1/(i+1)),
+        # so that some resources are left alone long enough for the waiter check.
+        k = rng.choice((1, 1, 2, 2, 3))
+        names: list[str] = []
+        while len(names) < k:
+            name = rng.choices(self.resources, self.weights)[0]
+            if name not in names:
+                names.append(name)
         ex = [n for n in names if rng.random() < 0.6]
         sh = [n for n in names if n not in ex]
         roll = rng.random()
@@ -133,13 +144,21 @@ class Worker:
             timeout = round(rng.uniform(*self.args.long_timeout), 3)
         return ex, sh, timeout
 
+    def quiet(self) -> bool:
+        """The runner's calm: the file ``--quiet-flag`` exists."""
+        return bool(self.args.quiet_flag) and os.path.exists(self.args.quiet_flag)
+
     def loop(self, index: int) -> None:
         rng = random.Random(f"{self.args.seed}:{self.args.label}:{index}")
         n = 0
         while not self.stopping.is_set():
+            quiet = self.quiet()
+            if quiet and index > 0:
+                time.sleep(0.1)  # in a calm only thread 0 works, and slowly
+                continue
             n += 1
             self.operation(rng, f"{self.args.label}.{index}.{n}")
-            time.sleep(rng.uniform(0.0, 0.06))
+            time.sleep(rng.uniform(0.3, 1.5) if quiet else rng.uniform(0.0, 0.06))
 
     def operation(self, rng: random.Random, op: str) -> None:
         tl = self.tl
@@ -233,6 +252,7 @@ def main() -> None:
     ap.add_argument("--resources", type=int, default=8)
     ap.add_argument("--owner-ttl", type=float, default=1.5)
     ap.add_argument("--long-timeout", type=float, nargs=2, default=(5.0, 8.0))
+    ap.add_argument("--quiet-flag", default="", help="file whose presence means: go quiet")
     ap.add_argument("--reconcile-once", action="store_true")
     args = ap.parse_args()
     if args.reconcile_once:
