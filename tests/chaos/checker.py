@@ -319,8 +319,12 @@ def check_stale_check(run: Run) -> list[Violation]:
             while j < len(secs) and hit is None:
                 M = secs[j]
                 j += 1
+                if M.t_acq > horizon:
+                    # M and every higher fence were granted after M's acquire began,
+                    # so after L's last check: none can have been told before it.
+                    break
                 if (M.t_granted or 0) > horizon:
-                    break  # grants are in fence order up to clock noise; later ones cannot count
+                    continue  # returned after L's last check (a paused grantee)
                 if M.op == L.op or not _conflict(L, M, res) or M.cb_t is None:
                     continue
                 for tc, which in checks:
