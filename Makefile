@@ -10,6 +10,7 @@ PYTEST_ARGS ?=
 DURATION ?= 120
 SEED     ?=
 FAULTS   ?= all
+END      ?= term
 
 .DEFAULT_GOAL := help
 .PHONY: help venv test test-fast test-redis7 test-redis62 lint format ci demo bench chaos clean
@@ -22,7 +23,7 @@ help:
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make ci         lint + test (what .ci/run runs)"
 	@echo "make bench      benchmarks"
-	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all), see docs/chaos.md"
+	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all END=term|kill), see docs/chaos.md"
 	@echo "make clean      remove the venv and caches"
 
 # Create the venv and install the package with its dev extras. Re-runs only
@@ -68,7 +69,7 @@ bench: venv
 # Randomized fault-injection run against real redis-servers; prints the seed
 # (replay with SEED=...) and exits non-zero on any invariant violation.
 chaos: venv
-	PYTHONPATH=.:tests $(BIN)/python -m chaos --duration $(DURATION) --faults $(FAULTS) $(if $(SEED),--seed $(SEED))
+	PYTHONPATH=.:tests $(BIN)/python -m chaos --duration $(DURATION) --faults $(FAULTS) --end $(END) $(if $(SEED),--seed $(SEED))
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resources", type=int, default=8, help="resource names (default 8)")
     ap.add_argument("--owner-ttl", type=float, default=1.5, help="seconds (default 1.5)")
     ap.add_argument("--faults", default="all", help="comma-separated fault kinds, 'all' or 'none'")
+    ap.add_argument(
+        "--end",
+        choices=("term", "kill"),
+        default="term",
+        help="end the workers with SIGTERM (default) or SIGKILL them mid-flight",
+    )
     ap.add_argument("--out", default="", help="folder for timelines and logs (default: a temp dir)")
     ap.add_argument("--check-only", metavar="FOLDER", help="re-run the checker on a finished run")
     args = ap.parse_args(argv)
@@ -53,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=faults,
         long_timeout=(max(5.0, 3.3 * args.owner_ttl), max(8.0, 5.3 * args.owner_ttl)),
         out=args.out,
+        end=args.end,
     )
     outcome = run(cfg)
     print(json.dumps(outcome.stats, indent=1))
@@ -68,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"chaos: {verdict}; seed={seed}; replay: make chaos SEED={seed} DURATION={args.duration:g}"
         + ("" if args.faults == "all" else f" FAULTS={args.faults}")
+        + ("" if args.end == "term" else f" END={args.end}")
         + f"; output in {cfg.out}"
     )
     return 1 if outcome.violations else 0

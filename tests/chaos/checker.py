@@ -184,7 +184,11 @@ def load(folder: Path) -> Run:
     calm = sum(f["t1"] - f["t0"] for f in faults if f["kind"] == "calm")
     faults = [f for f in faults if f["kind"] != "calm"]  # a calm is the absence of faults
     faults.sort(key=lambda f: f["t0"])
-    kills = {f["target"]: f["t0"] for f in faults if f["kind"] in ("kill_worker", "drain_kill")}
+    kills = {
+        f["target"]: f["t0"]
+        for f in faults
+        if f["kind"] in ("kill_worker", "drain_kill", "end_kill")
+    }
     ops: dict[str, Op] = {}
     errors: list[tuple[float, str, str]] = []
     events: Counter[str] = Counter()

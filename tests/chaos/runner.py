@@ -9,7 +9,8 @@ Phases:
    fault from ``faults`` every 0.3-2 s, one at a time; a paused process is
    always resumed) and calms (8-14 s without faults, in which only one
    thread per worker makes requests, slowly).
-4. Drain: SIGTERM every worker (each finishes its current operation).
+4. Drain: SIGTERM every worker (each finishes its current operation), or
+   with ``end="kill"`` SIGKILL them all wherever they are.
 5. Wait until every owner's liveness key has expired, then run
    ``reconcile()`` from three processes at once.
 6. Audit the lock namespace with SCAN (the only SCAN anywhere: the checker
@@ -66,6 +67,9 @@ class Config:
     calm: tuple[float, float] = (8.0, 14.0)
     long_timeout: tuple[float, float] = (5.0, 8.0)
     namespace: str = "chaos"
+    #: How the workers end: "term" (finish the current request, exit) or
+    #: "kill" (SIGKILL mid-flight: reconcile must then clear everything).
+    end: str = "term"
     out: str = ""
     verbose: bool = True
 
@@ -344,6 +348,15 @@ class Runner:
         return outcome
 
     def drain(self) -> None:
+        if self.cfg.end == "kill":
+            self.say("end: SIGKILL to every worker")
+            for label in self.live_workers():
+                proc = self.workers[label]
+                now = time.monotonic()
+                proc.kill()
+                proc.wait()
+                self.record("end_kill", now, target=label)
+            return
         self.say("drain: SIGTERM to every worker")
         t = time.monotonic()
         for proc in self.workers.values():
