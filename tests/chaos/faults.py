@@ -31,7 +31,7 @@ KNOWN_TO_FAIL: dict[str, str] = {
     "kill_worker": (
         "leftover_key: a waiter SIGKILLed while queued for several resources leaves its "
         "entry in {ns}:q:<res> when no later conflicting request meets it; reconcile "
-        "walks registries only, so the zset stays"
+        "walks registries only, so the zset stays (always seen with END=kill)"
     ),
     "client_kill": (
         "waiter_error: an acquire waiting for a lock raises RedisUnavailable "
