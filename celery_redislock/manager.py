@@ -13,6 +13,7 @@ import inspect
 import logging
 import math
 import os
+import random
 import threading
 import time
 import uuid
@@ -117,6 +118,48 @@ class _Request:
     @property
     def resources(self) -> tuple[str, ...]:
         return self.exclusive + self.shared
+
+
+class _Outage:
+    """How long one waiter rides out Redis failures, and its backoff.
+
+    A waiter whose Redis call fails (a dropped or refused connection, a
+    socket timeout of a stalled server) re-runs its acquire until the
+    *bound*: its own deadline, and at most ``owner_ttl`` after the first
+    failure of the current outage (by then the owner's liveness, so its
+    place in the queue, is gone: the error is reported instead of queueing
+    again at the back). ``timeout=0`` has a bound of now: no retry.
+    """
+
+    #: First pause after a failure, doubled per failure up to BACKOFF_MAX (s).
+    BACKOFF_MIN = 0.05
+    BACKOFF_MAX = 1.0
+
+    __slots__ = ("deadline", "failures", "limit", "owner_ttl")
+
+    def __init__(self, deadline: float | None, owner_ttl: float) -> None:
+        self.deadline = deadline
+        self.owner_ttl = owner_ttl
+        self.failures = 0
+        self.limit = math.inf
+
+    def left(self) -> float:
+        """Seconds until the bound of the current outage."""
+        return max(0.0, self.limit - time.monotonic())
+
+    def failed(self) -> float | None:
+        """Count one failure: the pause before retrying, or None to give up."""
+        now = time.monotonic()
+        if self.failures == 0:
+            self.limit = now + self.owner_ttl
+            if self.deadline is not None:
+                self.limit = min(self.limit, self.deadline)
+        self.failures += 1
+        left = self.limit - now
+        if left <= 0:
+            return None
+        pause = min(self.BACKOFF_MAX, self.BACKOFF_MIN * 2.0 ** min(self.failures - 1, 16))
+        return min(left, pause * random.uniform(0.5, 1.0))
 
 
 class _Depth:
@@ -343,7 +386,11 @@ class LockManager:
             LockTimeout: not granted in time; nothing is left behind.
             InvalidResource: bad names or request shape (before any I/O).
             ValueError: negative timeout, or a nested request without one.
-            RedisUnavailable: Redis could not be reached.
+            RedisUnavailable: Redis could not be reached for longer than the
+                outage bound: ``timeout``, and at most ``owner_ttl`` after
+                the first failure (``timeout=0``: at once). Shorter
+                outages (a stalled server, a dropped or refused connection)
+                are ridden out by re-running the idempotent acquire.
 
         Whatever ends the call (a timeout, KeyboardInterrupt, a soft time
         limit, a gevent kill), the request's grant or queue entries are
@@ -373,11 +420,16 @@ class LockManager:
         else:
             self._ensure_lost_watch()
         token = f"{ident.owner_id}|{request_id}"
+        outage = _Outage(deadline, self.owner_ttl)
         try:
             reply: Any = None
             while True:
                 if reply is None:
-                    reply = self._attempt(ident, token, req, timeout != 0, nested)
+                    reply = self._riding_out(
+                        outage, token, self._attempt, ident, token, req, timeout != 0, nested
+                    )
+                    if reply is None:  # Redis failed; backed off: run the attempt again
+                        continue
                 code = int(reply[0])
                 if code == 1:
                     ident.registered = True
@@ -415,7 +467,7 @@ class LockManager:
                 # pushes 'g<fence>': granted without another round trip.
                 # Anything else (a plain wake, a timeout) re-runs the script,
                 # which re-checks the state in Redis.
-                fence = self._block(token, max(block, 0.001))
+                fence = self._riding_out(outage, token, self._block, token, max(block, 0.001))
                 reply = None if fence is None else (1, fence)
         except BaseException:
             with self._state_lock:
@@ -423,6 +475,35 @@ class LockManager:
                     depth.count = max(0, depth.count - 1)
             self._end_request(ident.owner_id, token, req)
             raise
+
+    def _riding_out(self, outage: _Outage, token: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, or None after a Redis failure the waiter rides out.
+
+        Within the outage bound (see :class:`_Outage`) a failure is logged
+        once, slept off with backoff and answered with None: the caller
+        re-runs its acquire script, which is idempotent on the token (a grant
+        handed over meanwhile is found in the lock hash, a queue entry is
+        kept). Past the bound the RedisUnavailable propagates.
+        """
+        try:
+            value = call(*args)
+        except RedisUnavailable as exc:
+            pause = outage.failed()
+            if pause is None:
+                raise
+            if outage.failures == 1:
+                log_acquire.warning(
+                    "acquire.redis-retry token=%s error=%s: re-running the acquire for up to %.3gs",
+                    token,
+                    exc,
+                    outage.left(),
+                )
+            time.sleep(pause)
+            return None
+        if outage.failures:
+            log_acquire.info("acquire.redis-resumed token=%s failures=%d", token, outage.failures)
+            outage.failures = 0
+        return value
 
     def _attempt(
         self, ident: OwnerIdentity, token: str, req: _Request, queue: bool, nested: bool

@@ -1,0 +1,235 @@
+"""A waiter rides out a Redis hiccup: it re-runs its acquire until its bound.
+
+A stalled server (SIGSTOP: the waiter's socket times out), a killed
+connection (CLIENT KILL) or a refused one must not fail a waiter while its
+timeout, or the outage bound of ``owner_ttl``, has not run out: the waiter
+re-runs its acquire script, which is idempotent on its token, so a grant
+handed over while its BLPOP connection was gone is found in the lock hash.
+Past the bound it raises RedisUnavailable and leaves nothing behind once the
+server answers again.
+
+Each test runs its own redis-server (the tests stop and kill it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import LockManager, LockTimeout, RedisUnavailable
+from engine_helpers import Managers, assert_registry_truth, namespace_keys, wait_until
+from redis_server import RedisServer
+
+NS = "t"
+PREFIX = "{" + NS + "}:"
+
+
+@pytest.fixture
+def server(tmp_path: Any) -> Iterator[RedisServer]:
+    with RedisServer(workdir=tmp_path / "redis") as srv:
+        yield srv
+
+
+@pytest.fixture
+def r(server: RedisServer) -> Iterator[redis.Redis]:
+    client = server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def managers(server: RedisServer) -> Iterator[Managers]:
+    made = Managers(server.url, NS)
+    yield made
+    made.close_all()
+
+
+class Waiter:
+    """``mgr.acquire(...)`` in a thread; ``result`` is the lease or the exception."""
+
+    def __init__(self, mgr: LockManager, resource: str, **kwargs: Any) -> None:
+        self.result: Any = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(mgr, resource, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, mgr: LockManager, resource: str, kwargs: dict[str, Any]) -> None:
+        try:
+            self.result = mgr.acquire(resource, **kwargs)
+        except BaseException as exc:
+            self.result = exc
+        finally:
+            self.done.set()
+
+    def outcome(self, timeout: float = 30.0) -> Any:
+        assert self.done.wait(timeout), "the waiter never returned"
+        return self.result
+
+
+def queued(r: redis.Redis, resource: str) -> int:
+    return int(r.zcard(f"{PREFIX}q:{resource}"))
+
+
+def blocked_clients(r: redis.Redis) -> list[dict[str, Any]]:
+    """CLIENT LIST entries blocked in a BLPOP on a wake list."""
+    return [c for c in r.client_list() if c.get("cmd") == "blpop" and "b" in c.get("flags", "")]
+
+
+@contextmanager
+def stopped(server: RedisServer) -> Iterator[None]:
+    """The server process SIGSTOPped (connections hang) until the block ends."""
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+def short_timeout_url(server: RedisServer) -> str:
+    # A 1 s socket timeout: a 2.5 s stall times out every call the waiter
+    # makes (its BLPOP blocks 0.5 s at most), whenever the stall starts.
+    return server.url + "?socket_timeout=1"
+
+
+def test_waiter_without_timeout_is_granted_after_a_stalled_server_resumes(
+    server: RedisServer, r: redis.Redis, managers: Managers
+) -> None:
+    holder = managers()
+    waiter_mgr = managers(short_timeout_url(server))
+    lease = holder.acquire("R", timeout=5)
+    waiter = Waiter(waiter_mgr, "R", timeout=None)
+    wait_until(lambda: queued(r, "R") == 1, what="the waiter to queue")
+    wait_until(lambda: blocked_clients(r), what="the waiter to block on its wake list")
+    with stopped(server):
+        time.sleep(2.5)  # the stall itself (the stimulus), not a synchronisation
+    assert not waiter.done.is_set()
+    lease.release()
+    got = waiter.outcome()
+    assert not isinstance(got, BaseException), repr(got)
+    assert [x.decode() for x in r.hkeys(f"{PREFIX}lock:R")] == [got.token]
+    got.release()
+    assert_registry_truth(r, NS)
+
+
+def test_grant_handed_over_while_the_waiters_connection_was_killed_is_not_lost(
+    server: RedisServer, r: redis.Redis, managers: Managers
+) -> None:
+    # CLIENT KILL of the blocked connection; the release hands the lock over
+    # (token written into the lock hash, 'g<fence>' pushed) while the waiter
+    # has no connection: its re-run acquire finds the grant by its token.
+    holder = managers()
+    waiter_mgr = managers()
+    lease = holder.acquire("R", timeout=5)
+    waiter = Waiter(waiter_mgr, "R", timeout=None)
+    wait_until(lambda: queued(r, "R") == 1, what="the waiter to queue")
+    [blocked] = wait_until(lambda: blocked_clients(r), what="the waiter to block")
+    r.execute_command("CLIENT", "KILL", "ID", blocked["id"])
+    lease.release()
+    got = waiter.outcome()
+    assert not isinstance(got, BaseException), repr(got)
+    assert [x.decode() for x in r.hkeys(f"{PREFIX}lock:R")] == [got.token]
+    assert queued(r, "R") == 0
+    got.release()
+    assert_registry_truth(r, NS)
+
+
+def test_waiter_killed_repeatedly_keeps_its_place_in_line(
+    server: RedisServer, r: redis.Redis, managers: Managers
+) -> None:
+    # Two waiters; the first one's connection is killed several times while
+    # it waits: it is still served first (its queue entry was never lost).
+    holder, first_mgr, second_mgr = managers(), managers(), managers()
+    lease = holder.acquire("R", timeout=5)
+    first = Waiter(first_mgr, "R", timeout=None)
+    wait_until(lambda: queued(r, "R") == 1, what="the first waiter to queue")
+    second = Waiter(second_mgr, "R", timeout=None)
+    wait_until(lambda: queued(r, "R") == 2, what="the second waiter to queue")
+    first_token = r.zrange(f"{PREFIX}q:R", 0, 0)[0].decode()[1:]
+    for _ in range(3):
+        blocked = wait_until(lambda: len(blocked_clients(r)) == 2 and blocked_clients(r))
+        for c in blocked:  # both waiters lose their connection
+            r.execute_command("CLIENT", "KILL", "ID", c["id"])
+    lease.release()
+    got = first.outcome()
+    assert not isinstance(got, BaseException), repr(got)
+    assert got.token == first_token
+    assert not second.done.is_set()
+    got.release()
+    second_lease = second.outcome()
+    assert not isinstance(second_lease, BaseException), repr(second_lease)
+    second_lease.release()
+    assert_registry_truth(r, NS)
+
+
+def test_waiter_gives_up_with_redis_unavailable_after_the_outage_bound_and_leaves_nothing(
+    server: RedisServer, r: redis.Redis, managers: Managers
+) -> None:
+    # timeout=None: the outage bound is owner_ttl (2 s here). The server is
+    # stalled for longer: RedisUnavailable; once it resumes, the deferred
+    # dequeue (retried by the waiter manager's heartbeat) leaves no trace.
+    holder = managers(owner_ttl=30)
+    waiter_mgr = managers(short_timeout_url(server), owner_ttl=2.0, heartbeat_interval=0.2)
+    lease = holder.acquire("R", timeout=5)
+    waiter = Waiter(waiter_mgr, "R", timeout=None)
+    wait_until(lambda: queued(r, "R") == 1, what="the waiter to queue")
+    with stopped(server):
+        got = waiter.outcome()
+    assert isinstance(got, RedisUnavailable), repr(got)
+    wait_until(lambda: queued(r, "R") == 0, what="the queue entry to go")
+    wait_until(
+        lambda: {k for k in namespace_keys(r, NS) if ":req:" in k or ":wake:" in k} == set(),
+        what="the request state to go",
+    )
+    assert [x.decode() for x in r.hkeys(f"{PREFIX}lock:R")] == [lease.token]
+    lease.release()
+    assert_registry_truth(r, NS)
+
+
+def test_finite_timeout_waiter_rides_out_a_refused_connection_within_its_timeout(
+    server: RedisServer, r: redis.Redis, managers: Managers
+) -> None:
+    # The server is killed and restarted empty on the same port while the
+    # waiter waits (timeout 20 s): connections are refused for a while; the
+    # waiter re-runs its acquire, which (the data being gone) grants it.
+    holder = managers()
+    waiter_mgr = managers()
+    holder.acquire("R", timeout=5)
+    waiter = Waiter(waiter_mgr, "R", timeout=20)
+    wait_until(lambda: queued(r, "R") == 1, what="the waiter to queue")
+    server.kill()
+    server.start()
+    got = waiter.outcome()
+    assert not isinstance(got, BaseException), repr(got)
+    got.release()
+
+
+def test_timeout_zero_does_not_retry_an_unreachable_server(
+    server: RedisServer, managers: Managers
+) -> None:
+    mgr = managers()
+    server.kill()
+    with pytest.raises(RedisUnavailable):
+        mgr.acquire("R", timeout=0)
+
+
+def test_finite_timeout_waiter_raises_redis_unavailable_when_the_outage_outlasts_it(
+    server: RedisServer, managers: Managers
+) -> None:
+    mgr = managers()
+    server.kill()
+    with pytest.raises(RedisUnavailable):
+        mgr.acquire("R", timeout=1.0)
+    with pytest.raises(LockTimeout):  # the server is back: a plain timeout again
+        server.start()
+        holder = managers()
+        holder.acquire("R", timeout=5)
+        mgr.acquire("R", timeout=0.2)
