@@ -245,12 +245,25 @@ def locked(
                     opts: dict[str, Any] = {"countdown": countdown, "exc": exc}
                     if max_retries is not _DEFAULT:
                         opts["max_retries"] = max_retries
-                    log.info(
-                        "locked.retry task=%s resources=%s countdown=%.1f",
-                        label,
-                        ",".join(exclusive_names + shared_names),
-                        countdown,
-                    )
+                    limit = max_retries if max_retries is not _DEFAULT else task.max_retries
+                    resources = ",".join(exclusive_names + shared_names)
+                    if limit is not None and retries >= limit:
+                        # task.retry() raises the LockTimeout itself: no retry.
+                        log.warning(
+                            "locked.retries-exhausted task=%s resources=%s retries=%d "
+                            "max_retries=%d: failing with LockTimeout",
+                            label,
+                            resources,
+                            retries,
+                            limit,
+                        )
+                    else:
+                        log.info(
+                            "locked.retry task=%s resources=%s countdown=%.1f",
+                            label,
+                            resources,
+                            countdown,
+                        )
                     raise task.retry(**opts) from exc
                 raise
             token = _leases.set(_leases.get() + (lease,))

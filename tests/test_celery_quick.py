@@ -367,6 +367,40 @@ def test_worker_retry_releases_between_attempts_and_on_busy_retry_requeues(
     assert not r.keys(PREFIX + "lock:*")
 
 
+def test_on_busy_retry_logs_the_give_up_not_a_retry_once_max_retries_is_spent(
+    worker_app: tuple[Celery, RedisLock], other: LockManager
+) -> None:
+    # max_retries=1: the first busy attempt retries (locked.retry), the
+    # second finds the retries spent and fails with LockTimeout; it must log
+    # that (locked.retries-exhausted), not announce a retry that never comes.
+    app, _ = worker_app
+
+    @app.task(shared=False, bind=True, max_retries=1)
+    @locked("res:{n}", on_busy="retry", retry_countdown=0.05, retry_backoff=1.0)
+    def polite(self: Any, n: int) -> int:
+        return int(self.request.retries)
+
+    lease = other.acquire("res:7", timeout=1)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("celery_redislock.task")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the test worker sets the root logger to ERROR
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            with pytest.raises(LockTimeout):
+                polite.delay(7).get(timeout=20)
+    finally:
+        lease.release()
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = [rec.getMessage() for rec in records]
+    assert [m.split()[0] for m in lines] == ["locked.retry", "locked.retries-exhausted"], lines
+    assert "retries=1" in lines[1] and "max_retries=1" in lines[1], lines
+
+
 def test_worker_missing_argument_fails_the_task_without_locking(
     worker_app: tuple[Celery, RedisLock], r: redis.Redis
 ) -> None:
