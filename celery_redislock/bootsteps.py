@@ -230,4 +230,7 @@ class RedisLockNode(bootsteps.StartStopStep):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        # Cold shutdown: WorkController.terminate() keeps w.exitcode, which
+        # the `celery worker` command exits with (None would mean 0).
+        w.exitcode = EX_EVICTED
         state.should_terminate = EX_EVICTED
