@@ -162,6 +162,23 @@ class _Outage:
         return min(left, pause * random.uniform(0.5, 1.0))
 
 
+class _OrphanRetry:
+    """Backoff of one deferred release: 0.5 s doubling up to a cap."""
+
+    __slots__ = ("failures", "next_at")
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.next_at = 0.0
+
+    def failed(self, now: float, cap: float) -> float:
+        """Count a failure; return the pause before the next try."""
+        self.failures += 1
+        pause = min(cap, 0.5 * 2.0 ** min(self.failures - 1, 16))
+        self.next_at = now + pause
+        return pause
+
+
 class _Depth:
     """Leases held by one thread or greenlet (to recognise nested acquires)."""
 
@@ -287,6 +304,9 @@ class LockManager:
         self._state_lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._orphans: dict[str, _Request] = {}
+        self._orphan_retry: dict[str, _OrphanRetry] = {}
+        #: Failed retries of deferred releases (see ``_retry_orphans``).
+        self.release_retry_failures = 0
         self._local = threading.local()
         self._hb_client: AnyRedis | None = None
         self._hb_client_pid = 0
@@ -318,6 +338,7 @@ class LockManager:
             lease._mark_lost()  # the parent's, not ours: never released from here
         self._leases = {}
         self._orphans = {}
+        self._orphan_retry = {}
         self._local = threading.local()
         self._hb_client = None
         self._heartbeat.after_fork_in_child()
@@ -743,15 +764,62 @@ class LockManager:
         self._retry_orphans(client)
 
     def _retry_orphans(self, client: AnyRedis) -> None:
-        """Retry the releases that failed on an exit path (deferred)."""
+        """Retry the releases that failed on an exit path (deferred); never raises.
+
+        Called by every heartbeat of this process: the manager's own
+        heartbeat, a pool child's lost-owner watcher, the Celery worker's
+        node heartbeat (main process: threads, solo, gevent and eventlet
+        pools). Each deferred release backs off on failure (see
+        :class:`_OrphanRetry`); its first failure here is logged once
+        (WARNING for an outage, ERROR with the reason for anything else,
+        e.g. a foreign value at a lock key or an ACL NOPERM), later ones
+        are only counted (``release_retry_failures``) until it succeeds.
+        """
+        if not self._orphans:
+            return
+        now = time.monotonic()
         with self._state_lock:
             orphans = list(self._orphans.items())
         for token, req in orphans:
+            retry = self._orphan_retry.get(token)
+            if retry is not None and now < retry.next_at:
+                continue
             owner_id = token.split("|", 1)[0]
-            self._run_release(owner_id, token, req, client=client)
+            try:
+                self._run_release(owner_id, token, req, client=client)
+            except Exception as exc:  # one bad release must not stop the others
+                self.release_retry_failures += 1
+                if retry is None:
+                    retry = self._orphan_retry[token] = _OrphanRetry()
+                outage = isinstance(exc, RedisUnavailable)
+                pause = retry.failed(now, self.heartbeat_interval if outage else 300.0)
+                if retry.failures == 1:
+                    if outage:
+                        log_release.warning(
+                            "release.retry-failed token=%s resources=%s error=%s: retrying "
+                            "on the heartbeat once Redis answers",
+                            token,
+                            ",".join(req.resources),
+                            exc,
+                        )
+                    else:
+                        log_release.error(
+                            "release.retry-failed token=%s resources=%s error=%r: cannot "
+                            "release; retrying quietly with backoff (next in %.3gs)",
+                            token,
+                            ",".join(req.resources),
+                            exc,
+                            pause,
+                        )
+                continue
             with self._state_lock:
                 self._orphans.pop(token, None)
-            log_release.info("release.retried token=%s", token)
+            self._orphan_retry.pop(token, None)
+            log_release.info(
+                "release.retried token=%s failures=%d",
+                token,
+                retry.failures if retry is not None else 0,
+            )
 
     def close(self) -> None:
         """Stop the heartbeat and close connections (held leases stay held

@@ -553,6 +553,11 @@ class Node:
             self.tick()
         except LockError as exc:
             log.error("node.heartbeat-error node=%s error=%s", self.nodename, exc)
+        if self.state not in ("evicted", "stopped"):
+            # Releases deferred in this process (tasks of a threads, solo,
+            # gevent or eventlet pool run here): nothing else retries them.
+            # Never raises; backs off and logs once per release.
+            self.manager._retry_orphans(self._ops().client)
 
     def child_exited(self, pid: int) -> bool:
         """A pool child with ``pid`` exited: beat now to free its locks.

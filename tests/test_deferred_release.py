@@ -1,0 +1,56 @@
+"""Deferred releases: retried by the heartbeat with backoff, reported once.
+
+A release that fails (Redis down, or a release that cannot succeed: a
+foreign value at the lock key, an ACL NOPERM) is kept and retried by the
+process's heartbeat. A release that keeps failing is logged once, then
+retried quietly with backoff and counted (``release_retry_failures``),
+never a traceback per tick.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from engine_helpers import Managers, assert_registry_truth, wait_until
+
+NS = "t"
+PREFIX = "{" + NS + "}:"
+
+
+@pytest.fixture
+def managers(redis_url: str) -> Iterator[Managers]:
+    made = Managers(redis_url, NS)
+    yield made
+    made.close_all()
+
+
+def test_release_blocked_by_a_foreign_value_is_reported_once_then_retried_quietly(
+    r: redis.Redis, managers: Managers, caplog: pytest.LogCaptureFixture
+) -> None:
+    mgr = managers(owner_ttl=2.0, heartbeat_interval=0.05)
+    lease = mgr.acquire("R", timeout=5)
+    lock_key = f"{PREFIX}lock:R"
+    grant = r.hgetall(lock_key)
+    r.delete(lock_key)
+    r.set(lock_key, "not-a-lock")  # someone else's value at the lock key
+    caplog.set_level(logging.INFO, logger="celery_redislock")
+    with pytest.raises(redis.ResponseError):
+        lease.release()
+    assert mgr._orphans
+    wait_until(lambda: mgr.heartbeat.ticks >= 60, what="60 heartbeat ticks")
+    assert not [rec for rec in caplog.records if rec.exc_info], caplog.text
+    failed = [rec for rec in caplog.records if "release.retry-failed" in rec.getMessage()]
+    assert len(failed) == 1 and failed[0].levelno == logging.ERROR, caplog.text
+    # Counted, and backed off: far fewer tries than heartbeat ticks.
+    assert 3 <= mgr.release_retry_failures < mgr.heartbeat.ticks / 4
+    # The foreign value goes away: the next retry releases the lock.
+    r.delete(lock_key)
+    r.hset(lock_key, mapping=grant)
+    wait_until(lambda: not r.exists(lock_key), what="the deferred release to succeed")
+    assert not mgr._orphans
+    assert any("release.retried" in rec.getMessage() for rec in caplog.records)
+    assert_registry_truth(r, NS)
