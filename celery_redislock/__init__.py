@@ -16,6 +16,7 @@ from .exceptions import (
     LockLost,
     LockTimeout,
     RedisUnavailable,
+    ShuttingDown,
 )
 from .inspect import Inspector
 from .lease import Lease
@@ -39,6 +40,7 @@ __all__ = [
     "ReconcileReport",
     "RedisLock",
     "RedisUnavailable",
+    "ShuttingDown",
     "TemplateError",
     "check_eviction",
     "current_lease",

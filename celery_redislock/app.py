@@ -184,12 +184,12 @@ class RedisLock:
     def _make_manager(self, *, worker: bool) -> LockManager:
         cfg = self.config
         if worker:
-            from .node import group_key
+            from .node import group_key, halt_key
 
             inc = self.incarnation
             prefix = "{" + cfg.namespace + "}:"
             key = group_key(prefix, inc) if inc else None
-            return LockManager(
+            mgr = LockManager(
                 cfg.url,
                 cfg.namespace,
                 owner_ttl=cfg.owner_ttl,
@@ -197,6 +197,8 @@ class RedisLock:
                 heartbeat=False,
                 group=lambda: key,
             )
+            mgr._halt_key = halt_key(prefix, inc) if inc else None
+            return mgr
         return LockManager(
             cfg.url,
             cfg.namespace,

@@ -199,10 +199,22 @@ class RedisLockNode(bootsteps.StartStopStep):
         inner.on_process_down = on_process_down
 
     def stop(self, w: Any) -> None:
+        """Warm shutdown began (before the pool drains): tasks still waiting
+        for their locks leave the queue and go back to the broker."""
         log.debug("worker.stopping: locks are released once the pool has drained")
+        self._halt()
 
     def terminate(self, w: Any) -> None:
         log.debug("worker.terminating: locks are released once the pool is terminated")
+        self._halt()
+
+    def _halt(self) -> None:
+        node = self.node
+        if node is not None and node.state not in ("stopped", "evicted"):
+            try:
+                node.halt_waiters()
+            except Exception:  # never break Celery's shutdown
+                log.exception("worker.halt-error node=%s", node.nodename)
 
     def release(self, w: Any) -> None:
         """Final step: free every owner of this incarnation (idempotent)."""

@@ -9,7 +9,10 @@ Every error the library raises on purpose derives from :class:`LockError`::
      ├── InvalidResource    a resource name or request shape was refused
      │                      (also a ValueError)
      ├── ConfigurationError a setting or argument was refused (also a ValueError)
-     └── RedisUnavailable   Redis could not be reached (names the URL)
+     ├── RedisUnavailable   Redis could not be reached (names the URL)
+     └── ShuttingDown       the worker began a warm shutdown while the request
+                            waited; it left the queue (``@locked`` hands the
+                            task back to the broker)
 """
 
 from __future__ import annotations
@@ -99,3 +102,22 @@ class RedisUnavailable(LockError):
 
     def __str__(self) -> str:
         return f"Redis at {self.url} is unavailable: {self.cause}"
+
+
+class ShuttingDown(LockError):
+    """The worker began shutting down while this request waited for its locks.
+
+    Nothing is left behind: the request left the wait queue. ``@locked``
+    turns it into a requeue (``Reject(requeue=True)`` with ``acks_late``,
+    otherwise ``task.retry()``), so another worker runs the task.
+    """
+
+    def __init__(self, resources: Sequence[str]) -> None:
+        self.resources = tuple(resources)
+        super().__init__(list(self.resources))
+
+    def __str__(self) -> str:
+        return (
+            "the worker is shutting down: stopped waiting for "
+            f"{', '.join(self.resources)} (the request left the queue)"
+        )

@@ -42,6 +42,7 @@ from .exceptions import (
     LockError,
     LockTimeout,
     RedisUnavailable,
+    ShuttingDown,
 )
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity
@@ -319,6 +320,12 @@ class LockManager:
         self._lost_watch_exempt_pid = 0
         self._closed = False
         self._group = group
+        #: Worker mode: ``{ns}:halt:<inc>``, the list the worker's main
+        #: process pushes to when it begins shutting down. Waiters block on
+        #: it next to their wake list (same BLPOP) and give up with
+        #: ShuttingDown. ``_halted``: this process has seen it.
+        self._halt_key: str | None = None
+        self._halted = False
 
     # -- identity ---------------------------------------------------------
 
@@ -339,6 +346,7 @@ class LockManager:
         self._leases = {}
         self._orphans = {}
         self._orphan_retry = {}
+        self._halted = False
         self._local = threading.local()
         self._hb_client = None
         self._heartbeat.after_fork_in_child()
@@ -480,6 +488,8 @@ class LockManager:
                 remaining = math.inf if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     raise LockTimeout(req.resources, timeout)
+                if self._halted and not nested:
+                    raise ShuttingDown(req.resources)
                 wait_ms = int(reply[1])
                 block = min(remaining, self._block_cap, self.owner_ttl)
                 if wait_ms >= 0:
@@ -488,7 +498,11 @@ class LockManager:
                 # pushes 'g<fence>': granted without another round trip.
                 # Anything else (a plain wake, a timeout) re-runs the script,
                 # which re-checks the state in Redis.
-                fence = self._riding_out(outage, token, self._block, token, max(block, 0.001))
+                fence = self._riding_out(
+                    outage, token, self._block, token, max(block, 0.001), not nested
+                )
+                if fence is not None and fence < 0:
+                    raise ShuttingDown(req.resources)
                 reply = None if fence is None else (1, fence)
         except BaseException:
             with self._state_lock:
@@ -572,10 +586,26 @@ class LockManager:
     def _limit_arg(self) -> str:
         return str(self.queue_scan_limit)
 
-    def _block(self, token: str, seconds: float) -> int | None:
-        """Wait for a push to the request's wake list; the fence of a hand-off."""
+    def _block(self, token: str, seconds: float, halt: bool = False) -> int | None:
+        """Wait for a push to the request's wake list; the fence of a hand-off.
+
+        With ``halt`` (a worker's non-nested waiter), the same BLPOP also
+        watches the worker's halt list: popped, its entry is pushed back for
+        the next waiter and -1 is returned (shutting down).
+        """
+        keys = [self.keys.wake(token)]
+        halt_key = self._halt_key if halt else None
+        if halt_key is not None:
+            keys.append(halt_key)
         try:
-            got = self.client.blpop([self.keys.wake(token)], timeout=seconds)
+            got = self.client.blpop(keys, timeout=seconds)
+            if got is not None and halt_key is not None and _text(got[0]) == halt_key:
+                self._halted = True
+                pipe = self.client.pipeline(transaction=False)
+                pipe.rpush(halt_key, got[1])
+                pipe.pexpire(halt_key, self._req_ttl_ms)
+                pipe.execute()
+                return -1
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
         if got is None:

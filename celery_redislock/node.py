@@ -68,6 +68,16 @@ def tomb_key(prefix: str, incarnation: str) -> str:
     return f"{prefix}tomb:{incarnation}"
 
 
+def halt_key(prefix: str, incarnation: str) -> str:
+    """``{ns}:halt:<inc>``: pushed when that incarnation begins shutting down.
+
+    Its waiters block on it next to their wake list and leave the queue
+    (:class:`~celery_redislock.exceptions.ShuttingDown`); each pushes the
+    entry back for the next one.
+    """
+    return f"{prefix}halt:{incarnation}"
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -229,6 +239,7 @@ class Node:
         self.node_key = node_key(prefix, nodename)
         self.group_key = group_key(prefix, incarnation)
         self.tomb_key = tomb_key(prefix, incarnation)
+        self.halt_key = halt_key(prefix, incarnation)
         self._live_pids = live_pids
         self.fast_restart_cleanup = fast_restart_cleanup
         self._on_evicted = on_evicted
@@ -586,6 +597,32 @@ class Node:
 
     # -- shutdown ---------------------------------------------------------
 
+    def halt_waiters(self) -> None:
+        """Shutdown began: make every waiter of this worker leave its queue.
+
+        Marks this process's manager halted (a waiter here stops before its
+        next wait) and pushes ``{ns}:halt:<inc>`` once: every waiter of the
+        worker (pool children included) blocks on it next to its wake list,
+        raises ShuttingDown and pushes the entry back for the next. One
+        round trip; a Redis error is logged and waiters keep waiting.
+        Idempotent.
+        """
+        self.manager._halted = True
+        try:
+            pipe = self._ops().client.pipeline(transaction=False)
+            pipe.delete(self.halt_key)
+            pipe.rpush(self.halt_key, "halt")
+            pipe.pexpire(self.halt_key, self._record_ttl_ms)
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.error(
+                "node.halt-error node=%s error=%s: waiting tasks keep waiting", self.nodename, exc
+            )
+            return
+        log.info(
+            "node.halt node=%s inc=%s: waiters leave their queues", self.nodename, self.incarnation
+        )
+
     def shutdown(self) -> list[CleanupReport]:
         """Stop the heartbeat and free every owner of this incarnation.
 
@@ -617,7 +654,7 @@ class Node:
                 failed += 1
                 log_cleanup.error("cleanup.owner-error owner=%s error=%r", owner, exc)
         if not failed:
-            ops.client.delete(self.group_key)
+            ops.client.delete(self.group_key, self.halt_key)
         log.info(
             "node.stop node=%s inc=%s owners=%d released=%d record_deleted=%s evicted=%s",
             self.nodename,

@@ -23,7 +23,7 @@ import string
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .exceptions import ConfigurationError, LockError, LockTimeout
+from .exceptions import ConfigurationError, LockError, LockTimeout, ShuttingDown
 from .lease import Lease
 from .settings import ON_BUSY_MODES
 
@@ -136,6 +136,36 @@ def _retry_deferred(mgr: Any) -> None:
         log.warning("locked.deferred-release-error error=%r", exc)
 
 
+def _hand_back(task: Any, label: str, exc: ShuttingDown) -> None:
+    """The worker shuts down while the task waits: give its message back.
+
+    With ``acks_late`` the message is rejected with requeue (the broker
+    redelivers it, retries not counted); otherwise it was acked on receipt,
+    so ``task.retry()`` publishes it again (counted as a retry). The body
+    never runs in this worker. Outside a worker, ShuttingDown propagates.
+    """
+    request = getattr(task, "request", None) if task is not None else None
+    if request is None or getattr(request, "called_directly", True):
+        return
+    acks_late = getattr(request, "acks_late", None)
+    if acks_late is None:
+        acks_late = bool(getattr(task, "acks_late", False))
+    how = "requeue" if acks_late else "retry"
+    log.warning(
+        "locked.shutdown task=%s id=%s resources=%s: the worker is shutting down; "
+        "handing the task back to the broker (%s)",
+        label,
+        getattr(request, "id", "?"),
+        ",".join(exc.resources),
+        how,
+    )
+    if acks_late:
+        from celery.exceptions import Reject
+
+        raise Reject(exc, requeue=True) from exc
+    raise task.retry(countdown=0, exc=exc) from exc
+
+
 def locked(
     *exclusive: str,
     shared: str | Iterable[str] = (),
@@ -227,6 +257,9 @@ def locked(
                 _retry_deferred(mgr)
             try:
                 lease = mgr.acquire(exclusive_names, shared_names, timeout=wait)
+            except ShuttingDown as exc:
+                _hand_back(task, label, exc)
+                raise
             except LockTimeout as exc:
                 if on_busy == "skip":
                     log.info(

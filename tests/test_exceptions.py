@@ -20,6 +20,7 @@ from celery_redislock import (
     LockLost,
     LockTimeout,
     RedisUnavailable,
+    ShuttingDown,
 )
 
 ERRORS: list[LockError] = [
@@ -27,6 +28,7 @@ ERRORS: list[LockError] = [
     LockLost(["repo:1"], "123-abcdef", 1795986670523722),
     InvalidResource("resource name is empty", ""),
     ConfigurationError("redislock_owner_ttl", "must be within 0.05..86400 s, not -1"),
+    ShuttingDown(["repo:1"]),
     RedisUnavailable("redis://user:secret@127.0.0.1:1/0", ConnectionError("refused")),
 ]
 

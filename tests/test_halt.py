@@ -1,0 +1,81 @@
+"""Halting a worker's waiters at shutdown (``Node.halt_waiters``).
+
+Every non-nested waiter of the incarnation blocks on ``{ns}:halt:<inc>``
+next to its wake list: one push makes all of them (in any process) leave
+their queues with ShuttingDown, each pushing the entry back for the next.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import LockManager, ShuttingDown
+from celery_redislock.node import Node, halt_key, new_incarnation
+from engine_helpers import Managers, assert_registry_truth, wait_until
+
+NS = "t"
+PREFIX = "{" + NS + "}:"
+
+
+@pytest.fixture
+def managers(redis_url: str) -> Iterator[Managers]:
+    made = Managers(redis_url, NS)
+    yield made
+    made.close_all()
+
+
+def waiter(mgr: LockManager, resource: str, out: list[Any], **kwargs: Any) -> threading.Thread:
+    def run() -> None:
+        try:
+            out.append(mgr.acquire(resource, **kwargs))
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_halt_makes_every_waiter_of_the_worker_leave_its_queue(
+    r: redis.Redis, managers: Managers
+) -> None:
+    inc = new_incarnation()
+    main = managers(heartbeat=False)  # the worker's main process
+    children = [managers(), managers()]  # two pool processes of the same worker
+    for m in (main, *children):
+        m._halt_key = halt_key(PREFIX, inc)
+    holder = managers()
+    lease = holder.acquire("R", timeout=5)
+    other = holder.acquire("S", timeout=5)
+    results: list[list[Any]] = [[], [], []]
+    threads = [waiter(m, "R", out) for m, out in zip(children, results)]
+    wait_until(lambda: r.zcard(f"{PREFIX}q:R") == 2, what="two waiters queued")
+    # A nested request (inside a held lock, finite timeout) is not halted.
+    with children[0].lock("N", timeout=5):
+        threads.append(waiter(children[0], "S", results[2], timeout=30, nested=True))
+        wait_until(lambda: r.zcard(f"{PREFIX}q:S") == 1, what="the nested waiter")
+        node = Node(main, "celery@h", inc)
+        node.halt_waiters()
+        for t in threads[:2]:
+            t.join(20)
+        assert all(isinstance(out[0], ShuttingDown) for out in results[:2]), results
+        assert r.zcard(f"{PREFIX}q:R") == 0
+        assert r.zcard(f"{PREFIX}q:S") == 1  # the nested one still waits
+        other.release()
+        threads[2].join(20)
+        assert not isinstance(results[2][0], BaseException), results[2]
+        results[2][0].release()
+    # A later waiter of the halted worker stops at once instead of queueing.
+    late: list[Any] = []
+    waiter(children[1], "R", late).join(20)
+    assert isinstance(late[0], ShuttingDown) and r.zcard(f"{PREFIX}q:R") == 0
+    assert r.exists(halt_key(PREFIX, inc))  # pushed back for the next waiter
+    lease.release()
+    node.shutdown()
+    assert not r.exists(halt_key(PREFIX, inc))
+    assert_registry_truth(r, NS)
