@@ -14,9 +14,9 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
-from .exceptions import LockTimeout
+from .exceptions import ConfigurationError, LockTimeout
 from .lease import Lease
 from .manager import LockManager
 from .settings import Config, load_config
@@ -28,6 +28,10 @@ log_reconcile = logging.getLogger("celery_redislock.reconcile")
 RECONCILE_TASK = "celery_redislock.reconcile"
 #: Engine resource that lets one reconcile run at a time, fleet-wide.
 RECONCILE_RESOURCE = "celery_redislock:reconcile"
+
+#: Exit status of a worker or beat that refuses to start because a
+#: ``redislock_*`` setting is refused (EX_CONFIG in sysexits.h).
+EX_CONFIG = 78
 
 _ATTR = "_celery_redislock"
 _instances: weakref.WeakSet[RedisLock] = weakref.WeakSet()
@@ -54,13 +58,22 @@ def _on_worker_process_init(**_: Any) -> None:
         locks._process_init()
 
 
+def config_error_line(exc: ConfigurationError) -> str:
+    """The one line every process prints for a refused ``redislock_*`` setting."""
+    return f"celery_redislock: invalid setting {exc}"
+
+
 def _on_beat_init(sender: Any = None, **_: Any) -> None:
     scheduler = getattr(sender, "scheduler", None)
     app = getattr(sender, "app", None)
     locks = RedisLock.of(app) if app is not None else None
     if scheduler is None or locks is None:
         return
-    entry = locks._beat_entry()
+    try:
+        entry = locks._beat_entry()
+    except ConfigurationError as exc:
+        # Beat without its reconcile entry would run silently degraded.
+        locks.refuse_to_start(exc, "celery beat")
     if entry is not None and RECONCILE_TASK not in scheduler.schedule:
         scheduler.update_from_dict({RECONCILE_TASK: entry})
 
@@ -89,6 +102,7 @@ class RedisLock:
         #: The running :class:`celery_redislock.node.Node`, main process only.
         self.node: Any = None
         self._init_pids: set[int] = set()
+        self._config_error_reported = False
         if app is not None:
             self.init_app(app)
 
@@ -105,7 +119,7 @@ class RedisLock:
         app.steps["worker"].add(RedisLockNode)
         self._register_reconcile_task(app)
         if getattr(app, "configured", False):
-            self._merge_beat_schedule(app.conf)
+            self._merge_beat_schedule_or_report(app.conf)
         else:
             app.on_after_configure.connect(self._on_after_configure, weak=False)
         return self
@@ -119,10 +133,28 @@ class RedisLock:
     def _on_after_configure(self, sender: Any = None, source: Any = None, **_: Any) -> None:
         if sender is not None and sender is not self.app:
             return
+        self._merge_beat_schedule_or_report(source if source is not None else self.app.conf)
+
+    def _merge_beat_schedule_or_report(self, conf: Any) -> None:
         try:
-            self._merge_beat_schedule(source if source is not None else self.app.conf)
-        except Exception:  # a bad setting must surface at worker start, not here
+            self._merge_beat_schedule(conf)
+        except ConfigurationError as exc:
+            # Every process that loads the app says it once, in one line; the
+            # worker and beat then refuse to start (refuse_to_start).
+            self.report_config_error(exc)
+        except Exception:  # never break the app's configuration
             log.exception("app.beat-merge-error")
+
+    def report_config_error(self, exc: ConfigurationError) -> None:
+        """Log the one-line error of a refused setting (ERROR, once per process)."""
+        if not self._config_error_reported:
+            self._config_error_reported = True
+            log.error("%s", config_error_line(exc))
+
+    def refuse_to_start(self, exc: ConfigurationError, process: str) -> NoReturn:
+        """Log the refused setting in one line, then exit with :data:`EX_CONFIG`."""
+        log.critical("%s (%s refuses to start)", config_error_line(exc), process)
+        raise SystemExit(EX_CONFIG)
 
     def _beat_entry(self, conf: Any = None) -> dict[str, Any] | None:
         cfg = load_config(conf) if conf is not None else self.config

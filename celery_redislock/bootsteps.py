@@ -84,7 +84,10 @@ class RedisLockNode(bootsteps.StartStopStep):
     def create(self, w: Any) -> None:
         locks = self.locks
         assert locks is not None
-        cfg = locks.config  # a bad setting stops the worker here, naming it
+        try:
+            cfg = locks.config
+        except ConfigurationError as exc:  # one line and EX_CONFIG, not a traceback
+            locks.refuse_to_start(exc, "the worker")
         inc = new_incarnation()
         mgr = locks._enter_worker(inc)
         self.node = Node(
