@@ -323,7 +323,8 @@ class LockManager:
         #: Worker mode: ``{ns}:halt:<inc>``, the list the worker's main
         #: process pushes to when it begins shutting down. Waiters block on
         #: it next to their wake list (same BLPOP) and give up with
-        #: ShuttingDown. ``_halted``: this process has seen it.
+        #: ShuttingDown. ``_halted``: this process has seen it. Only acquires
+        #: made with ``_local.halt_ok`` set (``@locked``'s wait) are halted.
         self._halt_key: str | None = None
         self._halted = False
 
@@ -442,6 +443,9 @@ class LockManager:
                 "timeout: it skips the wait queue and could otherwise wait for ever"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
+        # Only a task's own lock wait (@locked, before its body) gives way to a
+        # worker shutdown; a body's later or nested acquire is never cut short.
+        haltable = not nested and getattr(self._local, "halt_ok", False)
         request_id = uuid.uuid4().hex
         ident = self._identity.current()
         if self._own_heartbeat:
@@ -488,7 +492,7 @@ class LockManager:
                 remaining = math.inf if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     raise LockTimeout(req.resources, timeout)
-                if self._halted and not nested:
+                if haltable and self._halted:
                     raise ShuttingDown(req.resources)
                 wait_ms = int(reply[1])
                 block = min(remaining, self._block_cap, self.owner_ttl)
@@ -499,7 +503,7 @@ class LockManager:
                 # Anything else (a plain wake, a timeout) re-runs the script,
                 # which re-checks the state in Redis.
                 fence = self._riding_out(
-                    outage, token, self._block, token, max(block, 0.001), not nested
+                    outage, token, self._block, token, max(block, 0.001), haltable
                 )
                 if fence is not None and fence < 0:
                     raise ShuttingDown(req.resources)

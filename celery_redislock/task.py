@@ -256,7 +256,13 @@ def locked(
             if mgr._orphans and not mgr._own_heartbeat:
                 _retry_deferred(mgr)
             try:
-                lease = mgr.acquire(exclusive_names, shared_names, timeout=wait)
+                # The body has not started: this wait may give way to a
+                # warm shutdown (ShuttingDown, below).
+                mgr._local.halt_ok = True
+                try:
+                    lease = mgr.acquire(exclusive_names, shared_names, timeout=wait)
+                finally:
+                    mgr._local.halt_ok = False
             except ShuttingDown as exc:
                 _hand_back(task, label, exc)
                 raise

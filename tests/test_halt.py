@@ -29,8 +29,13 @@ def managers(redis_url: str) -> Iterator[Managers]:
     made.close_all()
 
 
-def waiter(mgr: LockManager, resource: str, out: list[Any], **kwargs: Any) -> threading.Thread:
+def waiter(
+    mgr: LockManager, resource: str, out: list[Any], halt_ok: bool = True, **kwargs: Any
+) -> threading.Thread:
+    """``mgr.acquire`` in a thread; ``halt_ok``: as ``@locked`` waits (halted)."""
+
     def run() -> None:
+        mgr._local.halt_ok = halt_ok
         try:
             out.append(mgr.acquire(resource, **kwargs))
         except BaseException as exc:
@@ -50,32 +55,41 @@ def test_halt_makes_every_waiter_of_the_worker_leave_its_queue(
     for m in (main, *children):
         m._halt_key = halt_key(PREFIX, inc)
     holder = managers()
-    lease = holder.acquire("R", timeout=5)
-    other = holder.acquire("S", timeout=5)
-    results: list[list[Any]] = [[], [], []]
-    threads = [waiter(m, "R", out) for m, out in zip(children, results)]
+    held = [holder.acquire(name, timeout=5) for name in ("R", "S", "T")]
+    halted: list[list[Any]] = [[], []]
+    threads = [waiter(m, "R", out) for m, out in zip(children, halted)]
     wait_until(lambda: r.zcard(f"{PREFIX}q:R") == 2, what="two waiters queued")
-    # A nested request (inside a held lock, finite timeout) is not halted.
+    # Not halted: a running body's own acquire (not @locked's wait), and a
+    # nested request (inside a held lock, finite timeout).
+    plain: list[Any] = []
+    nested: list[Any] = []
+    kept = [waiter(children[1], "T", plain, halt_ok=False, timeout=30)]
     with children[0].lock("N", timeout=5):
-        threads.append(waiter(children[0], "S", results[2], timeout=30, nested=True))
-        wait_until(lambda: r.zcard(f"{PREFIX}q:S") == 1, what="the nested waiter")
+        kept.append(waiter(children[0], "S", nested, timeout=30, nested=True))
+        wait_until(
+            lambda: r.zcard(f"{PREFIX}q:S") == 1 and r.zcard(f"{PREFIX}q:T") == 1,
+            what="the waiters that are not halted",
+        )
         node = Node(main, "celery@h", inc)
         node.halt_waiters()
-        for t in threads[:2]:
+        for t in threads:
             t.join(20)
-        assert all(isinstance(out[0], ShuttingDown) for out in results[:2]), results
+        assert all(isinstance(out[0], ShuttingDown) for out in halted), halted
         assert r.zcard(f"{PREFIX}q:R") == 0
-        assert r.zcard(f"{PREFIX}q:S") == 1  # the nested one still waits
-        other.release()
-        threads[2].join(20)
-        assert not isinstance(results[2][0], BaseException), results[2]
-        results[2][0].release()
-    # A later waiter of the halted worker stops at once instead of queueing.
+        assert r.zcard(f"{PREFIX}q:S") == 1 and r.zcard(f"{PREFIX}q:T") == 1
+        held[1].release()
+        held[2].release()
+        for t in kept:
+            t.join(20)
+        for out in (plain, nested):
+            assert not isinstance(out[0], BaseException), out
+            out[0].release()
+    # A later @locked-style waiter of the halted worker stops at once.
     late: list[Any] = []
     waiter(children[1], "R", late).join(20)
     assert isinstance(late[0], ShuttingDown) and r.zcard(f"{PREFIX}q:R") == 0
     assert r.exists(halt_key(PREFIX, inc))  # pushed back for the next waiter
-    lease.release()
+    held[0].release()
     node.shutdown()
     assert not r.exists(halt_key(PREFIX, inc))
     assert_registry_truth(r, NS)
