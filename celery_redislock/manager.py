@@ -446,6 +446,7 @@ class LockManager:
         # Only a task's own lock wait (@locked, before its body) gives way to a
         # worker shutdown; a body's later or nested acquire is never cut short.
         haltable = not nested and getattr(self._local, "halt_ok", False)
+        block_call = functools.partial(self._block, halt=True) if haltable else self._block
         request_id = uuid.uuid4().hex
         ident = self._identity.current()
         if self._own_heartbeat:
@@ -502,9 +503,7 @@ class LockManager:
                 # pushes 'g<fence>': granted without another round trip.
                 # Anything else (a plain wake, a timeout) re-runs the script,
                 # which re-checks the state in Redis.
-                fence = self._riding_out(
-                    outage, token, self._block, token, max(block, 0.001), haltable
-                )
+                fence = self._riding_out(outage, token, block_call, token, max(block, 0.001))
                 if fence is not None and fence < 0:
                     raise ShuttingDown(req.resources)
                 reply = None if fence is None else (1, fence)
