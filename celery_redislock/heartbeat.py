@@ -4,8 +4,11 @@ One daemon OS thread per process (a real thread under gevent), started on
 first use and again in a forked child (the pid is checked on every start).
 Each tick calls ``beat()``, which makes one Redis round trip for every
 owner it refreshes. The thread sleeps in short slices so ``stop()`` is
-prompt, and it never lets an exception end it: a failed beat is logged and
-retried on the next tick.
+prompt, and it never lets an exception end it: a failed beat is retried on
+the next tick. A library error (Redis unreachable) is logged in one line
+when it starts (``heartbeat.unavailable``) and when it ends
+(``heartbeat.resumed``), not once per tick; anything else is logged with
+its traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from ._threads import real_sleep, start_os_thread
+from .exceptions import LockError
 
 logger = logging.getLogger("celery_redislock.heartbeat")
 
@@ -73,6 +77,7 @@ class Heartbeat:
     def _run(self) -> None:
         pid = os.getpid()
         next_at = time.monotonic() + self.interval
+        failing = 0
         while not self._stopped and self._pid == pid:
             now = time.monotonic()
             if now < next_at and not self._wake:
@@ -82,6 +87,18 @@ class Heartbeat:
             next_at = now + self.interval
             try:
                 self._beat()
+            except LockError as exc:  # an outage: one line, not one per tick
+                failing += 1
+                if failing == 1:
+                    logger.warning(
+                        "heartbeat.unavailable thread=%s error=%s: retrying every tick",
+                        self._name,
+                        exc,
+                    )
             except Exception:  # a failed beat must not end the heartbeat
                 logger.exception("heartbeat.error thread=%s", self._name)
+            else:
+                if failing:
+                    logger.info("heartbeat.resumed thread=%s failed_beats=%d", self._name, failing)
+                    failing = 0
             self.ticks += 1

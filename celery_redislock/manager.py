@@ -592,7 +592,7 @@ class LockManager:
     def _block(self, token: str, seconds: float, halt: bool = False) -> int | None:
         """Wait for a push to the request's wake list; the fence of a hand-off.
 
-        With ``halt`` (a worker's non-nested waiter), the same BLPOP also
+        With ``halt`` (``@locked``'s wait in a worker), the same BLPOP also
         watches the worker's halt list: popped, its entry is pushed back for
         the next waiter and -1 is returned (shutting down).
         """

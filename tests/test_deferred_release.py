@@ -1,4 +1,4 @@
-"""Deferred releases: retried by the heartbeat with backoff, reported once.
+"""Deferred releases and heartbeats under Redis failures: one line, not a traceback per tick.
 
 A release that fails (Redis down, or a release that cannot succeed: a
 foreign value at the lock key, an ACL NOPERM) is kept and retried by the
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
 from engine_helpers import Managers, assert_registry_truth, wait_until
+from redis_server import RedisServer
 
 NS = "t"
 PREFIX = "{" + NS + "}:"
@@ -54,3 +56,26 @@ def test_release_blocked_by_a_foreign_value_is_reported_once_then_retried_quietl
     assert not mgr._orphans
     assert any("release.retried" in rec.getMessage() for rec in caplog.records)
     assert_registry_truth(r, NS)
+
+
+def test_heartbeat_reports_an_outage_in_one_line_not_a_traceback_per_tick(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with RedisServer(workdir=tmp_path / "redis") as server:
+        made = Managers(server.url, NS)
+        try:
+            mgr = made(owner_ttl=5.0, heartbeat_interval=0.05)
+            lease = mgr.acquire("R", timeout=5)
+            caplog.set_level(logging.INFO, logger="celery_redislock")
+            server.kill()
+            ticks = mgr.heartbeat.ticks
+            wait_until(lambda: mgr.heartbeat.ticks >= ticks + 3, what="three failed beats")
+            server.start()  # empty: the owner's liveness is gone with the data
+            wait_until(lambda: lease.lost, what="the heartbeat to reach Redis again")
+        finally:
+            made.close_all()
+    records = [rec for rec in caplog.records if rec.name == "celery_redislock.heartbeat"]
+    assert not [rec for rec in records if rec.exc_info], caplog.text
+    down = [rec for rec in records if "heartbeat.unavailable" in rec.getMessage()]
+    assert len(down) == 1 and down[0].levelno == logging.WARNING, caplog.text
+    assert any("heartbeat.resumed" in rec.getMessage() for rec in records), caplog.text
