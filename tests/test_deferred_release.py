@@ -79,3 +79,38 @@ def test_heartbeat_reports_an_outage_in_one_line_not_a_traceback_per_tick(
     down = [rec for rec in records if "heartbeat.unavailable" in rec.getMessage()]
     assert len(down) == 1 and down[0].levelno == logging.WARNING, caplog.text
     assert any("heartbeat.resumed" in rec.getMessage() for rec in records), caplog.text
+
+
+def test_release_refused_by_an_acl_is_reported_once_then_retried_quietly(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The app's ACL user may touch every engine key but {t}:contend:*, which
+    # release.lua deletes: its release fails with NOPERM until the ACL is fixed.
+    keys = (
+        " ".join(
+            f"~{PREFIX}{kind}" for kind in ("fence", "seq", "owners", "held:*", "alive:*", "req:*")
+        )
+        + " "
+        + " ".join(f"~{PREFIX}{kind}" for kind in ("wake:*", "lock:*", "q:*", "lost:*"))
+    )
+    with RedisServer(workdir=tmp_path / "redis") as server:
+        admin = server.client()
+        admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "+@all", *keys.split())
+        made = Managers(f"redis://app:pw@127.0.0.1:{server.port}/0", NS)
+        try:
+            mgr = made(owner_ttl=5.0, heartbeat_interval=0.05)
+            lease = mgr.acquire("R", timeout=5)
+            caplog.set_level(logging.INFO, logger="celery_redislock")
+            with pytest.raises(redis.ResponseError, match="NOPERM|permission"):
+                lease.release()
+            wait_until(lambda: mgr.heartbeat.ticks >= 40, what="40 heartbeat ticks")
+            assert admin.exists(f"{PREFIX}lock:R")
+            admin.execute_command("ACL", "SETUSER", "app", f"~{PREFIX}contend:*")
+            wait_until(lambda: not admin.exists(f"{PREFIX}lock:R"), what="the retried release")
+        finally:
+            made.close_all()
+            admin.close()
+    assert not [rec for rec in caplog.records if rec.exc_info], caplog.text
+    failed = [rec for rec in caplog.records if "release.retry-failed" in rec.getMessage()]
+    assert len(failed) == 1 and failed[0].levelno == logging.ERROR, caplog.text
+    assert 2 <= mgr.release_retry_failures < mgr.heartbeat.ticks / 4
