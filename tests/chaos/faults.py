@@ -33,11 +33,6 @@ KNOWN_TO_FAIL: dict[str, str] = {
         "entry in {ns}:q:<res> when no later conflicting request meets it; reconcile "
         "walks registries only, so the zset stays (always seen with END=kill)"
     ),
-    "client_kill": (
-        "waiter_error: an acquire waiting for a lock raises RedisUnavailable "
-        "('Connection closed by server.') when its connection is killed, though the "
-        "server is up: the wait is not resumed on a new connection"
-    ),
     "stop_worker": (
         "stale_check: a holder resumed after a pause longer than owner_ttl still passes "
         "check() (the lease has no local deadline; it learns at its next heartbeat or "
