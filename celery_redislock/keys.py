@@ -13,7 +13,10 @@ key                            type    holds
 ``{ns}:owners``                set     owners that may hold or wait for locks
 ``{ns}:req:<token>``           hash    one request's state (queued / granted)
 ``{ns}:wake:<token>``          list    wake-up pushed to one waiting request
-``{ns}:contend:<token>``       list    pushed when someone waits for a lease
+``{ns}:waits:<owner>``         hash    the owner's queued requests: token ->
+                                       modes and resource names
+``{ns}:contended:<resource>``  stream  one entry, added when a holder blocks
+                                       a request (read by wait_for_contender)
 ``{ns}:lost:<owner>``          list    pushed when the owner is declared dead
 ``{ns}:fence``                 string  last fencing token
 ``{ns}:seq``                   string  last arrival sequence number
@@ -100,8 +103,11 @@ class Keyspace:
     def wake(self, token: str) -> str:
         return f"{self.prefix}wake:{token}"
 
-    def contend(self, token: str) -> str:
-        return f"{self.prefix}contend:{token}"
+    def waits(self, owner_id: str) -> str:
+        return f"{self.prefix}waits:{owner_id}"
+
+    def contended(self, resource: str) -> str:
+        return f"{self.prefix}contended:{resource}"
 
     def lost(self, owner_id: str) -> str:
         return f"{self.prefix}lost:{owner_id}"

@@ -646,7 +646,7 @@ class LockManager:
             self.keys.held(owner_id),
             self.keys.req(token),
             self.keys.wake(token),
-            self.keys.contend(token),
+            self.keys.waits(owner_id),
             *req.lock_keys,
             *req.queue_keys,
         ]
@@ -865,34 +865,43 @@ class LockManager:
 
     # -- contention -------------------------------------------------------
 
-    def _contenders(self, lease: Lease) -> int:
-        return int(
-            self._call(
-                "contenders",
-                list(lease._request.queue_keys),
-                [lease.token, str(self.queue_scan_limit)],
-            )
+    def _contention(self, lease: Lease) -> tuple[int, dict[str, str]]:
+        """contenders.lua: the count, and each contended stream's last entry id."""
+        req = lease._request
+        streams = [self.keys.contended(r) for r in req.resources]
+        reply = self._call(
+            "contenders", [*req.queue_keys, *streams], [lease.token, self._limit_arg]
         )
+        return int(reply[0]), dict(zip(streams, (_text(x) for x in reply[1:])))
+
+    def _contenders(self, lease: Lease) -> int:
+        return self._contention(lease)[0]
 
     def _wait_for_contender(self, lease: Lease, timeout: float) -> bool:
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0, not {timeout}")
-        if self._contenders(lease):
+        count, streams = self._contention(lease)
+        if count:
             return True
         deadline = time.monotonic() + timeout
-        key = self.keys.contend(lease.token)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
+            # Every holder of a resource reads its one contended stream
+            # (XREAD wakes every reader, where a list would wake only one),
+            # from the ids read with the count: no signal in between is lost.
+            block_ms = max(1, int(min(remaining, self._block_cap) * 1000))
             try:
-                got = self.client.blpop([key], timeout=max(0.001, min(remaining, self._block_cap)))
+                got = self.client.xread(streams, block=block_ms)  # type: ignore[arg-type]
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
             # The signal may be stale (a request that only tried, or has
             # given up since): count again, and keep waiting if nobody waits.
-            if got is not None and self._contenders(lease):
-                return True
+            if got:
+                count, streams = self._contention(lease)
+                if count:
+                    return True
 
     # -- cleanup ----------------------------------------------------------
 

@@ -7,6 +7,8 @@
   engine itself never scans).
 - :func:`commandstats`, :func:`command_delta`: ``INFO commandstats`` counters
   and their difference, to count the commands an operation made.
+- :func:`queue_requests`: queued requests with no waiting thread (dead
+  entries once the owner's liveness key is deleted).
 - :class:`Child` and the ``child_*`` targets: a holder or waiter in a spawned
   process with its own LockManager, talking to the test over a pipe.
 
@@ -24,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -159,6 +162,27 @@ def held_by_owner(r: redis.Redis, namespace: str = "t") -> dict[str, set[str]]:
 def assert_registry_truth(r: redis.Redis, namespace: str = "t") -> None:
     """Invariant 4: every owner's registry is exactly the lock keys it holds."""
     assert registries(r, namespace) == held_by_owner(r, namespace)
+
+
+def queue_requests(
+    mgr: LockManager, count: int, exclusive: Any = None, shared: Any = None
+) -> list[str]:
+    """Queue ``count`` requests of ``mgr``'s owner with its own acquire script,
+    no thread waiting for them (each must be blocked). Returns their tokens.
+
+    Deleting the owner's liveness key afterwards leaves dead queue entries,
+    as the owner's liveness expiring would.
+    """
+    ident = mgr._identity.current()
+    req = mgr._request(exclusive, shared)
+    tokens = []
+    for _ in range(count):
+        token = f"{ident.owner_id}|{uuid.uuid4().hex}"
+        reply = mgr._attempt(ident, token, req, True, False)
+        assert int(reply[0]) == 0, reply  # blocked, hence queued
+        ident.registered = True
+        tokens.append(token)
+    return tokens
 
 
 # -- INFO commandstats ------------------------------------------------------

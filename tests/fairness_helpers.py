@@ -81,10 +81,11 @@ def keys(rs: redis.Redis, kind: str) -> list[str]:
     return sorted(rs.keys(f"{PREFIX}{kind}:*"))
 
 
-def blocked_in_blpop(rs: redis.Redis, count: int = 1) -> bool:
-    """True once at least ``count`` connections are blocked in BLPOP."""
+def blocked_in_blpop(rs: redis.Redis, count: int = 1, command: str = "blpop") -> bool:
+    """True once at least ``count`` connections are blocked in BLPOP (or in
+    ``command``: ``"xread"`` for holders in ``wait_for_contender``)."""
     clients = rs.client_list()
-    return sum(1 for c in clients if c.get("cmd") == "blpop" and "b" in c.get("flags", "")) >= count
+    return sum(1 for c in clients if c.get("cmd") == command and "b" in c.get("flags", "")) >= count
 
 
 class Procs:

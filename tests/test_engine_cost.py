@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager
-from engine_helpers import Managers, command_delta, commandstats, counting
+from celery_redislock import LockManager, LockTimeout
+from engine_helpers import Managers, command_delta, commandstats, counting, queue_requests
 from redis_server import RedisServer
 
 SMALL, LARGE = 100, 50_000
@@ -171,3 +171,98 @@ def test_commandstats_counts_commands_run_inside_scripts(
     rc.eval("redis.call('SET', KEYS[1], '1'); return redis.call('GET', KEYS[1])", 1, "k")
     delta = command_delta(before, commandstats(rc))
     assert delta == {"eval": 1, "set": 1, "get": 1}
+
+
+# -- queue and holder scans ---------------------------------------------------
+
+
+def exclusive_try_against_shared_holders(
+    rc: redis.Redis, managers: Managers, holders: int
+) -> dict[str, int]:
+    """Commands of one try-once exclusive attempt on a resource held shared
+    ``holders`` times (a steady-state attempt: the owner is registered)."""
+    rc.flushall()
+    many = managers(owner_ttl=OWNER_TTL)
+    for _ in range(holders):
+        many.acquire(shared="R", timeout=0)
+    writer = managers(owner_ttl=OWNER_TTL)
+    with pytest.raises(LockTimeout):
+        writer.acquire("R", timeout=0)  # registers the owner, loads the script
+    with counting(rc) as delta:
+        with pytest.raises(LockTimeout):
+            writer.acquire("R", timeout=0)
+    assert rc.hlen("{t}:lock:R") == holders
+    return delta
+
+
+def test_exclusive_attempt_against_shared_holders_costs_the_same_for_20_or_400(
+    rc: redis.Redis, managers: Managers
+) -> None:
+    # Before: every attempt signalled each holder's own contend list and
+    # checked each holder's liveness: 4N + 9 commands. Now it stops at the
+    # first live holder and signals the resource's one contended stream.
+    # (20 holders fit a listpack hash, 400 make a hashtable: both encodings.)
+    small = exclusive_try_against_shared_holders(rc, managers, 20)
+    large = exclusive_try_against_shared_holders(rc, managers, 400)
+    assert small == large, f"{small} vs {large}"
+    assert small.get("evalsha") == 2  # the attempt, and release.lua on its exit path
+    assert small.get("xadd") == 1
+
+
+SCAN_LIMIT = 4  # dead entries below: 5, 10, 15, all past the scan limit
+
+
+def dead_entries_ahead(rc: redis.Redis, managers: Managers, dead: int) -> tuple[Any, Any]:
+    """R held by a dead owner, ``dead`` dead entries queued for it, then one
+    live entry (nobody waits for it: counting only). Returns the dead
+    holder's lease and the live manager."""
+    rc.flushall()
+    holder = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
+    lease = holder.acquire("R", timeout=0)
+    dying = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
+    queue_requests(dying, dead, exclusive="R")
+    live = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
+    queue_requests(live, 1, exclusive="R")
+    rc.delete("{t}:alive:" + dying.owner_id)
+    assert rc.zcard("{t}:q:R") == dead + 1
+    return lease, live
+
+
+def release_past_dead_entries(rc: redis.Redis, managers: Managers, dead: int) -> dict[str, int]:
+    """Commands of the release that hands R to the live waiter behind them."""
+    lease, live = dead_entries_ahead(rc, managers, dead)
+    with counting(rc) as delta:
+        lease.release()
+    assert rc.zcard("{t}:q:R") == 0
+    assert [t.decode() for t in rc.hkeys("{t}:lock:R")][0].startswith(live.owner_id)
+    return delta
+
+
+def try_once_past_dead_entries(rc: redis.Redis, managers: Managers, dead: int) -> dict[str, int]:
+    """Commands of a try-once request that reclaims R from its dead holder
+    and is granted past the dead entries (the live entry left first)."""
+    lease, live = dead_entries_ahead(rc, managers, dead)
+    rc.zremrangebyrank("{t}:q:R", -1, -1)  # the live entry leaves (not a dead one)
+    rc.delete("{t}:alive:" + lease.owner_id)
+    newcomer = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
+    with newcomer.lock("warm", timeout=0):  # registered, script loaded
+        pass
+    with counting(rc) as delta:
+        got = newcomer.acquire("R", timeout=0)
+    assert rc.zcard("{t}:q:R") == 0
+    got.release()
+    return delta
+
+
+@pytest.mark.parametrize("operation", [try_once_past_dead_entries, release_past_dead_entries])
+def test_each_dead_queue_entry_removed_costs_the_same_few_commands(
+    rc: redis.Redis, managers: Managers, operation: Callable[..., dict[str, int]]
+) -> None:
+    # Before: a script removed at most queue_scan_limit dead entries, so the
+    # try-once request failed on its free lock and the release woke nobody.
+    # Now dead entries have their own budget, and each costs a constant
+    # number of commands (its liveness, ZREM, its request's keys).
+    totals = [sum(operation(rc, managers, dead).values()) for dead in (5, 10, 15)]
+    steps = [totals[1] - totals[0], totals[2] - totals[1]]  # 5 more dead entries each
+    assert abs(steps[1] - steps[0]) <= 1, totals  # linear (pages of 4 round a little)
+    assert all(0 < step <= 5 * 6 for step in steps), totals  # at most 6 commands each

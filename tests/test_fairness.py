@@ -564,7 +564,7 @@ def test_wait_for_contender_is_woken_when_another_process_starts_waiting(
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
-    wait_until(lambda: blocked_in_blpop(rs))
+    wait_until(lambda: blocked_in_blpop(rs, command="xread"))
     kid = procs.start(child_waiter, redis_url, "contender", "R")
     wait_until(lambda: queue_len(rs, "R") == 1)
     t0 = time.monotonic()
@@ -573,6 +573,37 @@ def test_wait_for_contender_is_woken_when_another_process_starts_waiting(
     assert result[0][1] - t0 < 5.0  # pushed: not the 30 s cap of one BLPOP
     lease.release()
     procs.join_ok(kid)
+
+
+def test_wait_for_contender_wakes_every_shared_holder_of_the_resource(
+    rs: redis.Redis, make
+) -> None:
+    # Naive: one signal list per resource that the holders block on: a push
+    # wakes one blocked reader only, and the other holders sleep on. (Before
+    # that, a list per holder: every blocked attempt pushed to each of the N
+    # holders' lists, O(N) per try.)
+    holders = [make() for _ in range(3)]
+    leases = [h.acquire(shared="R") for h in holders]
+    woken: list[threading.Event] = []
+    for lease in leases:
+        event = threading.Event()
+        woken.append(event)
+
+        def wait(lease=lease, event=event) -> None:  # type: ignore[no-untyped-def]
+            if lease.wait_for_contender(60):  # no timer within the test's deadline
+                event.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+    wait_until(lambda: blocked_in_blpop(rs, 3, command="xread"), what="holders blocked")
+    writer = ThreadWaiter(make(), "R", release=True)
+
+    for event in woken:
+        assert event.wait(20), "a shared holder was not woken by the waiting writer"
+    assert all(lease.contenders() == 1 for lease in leases)
+    for lease in leases:
+        lease.release()
+    writer.join()
+    assert writer.error is None
 
 
 def test_wait_for_contender_is_false_on_timeout_when_nobody_waits(rs: redis.Redis, make) -> None:

@@ -12,6 +12,18 @@
 --                e.g. 'x1764456000123456'; mode_of() reads the mode
 --   queue zset   member '<mode><token>', score = arrival sequence
 --                (nested requests: sequence - 1e15, so they sort first)
+--   waits hash   {ns}:waits:<owner>: token -> '<modes>\n<res 1>\n<res 2>...'
+--                for each queued request of the owner (what cleanup_owner
+--                needs to find its entries in every queue)
+--   contended    {ns}:contended:<res>: a stream of at most one entry, added
+--                to when a live holder of <res> blocks a request; every
+--                holder waiting in lease.wait_for_contender() reads it
+--
+-- Budgets: a scan of a queue (or of a lock's holders) looks at no more than
+-- LIMIT live entries (queue_scan_limit) and removes no more than
+-- purge_budget(LIMIT) dead ones: removing a dead entry costs O(1) commands
+-- and does not use up the scan limit, so dead entries never make a request
+-- stay behind a free lock, and each call's work stays bounded.
 --
 -- Arguments to redis.call are strings: a Lua number there is converted with
 -- sprintf('%.14g') on every call, which costs more than most of the
@@ -56,11 +68,23 @@ local function wake(prefix, token, ttl_ms)
   redis.call('PEXPIRE', k, ttl_ms)
 end
 
--- Tell the holder of TOKEN that a request waits for it.
-local function contended(prefix, token, ttl_ms)
-  local k = prefix .. 'contend:' .. token
-  redis.call('LPUSH', k, '1')
-  redis.call('LTRIM', k, '0', '0')
+-- Most dead entries (or dead holders) one scan removes: a budget of its
+-- own, larger than the scan limit, so that removing dead entries does not
+-- use up the scan limit. Past it, the scan stops and a later call goes on.
+local function purge_budget(limit)
+  return 4 * limit
+end
+
+-- The resource name of a lock key '{ns}:lock:<res>'.
+local function name_of(prefix, lock)
+  return string.sub(lock, #prefix + 6)
+end
+
+-- Tell every holder of the resource of LOCK that a request waits for it:
+-- one entry on the resource's contended stream (XREAD wakes every reader).
+local function contended(prefix, lock, ttl_ms)
+  local k = prefix .. 'contended:' .. name_of(prefix, lock)
+  redis.call('XADD', k, 'MAXLEN', '1', '*', 'c', '1')
   redis.call('PEXPIRE', k, ttl_ms)
 end
 
@@ -104,6 +128,94 @@ local function split_names(s)
   return out
 end
 
+-- Remove queued request T from every queue it joined (but DONE, a queue
+-- the caller already removed it from, or nil), with its request state,
+-- wake list and its line in its owner's waits hash (which names its
+-- queues). Returns the queue keys it still had an entry in.
+local function drop_request(prefix, t, done)
+  local waits = prefix .. 'waits:' .. owner_of(t)
+  local shape = redis.call('HGET', waits, t)
+  local left = {}
+  if shape then
+    local cut = string.find(shape, '\n', 1, true)
+    if cut then
+      local modes, names = string.sub(shape, 1, cut - 1), split_names(string.sub(shape, cut + 1))
+      for i = 1, #names do
+        local q = prefix .. 'q:' .. names[i]
+        if q ~= done and redis.call('ZREM', q, string.sub(modes, i, i) .. t) == 1 then
+          left[#left + 1] = q
+        end
+      end
+    end
+    redis.call('HDEL', waits, t)
+  end
+  redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
+  return left
+end
+
+-- Remove the dead entry M of QUEUE, and its request's entries in its other
+-- queues (a dead multi-resource waiter leaves every queue at once). Those
+-- other queues are not woken: whoever waits there behind it re-runs its own
+-- script by the dead owner's liveness deadline at the latest.
+local function drop_entry(prefix, queue, m)
+  redis.call('ZREM', queue, m)
+  drop_request(prefix, string.sub(m, 2), queue)
+end
+
+-- Free the holders of LOCK that conflict with MODE and whose owner is dead,
+-- until a live conflicting holder is met: O(1 + holders freed), not
+-- O(holders). An exclusive holder is always alone, so a shared MODE reads
+-- one holder at most; an exclusive MODE reads the hash in HSCAN pages of
+-- LIMIT. A freed holder's request state and wake list go with it, and the
+-- lock leaves its owner's registry when the owner holds no other token
+-- there. N is HLEN of LOCK when the caller has it (nil: read here).
+-- Returns (ms, freed): ms = the live holder's remaining liveness (it blocks
+-- MODE), 0 when the purge budget ran out first (treat as blocked, try again
+-- soon), or nil when no conflicting holder is left.
+local function reclaim_holders(prefix, lock, mode, limit, n)
+  n = n or redis.call('HLEN', lock)
+  if n == 0 or (mode == 's' and n > 1) then return nil, 0 end
+  local budget = purge_budget(limit)
+  local freed, dead_owners = 0, {}
+  local cursor, ms = '0', nil
+  repeat
+    local kv
+    if n == 1 then
+      kv = redis.call('HGETALL', lock)
+      cursor = '0'
+    else
+      local page = redis.call('HSCAN', lock, cursor, 'COUNT', int(limit))
+      cursor, kv = page[1], page[2]
+    end
+    for j = 1, #kv, 2 do
+      local t = kv[j]
+      if conflicts(mode, mode_of(kv[j + 1])) then
+        local o = owner_of(t)
+        local left = owner_pttl(prefix, o)
+        if left >= 0 then
+          ms = left
+          break
+        end
+        if redis.call('HDEL', lock, t) == 1 then
+          redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
+          dead_owners[o] = true
+          freed = freed + 1
+          if freed >= budget then
+            ms = 0
+            break
+          end
+        end
+      end
+    end
+  until ms ~= nil or cursor == '0'
+  for o, _ in pairs(dead_owners) do
+    if not owner_holds(lock, o) then
+      redis.call('SREM', prefix .. 'held:' .. o, lock)
+    end
+  end
+  return ms, freed
+end
+
 local wake_front
 
 -- Hand-off: grant the queued request TOKEN every lock it asked for, here and
@@ -118,7 +230,7 @@ local wake_front
 -- it). Dead holders or entries are not reclaimed here: the request is left
 -- to its own script (plain wake).
 -- Keys touched: {ns}:req|wake:<token>, {ns}:lock|q:<its resources>,
--- {ns}:held:<its owner>, {ns}:fence — all in the namespace's hash tag.
+-- {ns}:held|waits:<its owner>, {ns}:fence — all in the namespace's hash tag.
 -- SERVED is the queue wake_front is serving: the caller has already checked
 -- that the owner is alive, that LOCK's holders allow the entry and that no
 -- earlier entry of that queue conflicts with it, so those checks are not
@@ -159,6 +271,7 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
     redis.call('SADD', held, lock)
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
+  redis.call('HDEL', prefix .. 'waits:' .. owner, token)
   -- LPUSH puts the grant at the head, where BLPOP pops first; a stale plain
   -- wake behind it is deleted with the request's other keys at release.
   redis.call('LPUSH', prefix .. 'wake:' .. token, 'g' .. fence)
@@ -197,15 +310,24 @@ end
 -- blocks on this resource (the first entry if exclusive, only when the lock
 -- is free; else the run of shared entries at the head, only when there is
 -- no exclusive holder) is handed its locks (try_handoff) or, if it is
--- blocked elsewhere, woken to run its own script. A dead entry met on the
--- way (owner liveness gone, or request state expired) is removed with its
--- req and wake keys, and the next one is considered, so a dead head never
--- swallows the wake-up. Looks at no more than LIMIT entries. PLAIN = true
--- only wakes (no hand-off). HOLDERS is HLEN of LOCK when the caller already
--- has it (nil: read here).
+-- blocked elsewhere, woken to run its own script. PLAIN = true only wakes
+-- (no hand-off). HOLDERS is HLEN of LOCK when the caller already has it
+-- (nil: read here). Returns the number of entries served.
+--
 -- The head is read first, alone: a live exclusive head (the usual case)
--- decides by itself, and the rest of the window is read only when the scan
--- must go past it (a dead head, a run of shared entries).
+-- decides by itself. If shared holders remain, their dead ones are freed
+-- until a live one is met (reclaim_holders), so the head is not left
+-- waiting behind holders that died.
+--
+-- Otherwise the queue is read in pages. A dead entry met on the way (owner
+-- liveness gone, or request state expired) is removed (drop_entry) and does
+-- not count against LIMIT; at most purge_budget(LIMIT) are removed. At
+-- most LIMIT live entries are looked at. When either budget stops the scan
+-- inside a run of shared entries, the wake-up is carried on: the last
+-- single-resource shared entry served gets a plain wake instead of a
+-- hand-off, and its own acquire script, granting it, runs wake_front on
+-- this queue again (acquire.lua step 5); with no such entry, the next entry
+-- not read gets a plain wake.
 wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
   local n = holders or redis.call('HLEN', lock)
   if n == 1 and mode_of(redis.call('HVALS', lock)[1]) == 'x' then return 0 end
@@ -214,29 +336,71 @@ wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
   if string.sub(first[1], 1, 1) == 'x' then
     local st = entry_state(prefix, string.sub(first[1], 2))
     if st then
-      if n > 0 then return 0 end
+      if n > 0 and reclaim_holders(prefix, lock, 'x', limit, n) ~= nil then return 0 end
       serve(prefix, queue, first[1], st, limit, ttl_ms, plain)
       return 1
     end
   end
-  local woken = 0
-  for _, m in ipairs(redis.call('ZRANGE', queue, '0', int(limit - 1))) do
-    local t = string.sub(m, 2)
-    local st = entry_state(prefix, t)
-    if st == nil then
-      -- dead entry (Lua 5.1 has no goto: the live cases are the else branches)
-      redis.call('ZREM', queue, m)
-      redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
-    elseif string.sub(m, 1, 1) == 'x' then
-      if n == 0 and woken == 0 then
-        serve(prefix, queue, m, st, limit, ttl_ms, plain)
-        woken = woken + 1
+  local budget = purge_budget(limit)
+  local live, purged, served = 0, 0, 0
+  local carry, carry_st = nil, nil -- the last single-resource shared entry, not served yet
+  local cursor = '-inf'
+  local ended, stop = false, false
+  while not stop do
+    local want = limit - live
+    local page = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'WITHSCORES', 'LIMIT', '0', int(want))
+    for j = 1, #page, 2 do
+      local m = page[j]
+      cursor = '(' .. page[j + 1]
+      local st = entry_state(prefix, string.sub(m, 2))
+      if st == nil then
+        -- dead entry (Lua 5.1 has no goto: the live cases are the else branches)
+        drop_entry(prefix, queue, m)
+        purged = purged + 1
+        if purged >= budget then
+          stop = true
+          break
+        end
+      elseif string.sub(m, 1, 1) == 'x' then
+        if n == 0 and served == 0 and carry == nil then
+          serve(prefix, queue, m, st, limit, ttl_ms, plain)
+          served = 1
+        end
+        ended, stop = true, true
+        break
+      else
+        live = live + 1
+        if st[4] and not string.find(st[4], '\n', 1, true) then
+          if carry then
+            serve(prefix, queue, carry, carry_st, limit, ttl_ms, plain)
+            served = served + 1
+          end
+          carry, carry_st = m, st
+        else
+          serve(prefix, queue, m, st, limit, ttl_ms, plain)
+          served = served + 1
+        end
       end
-      return woken
-    else
-      serve(prefix, queue, m, st, limit, ttl_ms, plain)
-      woken = woken + 1
+    end
+    if not stop then
+      if #page < 2 * want then
+        ended, stop = true, true
+      elseif live >= limit then
+        stop = true
+        ended = #redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'LIMIT', '0', '1') == 0
+      end
     end
   end
-  return woken
+  if carry then
+    if ended then
+      serve(prefix, queue, carry, carry_st, limit, ttl_ms, plain)
+    else
+      wake(prefix, string.sub(carry, 2), ttl_ms)
+    end
+    served = served + 1
+  elseif not ended then
+    local nxt = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'LIMIT', '0', '1')
+    if #nxt > 0 then wake(prefix, string.sub(nxt[1], 2), ttl_ms) end
+  end
+  return served
 end

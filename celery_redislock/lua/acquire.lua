@@ -78,10 +78,8 @@ elseif redis.call('EXISTS', KEYS[5]) == 0 then
 end
 
 -- 2. idempotency
-local first = redis.call('HGETALL', KEYS[8])
-for j = 1, #first, 2 do
-  if first[j] == token then return {1, string.sub(first[j + 1], 2)} end
-end
+local granted = redis.call('HGET', KEYS[8], token)
+if granted then return {1, string.sub(granted, 2)} end
 local state = redis.call('HMGET', req_key, 'state', 'seq')
 local queued = state[1] == 'q'
 
@@ -94,31 +92,13 @@ local rewake = {}
 
 -- 3. holders
 for i = 1, n do
-  local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
-  local h = first
-  if i > 1 then h = redis.call('HGETALL', lock) end
-  local dead_owners = {}
-  for j = 1, #h, 2 do
-    local t, hm = h[j], mode_of(h[j + 1])
-    if conflicts(mode, hm) then
-      local o = owner_of(t)
-      local ms = owner_pttl(prefix, o)
-      if ms < 0 then
-        redis.call('HDEL', lock, t)
-        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
-        dead_owners[o] = true
-        rewake[i] = true
-      else
-        blocked = true
-        note_wait(ms)
-        contended(prefix, t, req_ttl)
-      end
-    end
-  end
-  for o, _ in pairs(dead_owners) do
-    if not owner_holds(lock, o) then
-      redis.call('SREM', prefix .. 'held:' .. o, lock)
-    end
+  local lock = KEYS[7 + i]
+  local ms, freed = reclaim_holders(prefix, lock, string.sub(modes, i, i), limit)
+  if freed > 0 then rewake[i] = true end
+  if ms ~= nil then
+    blocked = true
+    note_wait(ms)
+    contended(prefix, lock, req_ttl)
   end
 end
 
@@ -126,27 +106,50 @@ end
 if not nested then
   local max = '+inf'
   if queued then max = '(' .. state[2] end
+  local budget = purge_budget(limit)
   for i = 1, n do
     local q, mode = KEYS[7 + n + i], string.sub(modes, i, i)
-    local ahead = redis.call('ZRANGEBYSCORE', q, '-inf', max, 'LIMIT', '0', ARGV[10])
-    for _, m in ipairs(ahead) do
-      local t = string.sub(m, 2)
-      if t ~= token and conflicts(mode, string.sub(m, 1, 1)) then
-        local ms = owner_pttl(prefix, owner_of(t))
-        if ms < 0 or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
-          redis.call('ZREM', q, m)
-          redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
-          rewake[i] = true
+    local kept, purged, cursor, stop = 0, 0, '-inf', false
+    while not stop do
+      local want = limit - kept
+      local page = redis.call('ZRANGEBYSCORE', q, cursor, max, 'WITHSCORES', 'LIMIT', '0', int(want))
+      for j = 1, #page, 2 do
+        local m = page[j]
+        cursor = '(' .. page[j + 1]
+        local t = string.sub(m, 2)
+        local conflict = conflicts(mode, string.sub(m, 1, 1))
+        if t == token or not (conflict or not blocked) then
+          -- a compatible entry while blocked anyway: no need to check it
+          kept = kept + 1
         else
-          blocked, why = true, 'queued'
-          note_wait(ms)
-          break
+          local ms = owner_pttl(prefix, owner_of(t))
+          if ms < 0 or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
+            drop_entry(prefix, q, m)
+            rewake[i] = true
+            purged = purged + 1
+            if purged >= budget then
+              -- more dead entries than one call removes: run again at once
+              blocked, why, stop = true, 'queued', true
+              note_wait(0)
+              break
+            end
+          elseif conflict then
+            blocked, why, stop = true, 'queued', true
+            note_wait(ms)
+            break
+          else
+            kept = kept + 1
+          end
         end
       end
-    end
-    if #ahead >= limit and not blocked then
-      -- Too many earlier entries to inspect: stay behind them.
-      blocked, why = true, 'queued'
+      if not stop then
+        if #page < 2 * want then
+          stop = true
+        elseif kept >= limit then
+          -- LIMIT live earlier entries looked at: stay behind the rest
+          blocked, why, stop = true, 'queued', true
+        end
+      end
     end
   end
 end
@@ -163,6 +166,7 @@ if not blocked then
       rewake[i] = true
     end
   end
+  if queued then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
   redis.call('SADD', KEYS[3], owner)
   redis.call('DEL', wake_key)
   for i, _ in pairs(rewake) do
@@ -185,8 +189,10 @@ if want_queue then
     end
     local names = {}
     for i = 1, n do names[i] = string.sub(KEYS[7 + i], #prefix + 6) end
+    local res = table.concat(names, '\n')
     redis.call('HSET', req_key, 'state', 'q', 'seq', int(seq),
-      'modes', modes, 'res', table.concat(names, '\n'), 'nested', ARGV[5])
+      'modes', modes, 'res', res, 'nested', ARGV[5])
+    redis.call('HSET', prefix .. 'waits:' .. owner, token, modes .. '\n' .. res)
     redis.call('SADD', KEYS[3], owner)
   end
   redis.call('PEXPIRE', req_key, req_ttl)

@@ -5,9 +5,10 @@
 --   1 {ns}:held:<owner>   the owner's registry (set of lock keys)
 --   2 {ns}:alive:<owner>  the owner's liveness key
 --   3 {ns}:owners         the active-owners set
--- Lock keys come from the registry; queue and request keys are built from
--- ARGV[2]. Only registry members of the form '{ns}:lock:<res>' are touched:
--- any other member is reported as skipped and kept.
+-- Lock keys come from the registry; queue, request, waits
+-- ({ns}:waits:<owner>) and contended keys are built from ARGV[2]. Only
+-- registry members of the form '{ns}:lock:<res>' are touched: any other
+-- member is reported as skipped and kept.
 --
 -- ARGV:
 --   1 owner id
@@ -19,18 +20,23 @@
 --   5 queue scan limit
 --
 -- Atomic steps: refuse a live owner unless forced; push to {ns}:lost:<owner>
--- (built from ARGV[2]) so a still-running owner learns it is dead; for each
--- registry member:
+-- (built from ARGV[2]) so a still-running owner learns it is dead; remove
+-- every queued request of the owner (its waits hash names each one's
+-- resources) from every queue it joined, with its request state and wake
+-- list, then delete the waits hash; for each registry member:
 -- a missing key is dropped from the registry (nothing held); a hash has
 -- every field of this owner deleted, the request state, wake list and
--- contender list of each such token deleted, its waiters woken, then the
--- key leaves the registry; a key of
--- any other type is kept and reported. A failing key is reported and kept;
--- the others go on. An owner with an empty registry leaves the owners set.
+-- its contended stream deleted when no holder is left, its waiters woken,
+-- then the key leaves the registry; a key of any other type is kept and
+-- reported. A failing key is reported and kept; the others go on. Last, the
+-- waiters of every other queue that lost an entry of the owner are woken.
+-- An owner with an empty registry and no queued request left leaves the
+-- owners set.
 --
 -- Reply: {status, released, skipped, errors, remaining}
 --   status  'alive' (nothing done) | 'cleaned' (owner gone from the owners
---           set) | 'partial' (some keys kept: see skipped and errors)
+--           set) | 'partial' (some keys kept, or some queued requests not
+--           removed: see skipped and errors)
 --   released  number of lock grants freed
 --   skipped   {key, type, ...} pairs of keys of an unexpected type
 --   errors    {key, message, ...} pairs of keys whose cleanup failed
@@ -59,6 +65,29 @@ local lock_prefix = prefix .. 'lock:'
 local p = owner .. '|'
 local released = 0
 local skipped, errors = {}, {}
+local to_wake, wake_order = {}, {} -- queue key -> lock key, in the order met
+local woken = {}
+
+-- Queued requests first, so that the freed locks below are not served to
+-- the owner's own entries.
+local waits = prefix .. 'waits:' .. owner
+local queued = redis.call('HKEYS', waits)
+for _, t in ipairs(queued) do
+  local ok, res = pcall(drop_request, prefix, t)
+  if ok then
+    for _, q in ipairs(res) do
+      if not to_wake[q] then
+        to_wake[q] = lock_prefix .. string.sub(q, #prefix + 3)
+        wake_order[#wake_order + 1] = q
+      end
+    end
+  else
+    if type(res) == 'table' then res = res.err or res['err'] end
+    errors[#errors + 1] = waits
+    errors[#errors + 1] = tostring(res)
+  end
+end
+if #errors == 0 then redis.call('DEL', waits) end
 
 local function clean_one(lock)
   if string.sub(lock, 1, #lock_prefix) ~= lock_prefix then
@@ -75,11 +104,16 @@ local function clean_one(lock)
   for _, f in ipairs(redis.call('HKEYS', lock)) do
     if string.sub(f, 1, #p) == p then
       redis.call('HDEL', lock, f)
-      redis.call('DEL', prefix .. 'req:' .. f, prefix .. 'wake:' .. f, prefix .. 'contend:' .. f)
+      redis.call('DEL', prefix .. 'req:' .. f, prefix .. 'wake:' .. f)
       released = released + 1
     end
   end
-  local q = prefix .. 'q:' .. string.sub(lock, #lock_prefix + 1)
+  local name = string.sub(lock, #lock_prefix + 1)
+  if redis.call('HLEN', lock) == 0 then
+    redis.call('DEL', prefix .. 'contended:' .. name)
+  end
+  local q = prefix .. 'q:' .. name
+  woken[q] = true
   wake_front(prefix, q, lock, limit, req_ttl)
   redis.call('SREM', KEYS[1], lock)
   return 'ok'
@@ -97,9 +131,21 @@ for _, lock in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   end
 end
 
+-- Queues that lost an entry of the owner but whose lock it did not hold.
+for _, q in ipairs(wake_order) do
+  if not woken[q] then
+    local ok, res = pcall(wake_front, prefix, q, to_wake[q], limit, req_ttl)
+    if not ok then
+      if type(res) == 'table' then res = res.err or res['err'] end
+      errors[#errors + 1] = q
+      errors[#errors + 1] = tostring(res)
+    end
+  end
+end
+
 local remaining = redis.call('SCARD', KEYS[1])
 local status = 'partial'
-if remaining == 0 then
+if remaining == 0 and redis.call('EXISTS', waits) == 0 then
   redis.call('SREM', KEYS[3], owner)
   status = 'cleaned'
 end

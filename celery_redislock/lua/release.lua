@@ -7,10 +7,12 @@
 --   1        {ns}:held:<owner>   this owner's registry
 --   2        {ns}:req:<token>    the request's state hash
 --   3        {ns}:wake:<token>   the request's wake list
---   4        {ns}:contend:<token> the lease's contender signal list
+--   4        {ns}:waits:<owner>  this owner's queued requests (hash)
 --   5..4+n   {ns}:lock:<res>     lock hashes
 --   5+n..4+2n {ns}:q:<res>       wait queues, same order
--- Keys of waiters to wake are built from ARGV[3] and stay in {ns}.
+-- Keys of waiters to wake, of holders freed on the way (see _common.lua
+-- reclaim_holders) and {ns}:contended:<res> are built from ARGV[3] and stay
+-- in {ns}.
 --
 -- ARGV:
 --   1 token '<owner>|<request id>' (the owner id is read from it)
@@ -28,7 +30,10 @@
 -- when other holders remain); ZREM the request's queue entry (not for a
 -- lease, ARGV[6]); if anything changed, hand the locks to the head of the
 -- queue (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake
--- it. Then delete the request's state, wake list and contender signal list.
+-- it, every shared waiter it unblocked included (wake_front); when the lock
+-- is left with no holder, delete its contended stream. Then delete the
+-- request's state and wake list, and (not for a lease) its line in the
+-- owner's waits hash.
 --
 -- Reply: {released, dequeued}: how many locks this token still held and how
 -- many queue entries it still had. released < n on a granted lease means
@@ -50,6 +55,9 @@ for i = 1, n do
     if holders == 0 or not owner_holds(lock, owner) then
       redis.call('SREM', KEYS[1], lock)
     end
+    if holders == 0 then
+      redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, lock))
+    end
   end
   local d = 0
   if not granted then d = redis.call('ZREM', q, mode .. token) end
@@ -58,5 +66,6 @@ for i = 1, n do
     wake_front(prefix, q, lock, limit, req_ttl, false, holders)
   end
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[2], KEYS[3])
+if not granted then redis.call('HDEL', KEYS[4], token) end
 return {released, dequeued}
