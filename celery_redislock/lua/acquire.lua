@@ -15,8 +15,10 @@
 --   8+2n     (optional) {ns}:group:<id>  hash owner -> process tag of a
 --            group of owners (a Celery worker incarnation), written on
 --            registration
--- Keys read from locks and queues (other owners' alive, req, wake, contend
--- and held keys) are built from ARGV[8] and stay in the same hash tag.
+-- Keys read from locks and queues (other owners' alive, req, wake, waits
+-- and held keys), this owner's {ns}:waits:<owner> and the resources'
+-- {ns}:contended:<res> streams are built from ARGV[8] and stay in the same
+-- hash tag.
 --
 -- ARGV:
 --   1 owner id
@@ -39,18 +41,28 @@
 --   2. Idempotency: a request already granted (its token is in its first
 --      lock hash: grants are all or nothing) replies its grant again, with
 --      the fence stored there.
---   3. Holders: a conflicting holder whose owner is dead is reclaimed (token
+--   3. Holders (_common.lua reclaim_holders): conflicting holders are read
+--      until the first live one; one whose owner is dead is reclaimed (token
 --      removed from the lock, its request state and wake list deleted, and,
 --      if it was the owner's last token there, the key removed from that
---      owner's registry); a live one blocks.
---   4. Queue (not for nested requests): an earlier queued request that
---      conflicts blocks, unless its owner is dead or its state has expired, in
---      which case the entry is removed.
+--      owner's registry); the live one blocks, and the resource's contended
+--      stream gets an entry (the holders' wait_for_contender wakes).
+--   4. Queue (not for nested requests): earlier entries are read in pages.
+--      One that conflicts blocks, unless its owner is dead or its state has
+--      expired, in which case the request is removed from every queue
+--      (_common.lua drop_entry); while nothing blocks, compatible entries are
+--      checked and removed the same way. Removed entries do not count
+--      against ARGV[10], which bounds the live entries looked at (past it:
+--      blocked, conservatively); at most 4 x ARGV[10] are removed per queue
+--      (past it: blocked with wait_ms 0, to run again at once).
 --   5. Not blocked: grant every lock (token -> mode and fence), add the keys
---      to the registry, leave the queues, wake whoever can follow.
---   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token, and
+--      to the registry, leave the queues and the owner's waits hash, wake
+--      whoever can follow (wake_front: this also carries on a wake-up that a
+--      release's budget stopped).
+--   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token,
 --      record the request (modes, resource names, nested) in its state so a
---      release can hand it the locks (_common.lua try_handoff).
+--      release can hand it the locks (_common.lua try_handoff), and in the
+--      owner's waits hash so its cleanup finds every entry.
 --
 -- Reply:
 --   {1, fence}         granted (or granted earlier: same fence); the fence
