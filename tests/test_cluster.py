@@ -166,6 +166,8 @@ def test_namespaces_spread_over_the_masters_each_on_one_slot(
             mgr.keys.owners,
             mgr.keys.fence,
             mgr.keys.held("o"),
+            mgr.keys.waits("o"),
+            mgr.keys.contended("r"),
         ]
         assert {rc.keyslot(k) for k in keys} == {rc.keyslot("{spread}")}
         assert mgr.url.startswith("cluster://")
@@ -214,6 +216,40 @@ def test_blocked_waiter_is_handed_the_lock_on_release(
     assert not lease.lost
     lease.release()
     assert rc.zcard(b.keys.queue("repo:2")) == 0
+
+
+def test_wait_for_contender_reads_the_contended_streams_of_every_resource(
+    managers: Callable[..., LockManager],
+) -> None:
+    # One XREAD on the streams of both resources (one slot), woken when a
+    # request blocks on the second of them.
+    holder, other = managers(0), managers(2)
+    lease = holder.acquire(["repo:6", "repo:7"], timeout=0)
+    woken = threading.Event()
+
+    def wait() -> None:
+        if lease.wait_for_contender(20):
+            woken.set()
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    wait_until(
+        lambda: any(
+            c.get("cmd") == "xread"
+            for node in holder.client.get_primaries()
+            for c in holder.client.client_list(target_nodes=node)
+        ),
+        what="the holder blocked in XREAD",
+    )
+    waiter = threading.Thread(
+        target=lambda: other.acquire("repo:7", timeout=10).release(), daemon=True
+    )
+    waiter.start()
+    assert woken.wait(20)
+    assert lease.contenders() == 1
+    lease.release()
+    waiter.join(20)
+    t.join(20)
 
 
 def test_waiter_reblocks_past_a_short_cluster_socket_timeout(
