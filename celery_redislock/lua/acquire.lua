@@ -50,8 +50,9 @@
 --   4. Queue (not for nested requests): earlier entries are read in pages.
 --      One that conflicts blocks, unless its owner is dead or its state has
 --      expired, in which case the request is removed from every queue
---      (_common.lua drop_entry); while nothing blocks, compatible entries are
---      checked and removed the same way. Removed entries do not count
+--      (_common.lua drop_entry). Compatible entries are checked only when
+--      they fill the window while nothing blocks; dead ones are then removed
+--      the same way and the scan reads on. Removed entries do not count
 --      against ARGV[10], which bounds the live entries looked at (past it:
 --      blocked, conservatively); at most 4 x ARGV[10] are removed per queue
 --      (past it: blocked with wait_ms 0, to run again at once).
@@ -115,6 +116,10 @@ for i = 1, n do
 end
 
 -- 4. queue
+local function entry_dead(t)
+  local ms = owner_pttl(prefix, owner_of(t))
+  return ms < 0 or redis.call('EXISTS', prefix .. 'req:' .. t) == 0, ms
+end
 if not nested then
   local max = '+inf'
   if queued then max = '(' .. state[2] end
@@ -122,6 +127,17 @@ if not nested then
   for i = 1, n do
     local q, mode = KEYS[7 + n + i], string.sub(modes, i, i)
     local kept, purged, cursor, stop = 0, 0, '-inf', false
+    local unchecked = {} -- compatible entries kept without a liveness check
+    local function purge(m)
+      drop_entry(prefix, q, m)
+      rewake[i] = true
+      purged = purged + 1
+      if purged >= budget then
+        -- more dead entries than one call removes: run again at once
+        blocked, why, stop = true, 'queued', true
+        note_wait(0)
+      end
+    end
     while not stop do
       local want = limit - kept
       local page = redis.call('ZRANGEBYSCORE', q, cursor, max, 'WITHSCORES', 'LIMIT', '0', int(want))
@@ -129,37 +145,42 @@ if not nested then
         local m = page[j]
         cursor = '(' .. page[j + 1]
         local t = string.sub(m, 2)
-        local conflict = conflicts(mode, string.sub(m, 1, 1))
-        if t == token or not (conflict or not blocked) then
-          -- a compatible entry while blocked anyway: no need to check it
+        if t == token then
           kept = kept + 1
+        elseif not conflicts(mode, string.sub(m, 1, 1)) then
+          kept = kept + 1
+          unchecked[#unchecked + 1] = m
         else
-          local ms = owner_pttl(prefix, owner_of(t))
-          if ms < 0 or redis.call('EXISTS', prefix .. 'req:' .. t) == 0 then
-            drop_entry(prefix, q, m)
-            rewake[i] = true
-            purged = purged + 1
-            if purged >= budget then
-              -- more dead entries than one call removes: run again at once
-              blocked, why, stop = true, 'queued', true
-              note_wait(0)
-              break
-            end
-          elseif conflict then
+          local dead, ms = entry_dead(t)
+          if not dead then
             blocked, why, stop = true, 'queued', true
             note_wait(ms)
-            break
           else
-            kept = kept + 1
+            purge(m)
           end
+          if stop then break end
         end
       end
       if not stop then
         if #page < 2 * want then
           stop = true
+        elseif kept >= limit and not blocked then
+          -- The window is full of compatible entries: dead ones among them
+          -- must not keep us behind the rest. Check them (once) and read on.
+          for _, m in ipairs(unchecked) do
+            if entry_dead(string.sub(m, 2)) then
+              kept = kept - 1
+              purge(m)
+              if stop then break end
+            end
+          end
+          unchecked = {}
+          if not stop and kept >= limit then
+            -- LIMIT live earlier entries looked at: stay behind the rest
+            blocked, why, stop = true, 'queued', true
+          end
         elseif kept >= limit then
-          -- LIMIT live earlier entries looked at: stay behind the rest
-          blocked, why, stop = true, 'queued', true
+          stop = true
         end
       end
     end
