@@ -61,7 +61,8 @@ log_heartbeat = logging.getLogger("celery_redislock.heartbeat")
 #: others at most this long when nothing else cleans them up (in a Celery
 #: worker, the main process frees a dead child's locks within one tick).
 DEFAULT_OWNER_TTL = 30.0
-#: Default queue scan limit: entries one script looks at per wait queue.
+#: Default queue scan limit: live entries one script looks at per wait queue
+#: (dead entries it removes have a budget of their own, 4 x this limit).
 DEFAULT_SCAN_LIMIT = 256
 
 #: Errors that mean Redis cannot be reached or cannot serve (reported as
@@ -222,8 +223,11 @@ class LockManager:
         heartbeat_interval: seconds between liveness refreshes, at most half
             of ``owner_ttl``. Default ``owner_ttl / 3``: two beats may be
             lost (a slow Redis, a blocked process) before the owner is dead.
-        queue_scan_limit: most wait-queue entries one script inspects per
-            resource; bounds the work of every script.
+        queue_scan_limit: most live wait-queue entries one script inspects
+            per resource (and the page size of a scan of a lock's holders);
+            bounds the work of every script. Dead entries a script removes
+            do not count against it: they have a budget of their own, four
+            times this limit, past which the work goes on in a later call.
         name: a label stored with the owner's liveness (shown by the CLI).
         heartbeat: run this process's own heartbeat thread (default). Turn
             it off only when something else refreshes the owner's liveness
