@@ -84,8 +84,9 @@ def test_heartbeat_reports_an_outage_in_one_line_not_a_traceback_per_tick(
 def test_release_refused_by_an_acl_is_reported_once_then_retried_quietly(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The app's ACL user may touch every engine key but {t}:contend:*, which
-    # release.lua deletes: its release fails with NOPERM until the ACL is fixed.
+    # The app's ACL user may touch every engine key but {t}:waits:* (a key
+    # release.lua declares) and {t}:contended:* (which it deletes when the
+    # lock is freed): its release fails with NOPERM until the ACL is fixed.
     keys = (
         " ".join(
             f"~{PREFIX}{kind}" for kind in ("fence", "seq", "owners", "held:*", "alive:*", "req:*")
@@ -105,7 +106,9 @@ def test_release_refused_by_an_acl_is_reported_once_then_retried_quietly(
                 lease.release()
             wait_until(lambda: mgr.heartbeat.ticks >= 40, what="40 heartbeat ticks")
             assert admin.exists(f"{PREFIX}lock:R")
-            admin.execute_command("ACL", "SETUSER", "app", f"~{PREFIX}contend:*")
+            admin.execute_command(
+                "ACL", "SETUSER", "app", f"~{PREFIX}waits:*", f"~{PREFIX}contended:*"
+            )
             wait_until(lambda: not admin.exists(f"{PREFIX}lock:R"), what="the retried release")
         finally:
             made.close_all()
