@@ -28,11 +28,6 @@ ALL_FAULTS: tuple[str, ...] = tuple(FAULTS)
 #: them out until the fix lands; ``make chaos`` uses every fault. Remove a
 #: kind from here once its fix is merged and the short run passes with it.
 KNOWN_TO_FAIL: dict[str, str] = {
-    "kill_worker": (
-        "leftover_key: a waiter SIGKILLed while queued for several resources leaves its "
-        "entry in {ns}:q:<res> when no later conflicting request meets it; reconcile "
-        "walks registries only, so the zset stays (always seen with END=kill)"
-    ),
     "stop_worker": (
         "stale_check: a holder resumed after a pause longer than owner_ttl still passes "
         "check() (the lease has no local deadline; it learns at its next heartbeat or "
