@@ -101,8 +101,12 @@ class RedisLock:
         self.incarnation: str | None = None
         #: The running :class:`celery_redislock.node.Node`, main process only.
         self.node: Any = None
-        self._init_pids: set[int] = set()
         self._config_error_reported = False
+        #: Processes of the worker in which the manager runs in worker mode:
+        #: the main process (set before the pool forks) and, in a pool
+        #: child, that child (set by worker_process_init). Any other process
+        #: (a helper forked by a task) is standalone.
+        self._worker_pids: frozenset[int] = frozenset()
         if app is not None:
             self.init_app(app)
 
@@ -202,15 +206,17 @@ class RedisLock:
         """This process's :class:`LockManager` (created on first use).
 
         In a worker (main process and pool children) its owners' liveness is
-        refreshed by the worker's node heartbeat; elsewhere it runs its own
-        heartbeat thread.
+        refreshed by the worker's node heartbeat; elsewhere, including in a
+        process that a task forks (a helper), it runs its own heartbeat
+        thread (see :class:`LockManager` on member processes).
         """
         mgr = self._manager
         if mgr is not None:
             return mgr
         with self._lock:
             if self._manager is None:
-                self._manager = self._make_manager(worker=self.incarnation is not None)
+                worker = self.incarnation is not None and os.getpid() in self._worker_pids
+                self._manager = self._make_manager(worker=worker)
             return self._manager
 
     def _make_manager(self, *, worker: bool) -> LockManager:
@@ -242,6 +248,7 @@ class RedisLock:
         """Main process, before the pool forks: switch to worker mode."""
         with self._lock:
             self.incarnation = incarnation
+            self._worker_pids = frozenset({os.getpid()})
             self._manager = self._make_manager(worker=True)
             # The node heartbeat covers this process's owner (it marks its
             # leases lost); a watcher thread here would only be one more real
@@ -256,20 +263,29 @@ class RedisLock:
             self.incarnation = None
             self.node = None
             self._manager = None
+            self._worker_pids = frozenset()
 
     def _process_init(self) -> None:
-        """Pool child start: make sure this process has its own owner id.
+        """Pool child start: a fresh owner id, and the worker's group again.
 
-        Idempotent per pid and makes no Redis round trip (the engine's fork
-        hook already reset the identity; this covers a fork that bypassed it).
+        After a fork the engine makes the child a standalone owner (its own
+        heartbeat, no group): right for a helper process a task forks, which
+        the node does not know. Only real pool children send
+        ``worker_process_init``; here the child becomes a member of the
+        incarnation's group again, its liveness refreshed by the main
+        process. Idempotent per pid; no Redis round trip, no thread started
+        (the pool kills a child that is not ready within seconds).
         """
         pid = os.getpid()
-        if pid in self._init_pids:
+        if self.incarnation is None or pid in self._worker_pids:
             return
-        self._init_pids = {pid}
+        # No self._lock here: a thread of the parent may have held it when
+        # the pool forked, and this child would wait for ever.
+        self._worker_pids = frozenset({pid})
         self.node = None  # the main process's; never used from a child
         mgr = self._manager
         if mgr is not None:
+            mgr._become_member()
             _ = mgr.owner_id  # the identity source compares the pid: a fresh id
 
     def close(self) -> None:

@@ -238,6 +238,13 @@ class LockManager:
             first acquire, or None. The Celery integration groups a worker
             incarnation's owners this way.
 
+    ``heartbeat=False`` and ``group`` apply to the process that built the
+    manager only (the *member* process; a Celery pool child becomes one
+    through ``worker_process_init``). A process forked from it is a
+    standalone owner: its own heartbeat thread, no group, because nobody
+    else knows its owner id and a group's refresher would take it for a
+    dead process and free its locks.
+
     Redis cost: acquire (per attempt), release, heartbeat and
     ``contenders()`` are one round trip each; nothing ever SCANs the keyspace.
     """
@@ -316,14 +323,17 @@ class LockManager:
         self._hb_client: AnyRedis | None = None
         self._hb_client_pid = 0
         self._heartbeat = Heartbeat(self.heartbeat_interval, self._beat, "redislock-heartbeat")
-        self._own_heartbeat = bool(heartbeat)
+        self._heartbeat_setting = bool(heartbeat)
+        self._group_setting = group
+        #: The process in which ``heartbeat=False`` and ``group`` apply (see
+        #: :meth:`_become_member`); every other process is standalone.
+        self._member_pid = os.getpid()
         self._watch_pid = 0
         #: A process whose owners something else watches (the Celery worker's
         #: main process: its node heartbeat marks that owner's leases lost):
         #: no lost-owner watcher thread there. Pool children still get one.
         self._lost_watch_exempt_pid = 0
         self._closed = False
-        self._group = group
         #: Worker mode: ``{ns}:halt:<inc>``, the list the worker's main
         #: process pushes to when it begins shutting down. Waiters block on
         #: it next to their wake list (same BLPOP) and give up with
@@ -333,6 +343,30 @@ class LockManager:
         self._halted = False
 
     # -- identity ---------------------------------------------------------
+
+    @property
+    def _own_heartbeat(self) -> bool:
+        """Whether this process refreshes its owner's liveness itself.
+
+        True when built with ``heartbeat=True``, and in any process other
+        than the member process (a helper forked from a worker process).
+        """
+        return self._heartbeat_setting or self._member_pid != os.getpid()
+
+    @property
+    def _group(self) -> Callable[[], str | None] | None:
+        """The group callable in the member process; None anywhere else."""
+        return self._group_setting if self._member_pid == os.getpid() else None
+
+    def _become_member(self) -> None:
+        """Make this process the member: ``heartbeat=False`` and ``group`` apply.
+
+        Called by the Celery integration in a pool child, from
+        ``worker_process_init`` (only real pool children send it), before
+        the child acquires anything. No I/O; idempotent. The parent stays
+        the member of its own copy.
+        """
+        self._member_pid = os.getpid()
 
     @property
     def owner_id(self) -> str:

@@ -7,7 +7,10 @@ Real-subprocess worker tests (prefork, SIGKILL, restarts) live in tests/e2e/.
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -467,6 +470,61 @@ def test_worker_process_init_hook_is_idempotent_and_makes_no_redis_call(
         k for k in r.info("commandstats") if not k.startswith(("cmdstat_info", "cmdstat_config"))
     }
     assert calls == set()
+
+
+def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_child(
+    app: Celery, r: redis.Redis
+) -> None:
+    # After any fork the engine is standalone (a task's helper process);
+    # only Celery's worker_process_init, sent in real pool children, makes
+    # the child a member of the incarnation's group again: idempotently per
+    # pid, without a Redis command or a thread.
+    from celery import signals
+
+    locks = RedisLock(app)
+    mgr = locks._enter_worker("0123456789abcdef")
+    try:
+        assert not mgr._own_heartbeat and mgr._group is not None  # the main process
+        r.config_resetstat()
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - reports through the pipe
+            code = 1
+            try:
+                m = locks.manager
+                out: dict[str, Any] = {"same": m is mgr}
+                out["helper"] = [m._own_heartbeat, m._group is None]
+                threads = threading.active_count()
+                signals.worker_process_init.send(sender=None)
+                signals.worker_process_init.send(sender=None)
+                m = locks.manager
+                group = m._group
+                out["pool_child"] = [m._own_heartbeat, group() if group else None]
+                out["new_threads"] = threading.active_count() - threads
+                os.write(write_fd, json.dumps(out).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as pipe:
+            out = json.loads(pipe.read() or b"{}")
+        os.waitpid(pid, 0)
+        assert out == {
+            "same": True,
+            "helper": [True, True],
+            "pool_child": [False, PREFIX + "group:0123456789abcdef"],
+            "new_threads": 0,
+        }
+        calls = {
+            k
+            for k in r.info("commandstats")
+            if not k.startswith(("cmdstat_info", "cmdstat_config"))
+        }
+        assert calls == set()
+        assert not mgr._own_heartbeat and mgr._group is not None  # the parent is unchanged
+    finally:
+        locks._leave_worker()
+        mgr.close()
 
 
 def test_worker_start_warns_when_redis_may_evict_keys(

@@ -54,12 +54,14 @@ def test_owner_with_its_own_heartbeat_needs_no_watcher(
     wait_until(lambda: lease.lost, timeout=20)
 
 
-def test_exempt_process_starts_no_watcher_but_its_forked_child_does(
+def test_exempt_process_starts_no_watcher_but_its_forked_pool_child_does(
     redis_url: str, managers: list[LockManager]
 ) -> None:
     # The Celery worker's main process is watched by its node heartbeat: no
     # watcher thread there (one fewer real thread blocked in Redis at exit),
-    # while a forked pool child, whose owner nobody else tells, gets one.
+    # while a forked pool child (a member again after worker_process_init),
+    # whose owner nobody else tells, gets one. A forked helper that never
+    # becomes a member runs its own heartbeat instead, and no watcher.
     import os
 
     mgr = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False)
@@ -67,13 +69,24 @@ def test_exempt_process_starts_no_watcher_but_its_forked_child_does(
     mgr._lost_watch_exempt_pid = os.getpid()
     mgr.acquire("R", timeout=5).release()
     assert mgr._watch_pid == 0
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            mgr.acquire("C", timeout=5).release()
-            os.write(w, b"1" if mgr._watch_pid == os.getpid() else b"0")
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    assert os.read(r, 1) == b"1"
+
+    def in_child(member: bool) -> bytes:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                if member:
+                    mgr._become_member()
+                mgr.acquire("C", timeout=5).release()
+                watching = mgr._watch_pid == os.getpid()
+                beating = mgr.heartbeat.running
+                os.write(w, b"%d%d" % (watching, beating))
+            finally:
+                os._exit(0)
+        os.close(w)  # a child that fails before writing ends the pipe: no hang
+        os.waitpid(pid, 0)
+        with os.fdopen(r, "rb") as pipe:
+            return pipe.read()
+
+    assert in_child(member=True) == b"10"  # watcher, no heartbeat of its own
+    assert in_child(member=False) == b"01"  # its own heartbeat, no watcher

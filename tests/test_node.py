@@ -8,6 +8,7 @@ which are measured by Redis TIME and waited for with a polling helper.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from celery_redislock import LockManager
+from celery_redislock import LockManager, LockTimeout
 from celery_redislock.identity import parse_proc_stat, pid_of_tag, process_tag, read_proc_stat
 from celery_redislock.node import Node, group_key, new_incarnation, node_key, tomb_key
 from engine_helpers import wait_until as wait_for
@@ -375,6 +376,161 @@ def test_child_exit_notice_for_a_live_pid_wakes_nothing_and_frees_nothing(
     assert not w.node._heartbeat._wake
     assert w.node.tick().dead == []
     assert r.hexists(group_key(PREFIX, w.inc), "fake-owner")
+
+
+def fork_holder(
+    mgr: LockManager, resource: str, report: int, go: int, close: tuple[int, ...] = ()
+) -> int:
+    """Fork a helper that takes ``resource`` with ``mgr`` (inherited) and holds it.
+
+    The helper writes a JSON line to ``report`` (pid, owner), blocks until it reads one byte from
+    ``go``, writes a second line (``lost``, ``check``: whether
+    ``lease.check()`` passed), releases and exits 0. It closes the fds in
+    ``close`` (the test's ends of the pipes), so that it sees EOF on ``go``
+    when the test ends early.
+    """
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        code = 1
+        try:
+            for fd in close:
+                os.close(fd)
+            lease = mgr.acquire(resource, timeout=5)
+            line = {"pid": os.getpid(), "owner": lease.owner_id}
+            os.write(report, (json.dumps(line) + "\n").encode())
+            if not os.read(go, 1):
+                return  # the test ended early
+            try:
+                lease.check()
+                checked = True
+            except Exception:
+                checked = False
+            line = {"pid": os.getpid(), "lost": lease.lost, "check": checked}
+            os.write(report, (json.dumps(line) + "\n").encode())
+            lease.release()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def reap(pid: int) -> None:
+    """Wait for a forked child of the test (or SIGKILL it after 30 s)."""
+    try:
+        wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] == pid, 30, f"child {pid} to exit")
+    except ChildProcessError:  # already reaped by the test
+        pass
+    except AssertionError:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise
+
+
+def hold_past_ttl(w: Worker, r: redis.Redis, contender: LockManager, owner: str, res: str) -> None:
+    """Tick the node until twice the owner TTL passed (Redis TIME) while ``owner``
+    holds ``res``: no tick may report it, and a try of ``contender`` must fail."""
+    sec, usec = r.time()
+    start_ms = sec * 1000 + usec // 1000
+    ticks = 0
+
+    def past_ttl() -> bool:
+        nonlocal ticks
+        result = w.node.tick()
+        ticks += 1
+        assert owner not in result.dead and owner not in result.lost, result
+        with pytest.raises(LockTimeout):
+            contender.acquire(res, timeout=0)
+        assert r.hkeys(f"{PREFIX}lock:{res}") and all(
+            t.decode().startswith(owner + "|") for t in r.hkeys(f"{PREFIX}lock:{res}")
+        )
+        sec, usec = r.time()
+        return ticks >= 5 and sec * 1000 + usec // 1000 - start_ms > 2 * TTL * 1000
+
+    wait_for(past_ttl, 60, f"{res} held past owner_ttl", interval=IV)
+    assert owner.encode() not in r.hkeys(group_key(PREFIX, w.inc))
+    assert r.pttl(f"{PREFIX}alive:{owner}") > 0  # its own heartbeat keeps it
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_helper_forked_from_the_main_process_is_a_standalone_owner_never_freed(
+    workers: Callable[..., Worker], r: redis.Redis, redis_url: str
+) -> None:
+    # A task of a threads/solo pool runs in the worker's main process: a
+    # helper it forks is neither the main process nor a pool child. It keeps
+    # its own liveness and the node never touches it.
+    w = workers()
+    w.node.start()
+    main_lease = w.mgr.acquire("main:1", timeout=1)
+    contender = LockManager(redis_url, NS, owner_ttl=TTL, heartbeat_interval=IV)
+    report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = fork_holder(w.mgr, "repo:h", report_w, go_r, close=(report_r, go_w))
+    os.close(report_w)  # a helper that dies early ends the pipe: no hang
+    os.close(go_r)
+    try:
+        with os.fdopen(report_r, "r") as lines:
+            held = json.loads(lines.readline())
+            hold_past_ttl(w, r, contender, held["owner"], "repo:h")
+            os.write(go_w, b"g")
+            done = json.loads(lines.readline())
+        assert done == {"pid": pid, "lost": False, "check": True}
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        contender.acquire("repo:h", timeout=0).release()  # released: free at once
+        assert not main_lease.lost and r.hexists(f"{PREFIX}lock:main:1", main_lease.token)
+    finally:
+        contender.close()
+        os.close(go_w)  # EOF: a helper still waiting exits
+        reap(pid)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_helper_forked_from_a_pool_child_is_a_standalone_owner_never_freed(
+    workers: Callable[..., Worker], r: redis.Redis, redis_url: str
+) -> None:
+    # A prefork task runs in a pool child (a group member): a helper it
+    # forks is not in the pool, and a group owner of a pid outside the pool
+    # would be freed as a dead child on the next tick.
+    w = workers()
+    w.node.start()
+    contender = LockManager(redis_url, NS, owner_ttl=TTL, heartbeat_interval=IV)
+    report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the pool child: holds a lock, forks a helper
+        code = 1
+        try:
+            os.close(report_r)
+            os.close(go_w)
+            w.mgr._become_member()  # what worker_process_init does
+            lease = w.mgr.acquire("pool:1", timeout=5)
+            line = {"pid": os.getpid(), "owner": lease.owner_id}
+            os.write(report_w, (json.dumps(line) + "\n").encode())
+            helper = fork_holder(w.mgr, "repo:h", report_w, go_r)
+            _, status = os.waitpid(helper, 0)
+            lease.release()
+            code = os.waitstatus_to_exitcode(status)
+        finally:
+            os._exit(code)
+    w.children.add(child)
+    os.close(report_w)  # a child that dies early ends the pipe: no hang
+    os.close(go_r)
+    try:
+        with os.fdopen(report_r, "r") as lines:
+            pool = json.loads(lines.readline())
+            held = json.loads(lines.readline())
+            assert r.hexists(group_key(PREFIX, w.inc), pool["owner"])  # the pool child joined
+            hold_past_ttl(w, r, contender, held["owner"], "repo:h")
+            os.write(go_w, b"g")
+            done = json.loads(lines.readline())
+        assert done == {"pid": held["pid"], "lost": False, "check": True}
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        contender.acquire("repo:h", timeout=0).release()
+    finally:
+        contender.close()
+        os.close(go_w)  # EOF: a helper still waiting exits, then its parent
+        reap(child)
 
 
 def test_live_child_registered_as_bare_pid_is_refreshed_not_freed(

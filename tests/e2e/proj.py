@@ -25,14 +25,16 @@ let a blocked task finish.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import time
 from typing import Any
 
+import billiard
 import redis
 from celery import Celery
 
-from celery_redislock import RedisLock, current_lease, locked
+from celery_redislock import LockLost, LockTimeout, RedisLock, current_lease, locked
 
 #: Longest a ``hold`` task blocks waiting for its go signal, seconds.
 HOLD_LIMIT = 300.0
@@ -177,3 +179,100 @@ def hold(self: Any, res: str, tag: str, block: int = 1000) -> dict[str, Any]:
     info["lost"] = lease.lost if lease is not None else None
     r.rpush(f"e2e:done:{tag}", json.dumps(info))
     return info
+
+
+def _helper(resource: str, tag: str) -> None:
+    """Body of a helper process forked by ``fork_helper``.
+
+    Takes ``resource`` with a lease of its own (``locks.manager``, inherited
+    across the fork), pushes ``e2e:helper:<tag>`` (JSON: pid, owner, token,
+    fence), and holds it until the test pushes ``e2e:go:<tag>``; meanwhile
+    sets ``e2e:helper-lost:<tag>`` if it ever sees its lease lost. Then it
+    pushes ``e2e:helper-done:<tag>`` (``lost`` and ``check``: whether
+    ``lease.check()`` passed) and releases.
+    """
+    r = data()
+    try:
+        lease = locks.manager.acquire(resource, timeout=60)
+    except Exception as exc:
+        r.rpush(f"e2e:helper:{tag}", json.dumps({"error": repr(exc)}))
+        raise
+    info: dict[str, Any] = {
+        "pid": os.getpid(),
+        "owner": lease.owner_id,
+        "token": lease.token,
+        "fence": lease.fencing_token,
+    }
+    r.rpush(f"e2e:helper:{tag}", json.dumps(info))
+    deadline = time.monotonic() + HOLD_LIMIT
+    while time.monotonic() < deadline:
+        if lease.lost:
+            r.set(f"e2e:helper-lost:{tag}", "1")
+        if r.blpop([f"e2e:go:{tag}"], timeout=0.1):
+            break
+    info["lost"] = lease.lost
+    try:
+        lease.check()
+        info["check"] = True
+    except LockLost:
+        info["check"] = False
+    lease.release()
+    r.rpush(f"e2e:helper-done:{tag}", json.dumps(info))
+
+
+def _start_helper_process(how: str, resource: str, tag: str) -> Any:
+    """Start :func:`_helper` in a fork-context ``multiprocessing`` or ``billiard`` Process."""
+    if how == "billiard":
+        proc = billiard.get_context("fork").Process(target=_helper, args=(resource, tag))
+        proc.start()
+        return proc
+    # A prefork pool child is marked daemonic for multiprocessing, which then
+    # refuses to start children: lift the flag around start(), as users who
+    # fork from a task do (or they use billiard).
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    daemon = config.pop("daemon", None)
+    try:
+        proc = multiprocessing.get_context("fork").Process(target=_helper, args=(resource, tag))
+        proc.start()
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+    return proc
+
+
+@app.task(name="e2e.fork_helper", bind=True)
+def fork_helper(self: Any, resource: str, tag: str, how: str = "multiprocessing") -> dict[str, Any]:
+    """Fork a helper process running :func:`_helper`; return once it exited.
+
+    ``how``: ``multiprocessing`` or ``billiard`` (a fork-context Process),
+    or ``fork`` (``os.fork()`` directly). Returns this process's pid and the
+    helper's pid and exit code (negative: killed by that signal).
+    """
+    if how == "fork":
+        pid = os.fork()
+        if pid == 0:  # the helper
+            code = 1
+            try:
+                _helper(resource, tag)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+    else:
+        proc = _start_helper_process(how, resource, tag)
+        pid = int(proc.pid or 0)
+        proc.join()
+        code = int(proc.exitcode if proc.exitcode is not None else -999)
+    return {"pid": os.getpid(), "helper_pid": pid, "helper_exit": code}
+
+
+@app.task(name="e2e.try_take", bind=True)
+def try_take(self: Any, resource: str) -> bool:
+    """Try once (timeout=0) to take ``resource``; release at once if granted."""
+    try:
+        lease = locks.manager.acquire(resource, timeout=0)
+    except LockTimeout:
+        return False
+    lease.release()
+    return True
