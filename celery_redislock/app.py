@@ -292,11 +292,14 @@ class RedisLock:
         """Stop this process's standalone manager (its heartbeat, connections).
 
         Held leases stay held until released or their owner's liveness runs
-        out. In a worker, the bootstep releases everything at shutdown.
+        out. In a worker's main process or pool child, the bootstep releases
+        everything at shutdown; in a helper process a task forked, the
+        manager is the helper's own and is closed here.
         """
         with self._lock:
             mgr, self._manager = self._manager, None
-        if mgr is not None and self.incarnation is None:
+        standalone = self.incarnation is None or os.getpid() not in self._worker_pids
+        if mgr is not None and standalone:
             mgr.close()
 
     # -- public helpers ---------------------------------------------------

@@ -527,6 +527,37 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
         mgr.close()
 
 
+def test_close_in_a_forked_helper_stops_the_helpers_own_heartbeat(
+    app: Celery, r: redis.Redis
+) -> None:
+    locks = RedisLock(app)
+    mgr = locks._enter_worker("0123456789abcdef")
+    try:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - reports through the pipe
+            code = 1
+            try:
+                helper = locks.manager
+                lease = helper.acquire("helper:1", timeout=5)
+                beating = helper.heartbeat.running
+                lease.release()
+                locks.close()
+                out = [beating, helper.heartbeat.running, locks.manager is helper]
+                os.write(write_fd, json.dumps(out).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as pipe:
+            out = json.loads(pipe.read() or b"null")
+        os.waitpid(pid, 0)
+        assert out == [True, False, False]  # a fresh standalone manager after close
+    finally:
+        locks._leave_worker()
+        mgr.close()
+
+
 def test_worker_start_warns_when_redis_may_evict_keys(
     worker_app: tuple[Celery, RedisLock], r: redis.Redis
 ) -> None:
