@@ -15,6 +15,8 @@ test (each test gets its own broker queue, lock namespace and TTLs):
 ``E2E_RECONCILE``       ``redislock_reconcile_interval`` (seconds)
 ``E2E_FAST_RESTART``    ``redislock_fast_restart_cleanup`` (``0``/``1``)
 ``E2E_EVICTION_CHECK``  ``redislock_eviction_check`` (``warn``/``raise``/``ignore``)
+``E2E_MAIN_HELPER``     ``"<resource> <tag>"``: at ``worker_ready``, the main
+                        process forks a helper (:func:`_helper`) holding it
 ======================  =========================================================
 
 Every key the tasks write for the test lives under ``e2e:`` (outside the lock
@@ -27,12 +29,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
 import time
 from typing import Any
 
 import billiard
 import redis
-from celery import Celery
+from celery import Celery, signals
 
 from celery_redislock import LockLost, LockTimeout, RedisLock, current_lease, locked
 
@@ -185,8 +188,8 @@ def _helper(resource: str, tag: str) -> None:
     """Body of a helper process forked by ``fork_helper``.
 
     Takes ``resource`` with a lease of its own (``locks.manager``, inherited
-    across the fork), pushes ``e2e:helper:<tag>`` (JSON: pid, owner, token,
-    fence), and holds it until the test pushes ``e2e:go:<tag>``; meanwhile
+    across the fork), pushes ``e2e:helper:<tag>`` (JSON: pid, ppid, owner,
+    token, fence), and holds it until the test pushes ``e2e:go:<tag>``; meanwhile
     sets ``e2e:helper-lost:<tag>`` if it ever sees its lease lost. Then it
     pushes ``e2e:helper-done:<tag>`` (``lost`` and ``check``: whether
     ``lease.check()`` passed) and releases.
@@ -199,6 +202,7 @@ def _helper(resource: str, tag: str) -> None:
         raise
     info: dict[str, Any] = {
         "pid": os.getpid(),
+        "ppid": os.getppid(),
         "owner": lease.owner_id,
         "token": lease.token,
         "fence": lease.fencing_token,
@@ -276,3 +280,30 @@ def try_take(self: Any, resource: str) -> bool:
         return False
     lease.release()
     return True
+
+
+def _fork_main_helper(sender: Any = None, **_: Any) -> None:
+    """``worker_ready`` (main process): fork a helper if ``E2E_MAIN_HELPER`` asks."""
+    spec = os.environ.get("E2E_MAIN_HELPER")
+    if not spec:
+        return
+    resource, tag = spec.split()
+    pid = os.fork()
+    if pid == 0:  # the helper
+        code = 1
+        try:
+            _helper(resource, tag)
+            code = 0
+        finally:
+            os._exit(code)
+
+    def reap() -> None:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped by the pool's own waitpid
+            pass
+
+    threading.Thread(target=reap, name="e2e-reap-helper", daemon=True).start()
+
+
+signals.worker_ready.connect(_fork_main_helper, weak=False)

@@ -77,15 +77,13 @@ def _node_hb(c: Cluster, w: Worker) -> int:
     return int(c.lock_redis.hget(c.key("node", w.nodename), "hb") or 0)
 
 
-def _helper_holds_past_owner_ttl(
-    c: Cluster, w: Worker, contender: LockManager, pool: str, how: str, tag: str
-) -> dict[str, Any]:
-    """Run one helper through its life; return the forking task's result."""
-    result = c.send("fork_helper", "repo:1", tag, how, queue=w.queue)
-    info = _helper_info(c, tag)
+def _held_past_owner_ttl_then_released(
+    c: Cluster, w: Worker, contender: LockManager, info: dict[str, Any], tag: str
+) -> None:
+    """While the helper holds ``repo:1`` across node ticks and past owner_ttl,
+    every try fails; then it releases, its lease never lost, and the lock is free."""
     owner = info["owner"]
     assert c.owners_holding("repo:1") == {owner}
-
     start_hb, start_ms = _node_hb(c, w), _redis_ms(c)
     tries = 0
 
@@ -99,27 +97,36 @@ def _helper_holds_past_owner_ttl(
         # several node ticks, and twice the owner TTL by Redis TIME
         return _node_hb(c, w) - start_hb >= 4 and _redis_ms(c) - start_ms > 2 * OWNER_TTL * 1000
 
-    wait_for(held_past_ttl, timeout=120, what=f"{how} helper held past owner_ttl", interval=0.1)
+    wait_for(held_past_ttl, timeout=120, what=f"helper {tag} held past owner_ttl", interval=0.1)
     # another task of the same worker is refused too
     assert c.send("try_take", "repo:1", queue=w.queue).get(timeout=60) is False
     assert c.alive_pttl(owner) > 0  # its own heartbeat keeps it alive
     assert owner not in _group(c, w), "a forked helper joined the worker's group"
-    print(f"{how}: {tries} refused tries while the helper held repo:1")
+    print(f"{tag}: {tries} refused tries while the helper held repo:1")
 
     c.go(tag)
     done = json.loads(
-        wait_for(lambda: c.data.lindex(f"e2e:helper-done:{tag}", 0), 60, f"{how} helper done")
+        wait_for(lambda: c.data.lindex(f"e2e:helper-done:{tag}", 0), 60, f"helper {tag} done")
     )
     assert done["lost"] is False and done["check"] is True, done
+    # released: the lock is free at once
+    contender.acquire("repo:1", timeout=0).release()
+
+
+def _helper_holds_past_owner_ttl(
+    c: Cluster, w: Worker, contender: LockManager, pool: str, how: str, tag: str
+) -> dict[str, Any]:
+    """Run one helper forked by a task through its life; return the task's result."""
+    result = c.send("fork_helper", "repo:1", tag, how, queue=w.queue)
+    info = _helper_info(c, tag)
+    _held_past_owner_ttl_then_released(c, w, contender, info, tag)
     ran = result.get(timeout=60)
     # CPython: a multiprocessing child forked from a ThreadPoolExecutor thread
     # (the threads pool) exits 1 after its target returned, as concurrent.futures'
     # exit hook tries to join the forking thread ("cannot join current thread").
     quirk = pool == "threads" and how == "multiprocessing"
     assert ran["helper_exit"] == (1 if quirk else 0), ran
-    assert ran["helper_pid"] == info["pid"], ran
-    # released: the lock is free at once
-    contender.acquire("repo:1", timeout=0).release()
+    assert ran["helper_pid"] == info["pid"] and info["ppid"] == ran["pid"], (ran, info)
     return dict(ran)
 
 
@@ -173,4 +180,19 @@ def test_sigkilled_helper_is_cleaned_by_its_liveness_expiry_then_reclaim_and_rec
         assert not c.lock_redis.exists(c.key("held", dead))
         assert dead not in c.active_owners()
     contender.acquire("repo:2", timeout=0).release()
+    assert w.alive
+
+
+def test_helper_forked_by_the_prefork_main_process_keeps_its_lock_past_owner_ttl(
+    cluster: Callable[..., Cluster], contenders: list[LockManager]
+) -> None:
+    # The main process of a prefork worker runs no task, but user code there
+    # (a worker_ready handler, a bootstep) may fork: its helper's parent is
+    # the main process, like a pool child's, yet the pool does not list it.
+    c = cluster(owner_ttl=OWNER_TTL, heartbeat=HEARTBEAT, main_helper="repo:1 main")
+    w = c.start_worker("main-helper", pool="prefork", concurrency=1)
+    contender = _contender(c, contenders)
+    info = _helper_info(c, "main")
+    assert info["ppid"] == w.pid, (info, w.pid)
+    _held_past_owner_ttl_then_released(c, w, contender, info, "main")
     assert w.alive
