@@ -18,6 +18,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import math
 import random
 import string
 from collections.abc import Callable, Iterable, Mapping
@@ -43,19 +44,32 @@ _DEFAULT: Any = object()
 
 
 class TemplateError(LockError, ValueError):
-    """A resource template names an argument the task call does not have.
+    """A resource template cannot be formatted from the task's arguments.
 
-    Raised before anything is locked. Attributes: ``template``, ``argument``.
+    Raised when ``@locked`` decorates a function whose parameters do not
+    include a name the template uses (at import time), or when a call lacks
+    an argument or has a value the template cannot format (before anything
+    is locked). Attributes: ``template``, ``argument``, ``task`` and
+    ``detail`` (None, or what went wrong when it is not a missing argument).
     """
 
-    def __init__(self, template: str, argument: str = "?", task: str = "the task") -> None:
+    def __init__(
+        self,
+        template: str,
+        argument: str = "?",
+        task: str = "the task",
+        detail: str | None = None,
+    ) -> None:
         self.template = template
         self.argument = argument
         self.task = task
+        self.detail = detail
         # args are the fields, so the error survives Celery's result backend.
-        super().__init__(template, argument, task)
+        super().__init__(template, argument, task, detail)
 
     def __str__(self) -> str:
+        if self.detail is not None:
+            return f"@locked template {self.template!r} of {self.task}: {self.detail}"
         return (
             f"@locked template {self.template!r} of {self.task} needs argument "
             f"{self.argument!r}, which this call does not have; pass it or fix the template"
@@ -73,36 +87,165 @@ def current_lease() -> Lease | None:
     return stack[-1] if stack else None
 
 
-def _fields(template: str) -> list[str]:
-    out = []
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is not None:
-            out.append(field.split(".", 1)[0].split("[", 1)[0])
+def _fields(template: str) -> list[tuple[str, str | None]]:
+    """``(root name, conversion)`` of every field, nested spec fields included.
+
+    The root is what the template looks up in the arguments: ``repo`` for
+    ``{repo.id}`` and ``{repo[0]}``; ``""`` or digits for positional fields.
+    Raises ValueError for a malformed template (unbalanced braces).
+    """
+    out: list[tuple[str, str | None]] = []
+    for _, field, spec, conversion in string.Formatter().parse(template):
+        if field is None:
+            continue
+        out.append((field.split(".", 1)[0].split("[", 1)[0], conversion))
+        if spec:
+            out.extend(_fields(spec))
     return out
 
 
 def _format(templates: Iterable[str], args: Mapping[str, Any], task: str) -> list[str]:
     out = []
     for template in templates:
-        for field in _fields(template):
-            if field == "" or field.isdigit():
-                raise TemplateError(template, field or "{}", task)
+        for field, _ in _fields(template):
             if field not in args:
                 raise TemplateError(template, field, task)
         try:
             out.append(template.format_map(args))
-        except (KeyError, AttributeError, IndexError) as exc:
-            raise TemplateError(template, str(exc), task) from exc
+        except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
+            raise TemplateError(
+                template,
+                str(exc),
+                task,
+                f"cannot be formatted from this call's arguments ({type(exc).__name__}: {exc})",
+            ) from exc
     return out
 
 
 def _check_templates(name: str, templates: Iterable[Any]) -> tuple[str, ...]:
+    """Type and syntax of the templates, checked before any function is seen."""
     out = []
     for t in templates:
+        if isinstance(t, (list, tuple, set, frozenset)) and name == "locked":
+            raise ConfigurationError(
+                name,
+                f"exclusive templates are separate arguments, not a {type(t).__name__}: "
+                f"write @locked('a', 'b'), not @locked(['a', 'b']) ({t!r})",
+            )
         if not isinstance(t, str) or not t:
             raise ConfigurationError(name, f"resource templates must be non-empty str, not {t!r}")
+        try:
+            fields = _fields(t)
+        except ValueError as exc:
+            raise ConfigurationError(name, f"template {t!r} is malformed: {exc}") from None
+        for field, conversion in fields:
+            if conversion not in (None, "r", "s", "a"):
+                raise ConfigurationError(
+                    name,
+                    f"template {t!r} has conversion !{conversion} in field {{{field}...}}; "
+                    "use !r, !s or !a",
+                )
         out.append(t)
     return tuple(out)
+
+
+def _template_list(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return _check_templates(name, [value])
+    if isinstance(value, (bytes, bytearray)) or not isinstance(value, Iterable):
+        raise ConfigurationError(name, f"must be a str template or a list of them, not {value!r}")
+    return _check_templates(name, value)
+
+
+def _number(name: str, value: Any, low: float, what: str) -> None:
+    """Refuse a non-number, NaN, infinity or a value below ``low``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < low
+    ):
+        raise ConfigurationError(name, f"must be {what}, not {value!r}")
+
+
+#: What @locked says when it is given a task instead of the function.
+ORDER_HELP = (
+    "@locked must be placed directly above the function, under @app.task "
+    "(or @shared_task), so that it wraps the function the worker runs:\n"
+    "    @app.task(bind=True)\n"
+    "    @locked('repo:{repo_id}')\n"
+    "    def sync(self, repo_id): ...\n"
+    "Placed above @app.task it would leave the registered task unlocked."
+)
+
+
+def _check_target(fun: Any) -> None:
+    """Refuse what is not a plain function, notably a Celery task.
+
+    ``app.task`` returns a lazy proxy while the app is not finalized:
+    ``type()`` sees it without evaluating it (``isinstance`` and attribute
+    access would create the task, and finalize nothing else).
+    """
+    from celery.app.task import Task
+    from celery.local import Proxy
+
+    if issubclass(type(fun), Proxy):
+        raise TypeError(f"@locked was given a Celery task proxy, not a function. {ORDER_HELP}")
+    if isinstance(fun, Task):
+        name = getattr(fun, "name", None) or type(fun).__name__
+        raise TypeError(f"@locked was given the Celery task {name!r}, not a function. {ORDER_HELP}")
+    if isinstance(fun, type) and issubclass(fun, Task):
+        raise TypeError(
+            f"@locked was given the Task class {fun.__qualname__}, not a function: "
+            f"decorate its run method instead (@locked(...) above def run(self, ...)), "
+            f"or use the function form. {ORDER_HELP}"
+        )
+    if isinstance(fun, type) or not callable(fun):
+        raise TypeError(f"@locked decorates a function, not {fun!r}")
+
+
+def _parameter_list(sig: inspect.Signature) -> str:
+    names = []
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            names.append("*" + p.name)
+        elif p.kind is inspect.Parameter.VAR_KEYWORD:
+            names.append("**" + p.name)
+        else:
+            names.append(p.name)
+    return ", ".join(names)
+
+
+def _check_fields(templates: Iterable[str], sig: inspect.Signature, label: str) -> None:
+    """Every template's root names must be parameters of the function.
+
+    A function with ``**kwargs`` may receive any name: only positional
+    fields are refused then, the names are checked at each call.
+    """
+    params = sig.parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names = [p.name for p in params.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    example = next((n for n in names if n != "self"), "repo_id")
+    for template in templates:
+        for field, _ in _fields(template):
+            if field == "" or field.isdigit():
+                raise TemplateError(
+                    template,
+                    field or "{}",
+                    label,
+                    f"has a positional field {{{field}}}; templates name parameters, "
+                    f"e.g. {{{example}}} (parameters of {label}: "
+                    f"{_parameter_list(sig) or 'none'})",
+                )
+            if field not in names and not var_kw:
+                raise TemplateError(
+                    template,
+                    field,
+                    label,
+                    f"names {field!r}, which is not a parameter of {label}; its parameters "
+                    f"are: {_parameter_list(sig) or 'none'}. Fix the template or the "
+                    "function's parameters",
+                )
 
 
 def _find_locks(task: Any) -> RedisLock:
@@ -171,10 +314,10 @@ def locked(
     shared: str | Iterable[str] = (),
     timeout: float | None = _DEFAULT,
     on_busy: str = "wait",
-    retry_countdown: float = 5.0,
-    retry_backoff: float = 2.0,
-    retry_backoff_max: float = 600.0,
-    retry_jitter: bool = True,
+    retry_countdown: float = _DEFAULT,
+    retry_backoff: float = _DEFAULT,
+    retry_backoff_max: float = _DEFAULT,
+    retry_jitter: bool = _DEFAULT,
     max_retries: int | None = _DEFAULT,
 ) -> Callable[[F], F]:
     """Hold locks on the formatted resource names while the task body runs.
@@ -206,27 +349,74 @@ def locked(
     by the worker's main process within one heartbeat tick.
     """
     ex = _check_templates("locked", exclusive)
-    sh = _check_templates("locked(shared=)", [shared] if isinstance(shared, str) else shared)
+    sh = _template_list("locked(shared=)", shared)
     if not ex and not sh:
         raise ConfigurationError("locked", "needs at least one resource template")
-    if on_busy not in ON_BUSY_MODES:
+    both = sorted(set(ex) & set(sh))
+    if both:
+        raise ConfigurationError(
+            "locked",
+            f"templates {both} are both exclusive and shared; an exclusive lock "
+            "already covers reading: drop them from shared=",
+        )
+    if not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES:
         raise ConfigurationError(
             "locked(on_busy=)", f"must be one of {', '.join(ON_BUSY_MODES)}, not {on_busy!r}"
         )
     if (
         timeout is not _DEFAULT
         and timeout is not None
-        and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0)
+        and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or math.isnan(timeout)
+            or timeout < 0
+        )
     ):
-        raise ConfigurationError("locked(timeout=)", f"must be >= 0 or None, not {timeout!r}")
+        raise ConfigurationError(
+            "locked(timeout=)", f"must be seconds >= 0 or None, not {timeout!r}"
+        )
     if on_busy != "wait" and timeout is not _DEFAULT:
         raise ConfigurationError(
             "locked(timeout=)", f"applies to on_busy='wait' only (on_busy={on_busy!r} tries once)"
         )
+    retry_opts = {
+        "retry_countdown": retry_countdown,
+        "retry_backoff": retry_backoff,
+        "retry_backoff_max": retry_backoff_max,
+        "retry_jitter": retry_jitter,
+        "max_retries": max_retries,
+    }
+    given = [name for name, value in retry_opts.items() if value is not _DEFAULT]
+    if given and on_busy != "retry":
+        raise ConfigurationError(
+            f"locked({given[0]}=)",
+            f"applies to on_busy='retry' only (on_busy={on_busy!r}); "
+            "add on_busy='retry' or drop it",
+        )
+    countdown0 = 5.0 if retry_countdown is _DEFAULT else retry_countdown
+    backoff = 2.0 if retry_backoff is _DEFAULT else retry_backoff
+    backoff_max = 600.0 if retry_backoff_max is _DEFAULT else retry_backoff_max
+    jitter = True if retry_jitter is _DEFAULT else retry_jitter
+    _number("locked(retry_countdown=)", countdown0, 0, "seconds >= 0")
+    _number("locked(retry_backoff=)", backoff, 1, "a factor >= 1 (1: the same countdown each time)")
+    _number("locked(retry_backoff_max=)", backoff_max, 0, "seconds >= 0")
+    if not isinstance(jitter, bool):
+        raise ConfigurationError("locked(retry_jitter=)", f"must be True or False, not {jitter!r}")
+    if (
+        max_retries is not _DEFAULT
+        and max_retries is not None
+        and (isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0)
+    ):
+        raise ConfigurationError(
+            "locked(max_retries=)", f"must be an int >= 0 or None, not {max_retries!r}"
+        )
 
     def decorate(fun: F) -> F:
+        _check_target(fun)
         sig = inspect.signature(fun)
         label = getattr(fun, "__qualname__", repr(fun))
+        _check_fields(ex + sh, sig, label)
         var_kw = next(
             (p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD),
             None,
@@ -243,9 +433,14 @@ def locked(
             bound.apply_defaults()
             mapping = dict(bound.arguments)
             if var_kw is not None:
-                mapping.update(mapping.pop(var_kw, {}) or {})
+                # A named parameter wins over a same-named keyword that only
+                # **kwargs could take (possible with positional-only ones).
+                for key, value in (mapping.pop(var_kw, None) or {}).items():
+                    mapping.setdefault(key, value)
             exclusive_names = _format(ex, mapping, label)
-            shared_names = _format(sh, mapping, label)
+            # A resource both exclusive and shared (two templates formatting
+            # to one name) is locked exclusively: that covers reading too.
+            shared_names = [n for n in _format(sh, mapping, label) if n not in exclusive_names]
             task = current_task._get_current_object() if current_task else None
             locks = _find_locks(task)
             if on_busy == "wait":
@@ -278,8 +473,8 @@ def locked(
                     if task is None or not hasattr(task, "retry"):
                         raise
                     retries = int(getattr(task.request, "retries", 0) or 0)
-                    countdown = min(retry_backoff_max, retry_countdown * retry_backoff**retries)
-                    if retry_jitter:
+                    countdown = min(backoff_max, countdown0 * backoff**retries)
+                    if jitter:
                         countdown = countdown * (0.5 + random.random() / 2)
                     opts: dict[str, Any] = {"countdown": countdown, "exc": exc}
                     if max_retries is not _DEFAULT:
