@@ -1,6 +1,7 @@
 """``@locked``: lock a task's resources while its body runs.
 
-Place it under ``@app.task`` so that it wraps the function Celery runs::
+Place it directly above the function, under ``@app.task``, so that it wraps
+the function Celery runs (the other order raises TypeError at import)::
 
     @app.task(bind=True, acks_late=True)
     @locked("repo:{repo_id}", shared=["remote:{remote_id}"], timeout=30)
@@ -322,13 +323,20 @@ def locked(
 ) -> Callable[[F], F]:
     """Hold locks on the formatted resource names while the task body runs.
 
+    Place it directly above the function and under ``@app.task`` (or
+    ``@shared_task``); given a task, a task proxy or a Task class it raises
+    TypeError saying so, since the registered task would run unlocked.
+
     Args:
         exclusive: resource templates locked exclusively, formatted with
             ``str.format`` from the task's bound arguments (defaults
-            applied), e.g. ``"repo:{repo_id}"``.
-        shared: templates locked in shared (reader) mode.
+            applied), e.g. ``"repo:{repo_id}"``. Fields name parameters
+            (``{repo.id}`` and ``{ids[0]}`` use ``repo`` and ``ids``);
+            positional fields (``{}``, ``{0}``) are refused.
+        shared: templates locked in shared (reader) mode. A name that also
+            formats as an exclusive one is locked exclusively only.
         timeout: seconds ``on_busy="wait"`` waits; default: the app's
-            ``redislock_default_timeout`` (None = until granted).
+            ``redislock_default_timeout`` (None or ``inf`` = until granted).
         on_busy: what to do when the locks are taken:
             ``"wait"``: queue fairly (first come, first served) up to
             ``timeout``, then raise :class:`LockTimeout`. The fair mode.
@@ -337,13 +345,25 @@ def locked(
             ``"raise"``: try once, raise :class:`LockTimeout`.
             ``"skip"``: try once, log ``locked.skipped`` and return None.
         retry_countdown, retry_backoff, retry_backoff_max, retry_jitter:
-            countdown of ``on_busy="retry"``: ``retry_countdown *
-            retry_backoff ** request.retries``, capped at
-            ``retry_backoff_max``, randomised to [50%, 100%] with jitter.
-        max_retries: passed to ``task.retry`` (default: the task's own).
+            countdown of ``on_busy="retry"`` (only allowed with it):
+            ``retry_countdown`` (default 5 s, >= 0) ``* retry_backoff``
+            (default 2, >= 1) ``** request.retries``, capped at
+            ``retry_backoff_max`` (default 600 s), randomised to
+            [50%, 100%] when ``retry_jitter`` (default True).
+        max_retries: passed to ``task.retry`` (default: the task's own;
+            ``on_busy="retry"`` only).
 
-    A template naming an argument the call lacks raises :class:`TemplateError`
-    before anything is locked. The locks are released when the body returns
+    Raises (when decorating, so at import time):
+        TypeError: not applied to a plain function (see above).
+        TemplateError: a template field names no parameter of the function
+            (unless it takes ``**kwargs``: then each call checks), or is
+            positional.
+        ConfigurationError: a malformed or non-str template, no template,
+            one template both exclusive and shared, or a bad option value.
+
+    At call time, a template naming an argument the call lacks, or a value
+    it cannot format, raises :class:`TemplateError` before anything is
+    locked. The locks are released when the body returns
     or raises (including ``self.retry()`` and ``SoftTimeLimitExceeded``); a
     child killed by a hard time limit or revoke-terminate has its locks freed
     by the worker's main process within one heartbeat tick.

@@ -21,6 +21,7 @@ from celery_redislock import (
     LockTimeout,
     RedisUnavailable,
     ShuttingDown,
+    TemplateError,
 )
 
 ERRORS: list[LockError] = [
@@ -29,6 +30,8 @@ ERRORS: list[LockError] = [
     InvalidResource("resource name is empty", ""),
     ConfigurationError("redislock_owner_ttl", "must be within 0.05..86400 s, not -1"),
     ShuttingDown(["repo:1"]),
+    TemplateError("repo:{repo}", "repo", "sync"),
+    TemplateError("repo:{n:d}", "Unknown format code", "sync", "cannot be formatted (ValueError)"),
     RedisUnavailable("redis://user:secret@127.0.0.1:1/0", ConnectionError("refused")),
 ]
 
