@@ -133,6 +133,12 @@ def _check_templates(name: str, templates: Iterable[Any]) -> tuple[str, ...]:
                 f"exclusive templates are separate arguments, not a {type(t).__name__}: "
                 f"write @locked('a', 'b'), not @locked(['a', 'b']) ({t!r})",
             )
+        if callable(t) and name == "locked":
+            raise ConfigurationError(
+                name,
+                f"was applied to {getattr(t, '__qualname__', t)!r} without templates: "
+                "write @locked('repo:{repo_id}', ...), not a bare @locked",
+            )
         if not isinstance(t, str) or not t:
             raise ConfigurationError(name, f"resource templates must be non-empty str, not {t!r}")
         try:

@@ -303,6 +303,13 @@ def test_exclusive_templates_passed_as_a_list_get_a_hint() -> None:
         locked(["repo:1", "repo:2"])  # type: ignore[arg-type]
 
 
+def test_bare_locked_without_templates_gets_a_hint() -> None:
+    def sync(repo_id: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="bare @locked"):
+        locked(sync)  # type: ignore[arg-type]
+
+
 def test_no_resource_at_all_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="at least one"):
         locked()
