@@ -189,9 +189,10 @@ ORDER_HELP = (
 def _check_target(fun: Any) -> None:
     """Refuse what is not a plain function, notably a Celery task.
 
-    ``app.task`` returns a lazy proxy while the app is not finalized:
-    ``type()`` sees it without evaluating it (``isinstance`` and attribute
-    access would create the task, and finalize nothing else).
+    ``app.task`` returns a lazy proxy while the app is not finalized. It is
+    recognised by ``type()``, which does not evaluate it: ``isinstance()``
+    or any attribute access would create the task there and then, before
+    the app's configuration is complete.
     """
     from celery.app.task import Task
     from celery.local import Proxy
