@@ -1,0 +1,206 @@
+"""Reference model of the lock protocol, for tests/test_model.py.
+
+Pure Python, no Redis: what the lock semantics of docs/design.md and
+docs/fairness.md promise, for simulated owners and their requests. The
+state machine in tests/test_model.py drives the real scripts and compares
+Redis with this model after every step.
+
+What the model knows exactly is the *live* part of the state: owners whose
+liveness key exists, their grants and their queued requests. What dead
+owners leave behind (grants not yet reclaimed, queue entries not yet met)
+is removed lazily by the scripts, so the model does not predict when it
+goes; the test reads that residue from Redis where a prediction depends
+on it (the queue scan limit counts dead entries too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+
+#: A nested request's queue score is its arrival number minus this.
+NESTED_OFFSET = 10**15
+
+
+def purge_budget(limit: int) -> int:
+    """Most dead entries (or holders) one scan removes (_common.lua)."""
+    return 4 * limit
+
+
+def conflicts(a: str, b: str) -> bool:
+    """Two modes conflict unless both are shared."""
+    return a == "x" or b == "x"
+
+
+@dataclass
+class Owner:
+    """One simulated process: an owner id and its liveness."""
+
+    id: str
+    #: 'new' (never registered), 'alive' (liveness key exists), 'dead'.
+    state: str = "new"
+    #: Incarnation whose group the owner registers in (None: no group).
+    group: str | None = None
+    #: cleanup_owner freed it (the owner is dead and must stay dead).
+    cleaned: bool = False
+    #: A fake pid, so each owner has its own process tag in a group.
+    pid: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "alive"
+
+
+@dataclass
+class Request:
+    """One acquisition: a token, its resources and modes, and its state."""
+
+    token: str
+    owner: str
+    #: resource -> 'x' | 's', in the engine's order (exclusive, then shared).
+    modes: dict[str, str]
+    nested: bool
+    #: 'fresh' (never ran), 'queued', 'granted', 'ended' (released, given
+    #: up, lost in a flush, or refused: try-once, or its owner was dead).
+    state: str = "fresh"
+    score: int | None = None
+    fence: int | None = None
+    #: Its waiter vanished without its exit path and its request state
+    #: expired: the entries are dead (removable) although the owner lives.
+    stale: bool = False
+    #: A blocker of it died: its waiter runs again by that owner's liveness
+    #: deadline (nothing is pushed for a death), until its next run.
+    deadline_due: bool = False
+    #: Granted by a hand-off whose 'g<fence>' the waiter has not popped yet.
+    handed_off: bool = False
+
+    @property
+    def resources(self) -> list[str]:
+        return list(self.modes)
+
+    @property
+    def mode_string(self) -> str:
+        return "".join(self.modes.values())
+
+
+@dataclass
+class Model:
+    """Owners and requests, and the rules that decide grants."""
+
+    limit: int
+    owners: dict[str, Owner] = field(default_factory=dict)
+    requests: dict[str, Request] = field(default_factory=dict)
+    #: Last arrival number handed out ({ns}:seq).
+    seq: int = 0
+    #: Highest fencing token granted so far (across flushes too).
+    max_fence: int = 0
+
+    # -- queries ---------------------------------------------------------
+
+    def alive(self, owner_id: str) -> bool:
+        return self.owners[owner_id].alive
+
+    def with_state(self, *states: str) -> Iterator[Request]:
+        return (q for q in self.requests.values() if q.state in states)
+
+    def live_grants(self, exclude: AbstractSet[str] = frozenset()) -> Iterator[Request]:
+        """Granted requests of live owners (their locks are held)."""
+        return (
+            q for q in self.with_state("granted") if self.alive(q.owner) and q.token not in exclude
+        )
+
+    def live_queued(self, exclude: AbstractSet[str] = frozenset()) -> Iterator[Request]:
+        """Queued requests of live owners (their entries block others)."""
+        return (
+            q
+            for q in self.with_state("queued")
+            if self.alive(q.owner) and not q.stale and q.token not in exclude
+        )
+
+    def earlier(self, q: Request, other: Request) -> bool:
+        """Whether ``other`` arrived before ``q`` (``q`` not queued: any)."""
+        if other.score is None:
+            return False
+        return q.score is None or other.score < q.score
+
+    def live_ahead(self, q: Request, res: str) -> int:
+        """Live queued requests before ``q`` in ``res``'s queue."""
+        return sum(
+            1
+            for w in self.live_queued()
+            if w.token != q.token and res in w.modes and self.earlier(q, w)
+        )
+
+    def blockers(self, q: Request, exclude: AbstractSet[str] = frozenset()) -> list[str]:
+        """Why ``q`` may not be granted now; empty when it may.
+
+        The policy of docs/fairness.md: per resource, no live conflicting
+        holder and (unless nested) no earlier live conflicting queue entry,
+        and fewer than ``limit`` earlier live entries for the scan to look
+        at (dead entries do not count: they are removed on the way).
+        """
+        why = []
+        for res, mode in q.modes.items():
+            for h in self.live_grants(exclude):
+                if h.token != q.token and res in h.modes and conflicts(mode, h.modes[res]):
+                    why.append(f"{res}: held {h.modes[res]} by {h.token}")
+            if q.nested:
+                continue
+            for w in self.live_queued(exclude):
+                if (
+                    w.token != q.token
+                    and res in w.modes
+                    and self.earlier(q, w)
+                    and conflicts(mode, w.modes[res])
+                ):
+                    why.append(f"{res}: queued {w.modes[res]} {w.token} ahead")
+            ahead = self.live_ahead(q, res)
+            if ahead >= self.limit:
+                why.append(f"{res}: {ahead} live entries ahead >= scan limit")
+        return why
+
+    def fifo_violations(self, q: Request, exclude: AbstractSet[str]) -> list[str]:
+        """Earlier live conflicting requests that ``q``'s grant overtook.
+
+        Nested requests are exempt (they wait for holders only).
+        """
+        if q.nested:
+            return []
+        out = []
+        for w in self.live_queued(exclude):
+            if w.token == q.token or not self.earlier(q, w):
+                continue
+            for res, mode in q.modes.items():
+                if res in w.modes and conflicts(mode, w.modes[res]):
+                    out.append(f"{w.token} ({w.modes}) queued ahead on {res}")
+        return out
+
+    # -- transitions -----------------------------------------------------
+
+    def kill(self, owner_id: str) -> None:
+        """The owner's liveness is gone (expired, deleted, evicted)."""
+        owner = self.owners[owner_id]
+        if owner.state != "new":
+            owner.state = "dead"
+
+    def next_score(self, nested: bool) -> int:
+        self.seq += 1
+        return self.seq - NESTED_OFFSET if nested else self.seq
+
+    def grant(self, q: Request, fence: int) -> None:
+        """Record a new grant; fencing tokens must strictly increase."""
+        assert fence > self.max_fence, (
+            f"fencing token {fence} of {q.token} is not above the last one ({self.max_fence})"
+        )
+        self.max_fence = fence
+        q.state, q.fence, q.score = "granted", fence, None
+
+    def flush(self) -> None:
+        """Redis lost everything (FLUSHALL, a restart without persistence)."""
+        for owner in self.owners.values():
+            if owner.state == "alive":
+                owner.state = "dead"
+        for q in self.requests.values():
+            q.state, q.handed_off = "ended", False
+        self.seq = 0
