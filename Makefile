@@ -68,8 +68,12 @@ bench: venv
 
 # Randomized fault-injection run against real redis-servers; prints the seed
 # (replay with SEED=...) and exits non-zero on any invariant violation.
+# Then the protocol model (tests/test_model.py) explores MODEL_EXAMPLES
+# sequences instead of the default run's 75.
+MODEL_EXAMPLES ?= 1000
 chaos: venv
 	PYTHONPATH=.:tests $(BIN)/python -m chaos --duration $(DURATION) --faults $(FAULTS) --end $(END) $(if $(SEED),--seed $(SEED))
+	REDISLOCK_MODEL_EXAMPLES=$(MODEL_EXAMPLES) $(BIN)/python -m pytest -q -p no:randomly tests/test_model.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
