@@ -16,6 +16,7 @@ from .exceptions import (
     LockLost,
     LockTimeout,
     RedisUnavailable,
+    ReplicationTimeout,
     ShuttingDown,
 )
 from .inspect import Inspector
@@ -40,6 +41,7 @@ __all__ = [
     "ReconcileReport",
     "RedisLock",
     "RedisUnavailable",
+    "ReplicationTimeout",
     "ShuttingDown",
     "TemplateError",
     "check_eviction",

@@ -234,6 +234,7 @@ class RedisLock:
                 heartbeat_interval=cfg.heartbeat_interval,
                 heartbeat=False,
                 group=lambda: key,
+                **self._wait_kwargs(cfg),
             )
             mgr._halt_key = halt_key(prefix, inc) if inc else None
             return mgr
@@ -242,7 +243,17 @@ class RedisLock:
             cfg.namespace,
             owner_ttl=cfg.owner_ttl,
             heartbeat_interval=cfg.heartbeat_interval,
+            **self._wait_kwargs(cfg),
         )
+
+    @staticmethod
+    def _wait_kwargs(cfg: Config) -> dict[str, Any]:
+        """The replica-acknowledgement options (``redislock_wait_*``) of the manager."""
+        return {
+            "wait_replicas": cfg.wait_replicas,
+            "wait_timeout": cfg.wait_timeout,
+            "wait_policy": cfg.wait_policy,
+        }
 
     def _enter_worker(self, incarnation: str) -> LockManager:
         """Main process, before the pool forks: switch to worker mode."""

@@ -4,6 +4,9 @@ Every error the library raises on purpose derives from :class:`LockError`::
 
     LockError
      ├── LockTimeout        the locks were not granted within the timeout
+     │    └── ReplicationTimeout  granted, but fewer replicas than
+     │                       ``wait_replicas`` acknowledged the grant in
+     │                       time; the grant was released
      ├── LockLost           a lease's owner lost its liveness; the locks may
      │                      now belong to someone else
      ├── InvalidResource    a resource name or request shape was refused
@@ -44,6 +47,40 @@ class LockTimeout(LockError):
 
     def __str__(self) -> str:
         return f"locks not granted within {self.timeout}s: {', '.join(self.resources)}"
+
+
+class ReplicationTimeout(LockTimeout):
+    """The locks were granted on the master, but too few replicas confirmed it.
+
+    Raised by a :class:`~celery_redislock.LockManager` made with
+    ``wait_replicas=N`` when ``WAIT N`` reported fewer than ``N`` replicas
+    within ``wait_timeout``. The grant was released before this was raised
+    (nothing is left held), so a failover could not have handed the same
+    resources to a second holder while the caller proceeded. A
+    :class:`LockTimeout`: code that treats "not granted" alike needs no change.
+    """
+
+    def __init__(
+        self,
+        resources: Sequence[str],
+        timeout: float | None,
+        wanted: int,
+        acknowledged: int,
+        wait_timeout: float,
+    ) -> None:
+        self.resources = tuple(resources)
+        self.timeout = timeout
+        self.wanted = wanted
+        self.acknowledged = acknowledged
+        self.wait_timeout = wait_timeout
+        LockError.__init__(self, list(self.resources), timeout, wanted, acknowledged, wait_timeout)
+
+    def __str__(self) -> str:
+        return (
+            f"locks granted but only {self.acknowledged} of {self.wanted} replicas "
+            f"acknowledged within {self.wait_timeout}s (the grant was released): "
+            f"{', '.join(self.resources)}; check the replicas (INFO replication)"
+        )
 
 
 class LockLost(LockError):

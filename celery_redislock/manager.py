@@ -42,6 +42,7 @@ from .exceptions import (
     LockError,
     LockTimeout,
     RedisUnavailable,
+    ReplicationTimeout,
     ShuttingDown,
 )
 from .heartbeat import Heartbeat
@@ -64,6 +65,15 @@ DEFAULT_OWNER_TTL = 30.0
 #: Default queue scan limit: live entries one script looks at per wait queue
 #: (dead entries it removes have a budget of their own, 4 x this limit).
 DEFAULT_SCAN_LIMIT = 256
+#: Values of ``LockManager(wait_policy=...)``: what an acquire does when
+#: fewer than ``wait_replicas`` replicas acknowledge its grant in time.
+WAIT_POLICIES = ("fail", "retry")
+#: Default ``wait_timeout`` (seconds) and the bounds of ``wait_replicas`` /
+#: ``wait_timeout`` (the timeout is also kept below the socket timeout).
+DEFAULT_WAIT_TIMEOUT = 1.0
+MAX_WAIT_REPLICAS = 100
+MIN_WAIT_TIMEOUT = 0.001
+MAX_WAIT_TIMEOUT = 60.0
 
 #: Errors that mean Redis cannot be reached or cannot serve (reported as
 #: RedisUnavailable): a dropped or refused connection, a timeout, and a Redis
@@ -237,6 +247,20 @@ class LockManager:
             (``owner -> process tag``, see ``identity.process_tag``) on its
             first acquire, or None. The Celery integration groups a worker
             incarnation's owners this way.
+        wait_replicas: after every grant, ``WAIT wait_replicas`` so that the
+            grant is on that many replicas before ``acquire`` returns (a
+            failover then cannot forget it). ``0`` (default): no ``WAIT``.
+            The script's reply and ``WAIT`` share one round trip (a
+            pipeline); a grant handed over while waiting costs one more.
+            Not supported on Redis Cluster.
+        wait_timeout: seconds ``WAIT`` may block (default 1.0); at most 60
+            and below the client's socket timeout. Every acquire attempt,
+            granted or not, may block this long while replicas lag.
+        wait_policy: when fewer replicas acknowledge, the grant is released,
+            then ``"fail"`` (default) raises :class:`ReplicationTimeout`
+            and ``"retry"`` asks again (at the back of the queue) until the
+            acquire's own ``timeout`` runs out, then raises
+            :class:`ReplicationTimeout`.
 
     ``heartbeat=False`` and ``group`` apply to the process that built the
     manager only (the *member* process; a Celery pool child becomes one
@@ -260,6 +284,9 @@ class LockManager:
         name: str | None = None,
         heartbeat: bool = True,
         group: Callable[[], str | None] | None = None,
+        wait_replicas: int = 0,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+        wait_policy: str = "fail",
     ) -> None:
         if isinstance(owner_ttl, bool) or not isinstance(owner_ttl, (int, float)):
             raise ConfigurationError("owner_ttl", f"must be a number of seconds, not {owner_ttl!r}")
@@ -312,6 +339,9 @@ class LockManager:
         #: a short timeout as margin (a 0.4 s socket timeout blocks 0.2 s).
         self._block_cap = max(0.05, timeout - min(1.0, timeout / 2)) if timeout else 30.0
         self._scripts = Scripts(self.client)
+        self.wait_replicas, self.wait_timeout, self.wait_policy = self._wait_options(
+            wait_replicas, wait_timeout, wait_policy
+        )
         self._identity = IdentitySource(on_fork=self._after_fork_in_child)
         self._state_lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
@@ -505,6 +535,18 @@ class LockManager:
                 code = int(reply[0])
                 if code == 1:
                     ident.registered = True
+                    if self.wait_replicas:
+                        acked = self._replicas_acked(outage, token, reply)
+                        if acked is None:  # Redis failed; backed off: run the attempt again
+                            reply = None
+                            continue
+                        if acked < self.wait_replicas:
+                            request_id = self._replication_short(
+                                ident, token, req, acked, deadline, timeout
+                            )
+                            token = f"{ident.owner_id}|{request_id}"
+                            reply = None
+                            continue
                     lease = Lease(self, req, ident.owner_id, token, int(reply[1]), depth)
                     if log_acquire.isEnabledFor(logging.DEBUG):
                         log_acquire.debug(
@@ -613,7 +655,125 @@ class LockManager:
             self._limit_arg,
             ident.tag if group is not None else "",
         ]
+        if self.wait_replicas:
+            return self._call_and_wait("acquire", keys, args)
         return self._call("acquire", keys, args)
+
+    # -- replica acknowledgement (wait_replicas) --------------------------
+
+    def _wait_options(self, replicas: Any, timeout: Any, policy: Any) -> tuple[int, float, str]:
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise ConfigurationError(
+                "wait_replicas", f"must be a non-negative int (0: off), not {replicas!r}"
+            )
+        if not 0 <= replicas <= MAX_WAIT_REPLICAS:
+            raise ConfigurationError(
+                "wait_replicas", f"must be within 0..{MAX_WAIT_REPLICAS} (0: off), not {replicas}"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ConfigurationError(
+                "wait_timeout", f"must be a number of seconds, not {timeout!r}"
+            )
+        # Below the socket timeout only when WAIT is sent (the default 1 s
+        # must not refuse a client with a shorter socket timeout).
+        cap = min(MAX_WAIT_TIMEOUT, self._block_cap) if replicas else MAX_WAIT_TIMEOUT
+        if not MIN_WAIT_TIMEOUT <= timeout <= cap:  # also refuses nan and inf
+            raise ConfigurationError(
+                "wait_timeout",
+                f"must be within {MIN_WAIT_TIMEOUT}..{cap:.3g} s (at most {MAX_WAIT_TIMEOUT} s "
+                f"and below the client's socket timeout), not {timeout}",
+            )
+        if policy not in WAIT_POLICIES:
+            raise ConfigurationError(
+                "wait_policy", f"must be one of {', '.join(WAIT_POLICIES)}, not {policy!r}"
+            )
+        if replicas and isinstance(self.client, RedisCluster):
+            raise ConfigurationError(
+                "wait_replicas",
+                "is not supported on Redis Cluster (WAIT has no key to route it to the "
+                "namespace's master); use 0",
+            )
+        return replicas, float(timeout), policy
+
+    @functools.cached_property
+    def _wait_ms(self) -> int:
+        return max(1, round(self.wait_timeout * 1000))
+
+    def _call_and_wait(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script and ``WAIT`` in one round trip; a grant's reply gains the count.
+
+        ``{1, fence}`` becomes ``[1, fence, replicas that acknowledged]``;
+        any other reply is returned as it is.
+        """
+        try:
+            reply, acked = self._scripts.run_and_wait(
+                name, keys, args, self.wait_replicas, self._wait_ms
+            )
+        except REDIS_DOWN_ERRORS as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+        if int(reply[0]) == 1:
+            return [*reply, acked]
+        return reply
+
+    def _wait_now(self) -> int:
+        """``WAIT`` for a grant made by another client (a hand-off); one round trip.
+
+        ``WAIT`` counts the replicas that have every write made before the
+        *connection's* last command; the grant was written before the push
+        this waiter popped, but a pooled connection (or one whose BLPOP was
+        served while blocked, Redis 6.2) may have an older offset: the PING
+        sent first in the same pipeline moves it to now.
+        """
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.ping()
+            pipe.execute_command("WAIT", self.wait_replicas, self._wait_ms)
+            return int(pipe.execute()[1])
+        except REDIS_DOWN_ERRORS as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+
+    def _replicas_acked(self, outage: _Outage, token: str, reply: Any) -> int | None:
+        """How many replicas acknowledged a grant; None after a ridden-out failure."""
+        if len(reply) > 2:  # counted in the script's round trip
+            return int(reply[2])
+        acked: int | None = self._riding_out(outage, token, self._wait_now)
+        return acked
+
+    def _replication_short(
+        self,
+        ident: OwnerIdentity,
+        token: str,
+        req: _Request,
+        acked: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> str:
+        """Too few replicas acknowledged the grant of ``token``: release it.
+
+        ``wait_policy="fail"`` (or no time left) raises ReplicationTimeout
+        (the acquire's exit path releases the grant); ``"retry"`` releases it
+        here and returns a new request id to ask again with.
+        """
+        retry = self.wait_policy == "retry" and (
+            deadline is None or deadline - time.monotonic() > 0
+        )
+        log_acquire.warning(
+            "acquire.replication-short token=%s resources=%s wanted=%d acknowledged=%d "
+            "wait_timeout=%.3gs policy=%s: grant released%s",
+            token,
+            ",".join(req.resources),
+            self.wait_replicas,
+            acked,
+            self.wait_timeout,
+            self.wait_policy,
+            "; asking again" if retry else "",
+        )
+        if not retry:
+            raise ReplicationTimeout(
+                req.resources, timeout, self.wait_replicas, acked, self.wait_timeout
+            )
+        self._end_request(ident.owner_id, token, req)
+        return uuid.uuid4().hex
 
     @property
     def _req_ttl_ms(self) -> int:

@@ -3,7 +3,9 @@
 Each script is ``_common.lua`` followed by the script's own file.
 :meth:`Scripts.run` sends EVALSHA and, on NOSCRIPT (after a Redis restart or
 SCRIPT FLUSH), loads the script and retries, so callers never see a missing
-script. (It calls ``evalsha`` itself rather than through redis-py's
+script. :meth:`Scripts.run_and_wait` sends EVALSHA and ``WAIT`` in one
+pipeline (one round trip; ``WAIT`` cannot run inside Lua), with the same
+NOSCRIPT handling. (It calls ``evalsha`` itself rather than through redis-py's
 ``Script`` object: the release sits on the hand-off's critical path, and
 that wrapper copies every key and argument once more on each call.)
 """
@@ -70,3 +72,30 @@ class Scripts:
         except NoScriptError:
             c.script_load(self._source[name])
             return c.evalsha(self._sha[name], len(keys), *keys, *args)
+
+    def run_and_wait(
+        self, name: str, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        """Run script ``name``, then ``WAIT replicas timeout_ms``: one round trip.
+
+        Both go in one pipeline, so ``WAIT`` runs on the connection that ran
+        the script and counts the replicas that have its writes. Returns
+        ``(script reply, replicas that acknowledged)``. On NOSCRIPT the
+        script is loaded and the pipeline sent again (the first ``WAIT`` is
+        then discarded). A script error is raised as it is. Not for Redis
+        Cluster (``WAIT`` has no key there to route it by).
+        """
+        c = self._client
+        for attempt in (1, 2):
+            pipe = c.pipeline(transaction=False)
+            pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            reply, acked = pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError) and attempt == 1:
+                c.script_load(self._source[name])
+                continue
+            for item in (reply, acked):
+                if isinstance(item, Exception):
+                    raise item
+            return reply, int(acked)
+        raise AssertionError("unreachable")  # pragma: no cover

@@ -22,6 +22,12 @@ from .keys import validate_namespace
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
 #: Values of ``redislock_eviction_check``.
 EVICTION_MODES = ("warn", "raise", "ignore")
+#: Values of ``redislock_wait_policy``.
+WAIT_POLICIES = ("fail", "retry")
+#: Bounds of ``redislock_wait_replicas`` and ``redislock_wait_timeout``.
+MAX_WAIT_REPLICAS = 100
+MIN_WAIT_TIMEOUT = 0.001
+MAX_WAIT_TIMEOUT = 60.0
 #: Values of ``locked(on_busy=...)``.
 ON_BUSY_MODES = ("wait", "retry", "raise", "skip")
 
@@ -96,6 +102,28 @@ SETTINGS: tuple[Setting, ...] = (
         "At worker start, what to do when Redis may evict keys "
         "(maxmemory-policy other than noeviction).",
     ),
+    Setting(
+        "redislock_wait_replicas",
+        "int",
+        "0",
+        "After every grant, WAIT until this many replicas have it before the task "
+        "body runs, so a failover cannot forget the grant. 0 (off) to 100.",
+    ),
+    Setting(
+        "redislock_wait_timeout",
+        "float (seconds)",
+        "1.0",
+        "How long that WAIT may block (each acquire attempt may take this long "
+        "while replicas lag); 0.001..60 and below the socket timeout.",
+    ),
+    Setting(
+        "redislock_wait_policy",
+        "'fail' | 'retry'",
+        "'fail'",
+        "When fewer replicas acknowledge a grant in time, it is released, then: "
+        "'fail' raises ReplicationTimeout (a LockTimeout); 'retry' asks again "
+        "until the acquire's timeout.",
+    ),
 )
 
 SETTING_NAMES = frozenset(s.name for s in SETTINGS)
@@ -113,6 +141,9 @@ class Config:
     default_timeout: float | None = None
     fast_restart_cleanup: bool = True
     eviction_check: str = "warn"
+    wait_replicas: int = 0
+    wait_timeout: float = 1.0
+    wait_policy: str = "fail"
 
 
 def _number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
@@ -274,6 +305,8 @@ def load_config(conf: Mapping[str, Any]) -> Config:
             "redislock_eviction_check", f"must be one of {', '.join(EVICTION_MODES)}, not {mode!r}"
         )
 
+    wait_replicas, wait_timeout, wait_policy = _wait_settings(get)
+
     return Config(
         url=url,
         namespace=namespace,
@@ -283,7 +316,38 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         default_timeout=timeout,
         fast_restart_cleanup=fast_b,
         eviction_check=mode,
+        wait_replicas=wait_replicas,
+        wait_timeout=wait_timeout,
+        wait_policy=wait_policy,
     )
+
+
+def _wait_settings(get: Callable[[str, Any], Any]) -> tuple[int, float, str]:
+    """``redislock_wait_replicas``, ``_wait_timeout`` and ``_wait_policy``, validated."""
+    name = "redislock_wait_replicas"
+    raw = get(name, None)
+    replicas: Any = 0 if raw is None else raw
+    if isinstance(replicas, str) and replicas.strip().isdigit():
+        replicas = int(replicas)
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise ConfigurationError(name, f"must be a non-negative int (0: off), not {raw!r}")
+    if not 0 <= replicas <= MAX_WAIT_REPLICAS:
+        raise ConfigurationError(
+            name, f"must be within 0..{MAX_WAIT_REPLICAS} (0: off), not {replicas}"
+        )
+    name = "redislock_wait_timeout"
+    raw = get(name, None)
+    timeout = 1.0 if raw is None else _number(name, raw)
+    assert timeout is not None
+    if not MIN_WAIT_TIMEOUT <= timeout <= MAX_WAIT_TIMEOUT:
+        raise ConfigurationError(
+            name, f"must be within {MIN_WAIT_TIMEOUT}..{MAX_WAIT_TIMEOUT} seconds, not {timeout}"
+        )
+    name = "redislock_wait_policy"
+    policy = get(name, None) or "fail"
+    if not isinstance(policy, str) or policy not in WAIT_POLICIES:
+        raise ConfigurationError(name, f"must be one of {', '.join(WAIT_POLICIES)}, not {policy!r}")
+    return replicas, timeout, policy
 
 
 def markdown_table() -> str:

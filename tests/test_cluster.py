@@ -30,7 +30,7 @@ from redis.cluster import RedisCluster
 
 from celery_redislock import LockManager
 from celery_redislock.checks import check_eviction
-from celery_redislock.exceptions import LockTimeout, RedisUnavailable
+from celery_redislock.exceptions import ConfigurationError, LockTimeout, RedisUnavailable
 from celery_redislock.inspect import Inspector
 from celery_redislock.lease import Lease
 from celery_redislock.node import Node, group_key, new_incarnation
@@ -405,3 +405,9 @@ def test_a_cluster_that_lost_a_master_is_reported_as_redis_unavailable() -> None
             mgr.close()
         finally:
             client.close()
+
+
+def test_wait_replicas_is_refused_on_a_cluster_client(cluster: Callable[..., RedisCluster]) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        LockManager(cluster(), "ns", wait_replicas=1)
+    assert err.value.setting == "wait_replicas" and "Redis Cluster" in str(err.value)

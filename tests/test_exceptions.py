@@ -20,6 +20,7 @@ from celery_redislock import (
     LockLost,
     LockTimeout,
     RedisUnavailable,
+    ReplicationTimeout,
     ShuttingDown,
     TemplateError,
 )
@@ -32,6 +33,7 @@ ERRORS: list[LockError] = [
     ShuttingDown(["repo:1"]),
     TemplateError("repo:{repo}", "repo", "sync"),
     TemplateError("repo:{n:d}", "Unknown format code", "sync", "cannot be formatted (ValueError)"),
+    ReplicationTimeout(["repo:1"], 2.5, 1, 0, 0.5),
     RedisUnavailable("redis://user:secret@127.0.0.1:1/0", ConnectionError("refused")),
 ]
 

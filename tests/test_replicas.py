@@ -1,0 +1,317 @@
+"""``wait_replicas``: a grant is on N replicas before ``acquire`` returns.
+
+A real master and one real replica (``--replicaof``) for the module. The
+replica is read directly to see what it has; SIGSTOP pauses it so that the
+master's ``WAIT`` gets no acknowledgement (SIGCONT in teardown). What a user
+relies on:
+
+- with a healthy replica, acquire returns only once the replica holds the
+  grant, on the script path and on the hand-off path;
+- with the replica paused, the grant is released and the acquire fails with
+  ReplicationTimeout (``wait_policy="fail"``) or asks again until its own
+  timeout (``"retry"``); nothing stays held on the master (lock hash,
+  registry, queue);
+- ``wait_replicas=0`` (the default) sends no ``WAIT``; ``wait_replicas=1``
+  sends one per acquire attempt, in the attempt's own pipeline;
+- ``redislock_wait_*`` settings reach the manager of ``RedisLock(app)``,
+  and bad values are refused with the setting's name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_redislock import (
+    ConfigurationError,
+    LockManager,
+    LockTimeout,
+    RedisLock,
+    ReplicationTimeout,
+)
+from celery_redislock.settings import load_config
+from engine_helpers import (
+    Managers,
+    assert_registry_truth,
+    command_delta,
+    commandstats,
+    kinds,
+    lock_holders,
+    namespace_keys,
+    wait_until,
+)
+from redis_server import LOOPBACK, RedisServer
+
+NS = "t"
+LOCK = "{t}:lock:res"
+
+
+class Pair:
+    """A master and one replica of it."""
+
+    def __init__(self, workdir: Path) -> None:
+        fast_sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+        self.master = RedisServer(workdir=workdir / "master", extra_args=fast_sync)
+        self.master.start()
+        self.replica = RedisServer(
+            workdir=workdir / "replica",
+            extra_args=[*fast_sync, "--replicaof", LOOPBACK, str(self.master.port)],
+        )
+        self.replica.start()
+        self.m = self.master.client(socket_timeout=5)
+        self.r = self.replica.client(socket_timeout=5)
+        self.paused = False
+
+    def in_sync(self) -> bool:
+        info: dict[str, Any] = self.r.info("replication")
+        if info.get("master_link_status") != "up":
+            return False
+        return int(self.m.info("replication").get("connected_slaves", 0)) == 1
+
+    def pause_replica(self) -> None:
+        assert self.replica.process is not None
+        os.kill(self.replica.process.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume_replica(self) -> None:
+        if self.paused and self.replica.process is not None:
+            os.kill(self.replica.process.pid, signal.SIGCONT)
+        self.paused = False
+
+    def close(self) -> None:
+        self.resume_replica()
+        self.m.close()
+        self.r.close()
+        self.replica.close()
+        self.master.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = Pair(tmp_path_factory.mktemp("replicas"))
+    try:
+        wait_until(p.in_sync, what="the replica to sync with the master")
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def fresh(pair: Pair) -> Iterator[Pair]:
+    """The pair with an empty master (and replica), resumed after the test."""
+    pair.m.flushall()
+    wait_until(lambda: pair.in_sync() and not pair.r.dbsize(), what="the replica to empty")
+    try:
+        yield pair
+    finally:
+        pair.resume_replica()
+        wait_until(pair.in_sync, what="the replica to come back")
+
+
+@pytest.fixture
+def managers(fresh: Pair) -> Iterator[Managers]:
+    made = Managers(fresh.master.url, namespace=NS)
+    yield made
+    made.close_all()
+
+
+def assert_nothing_held(p: Pair) -> None:
+    """No lock hash, registry, queue or request state left on the master."""
+    left = kinds(namespace_keys(p.m, NS), NS)
+    assert not left & {"lock", "held", "q", "req", "wake"}, sorted(namespace_keys(p.m, NS))
+    assert_registry_truth(p.m, NS)
+
+
+def test_grant_is_on_the_replica_when_acquire_returns(fresh: Pair, managers: Managers) -> None:
+    mgr = managers(wait_replicas=1, wait_timeout=2.0)
+    lease = mgr.acquire("res", timeout=5)
+    # Read straight from the replica, with no wait: WAIT already confirmed it.
+    on_replica = {k.decode(): v for k, v in fresh.r.hgetall(LOCK).items()}
+    assert lease.token in on_replica
+    lease.release()
+
+
+def test_handed_off_grant_is_on_the_replica_when_acquire_returns(
+    fresh: Pair, managers: Managers
+) -> None:
+    holder = managers().acquire("res")
+    waiter = managers(wait_replicas=1, wait_timeout=2.0)
+    got: dict[str, Any] = {}
+
+    def wait() -> None:
+        lease = waiter.acquire("res", timeout=20)
+        got["token"] = lease.token
+        got["on_replica"] = {k.decode() for k in fresh.r.hgetall(LOCK)}
+        got["lease"] = lease
+
+    t = threading.Thread(target=wait)
+    t.start()
+    wait_until(lambda: fresh.m.zcard("{t}:q:res") == 1, what="the waiter to queue")
+    before = commandstats(fresh.m)
+    holder.release()
+    t.join(20)
+    assert not t.is_alive()
+    delta = command_delta(before, commandstats(fresh.m))
+    assert got["token"] in got["on_replica"]
+    # Handed over by the release (no second acquire script), then one WAIT.
+    assert delta.get("evalsha") == 1 and delta.get("wait") == 1, delta
+    got["lease"].release()
+
+
+def test_paused_replica_fails_the_acquire_and_leaves_nothing_held(
+    fresh: Pair, managers: Managers
+) -> None:
+    mgr = managers(wait_replicas=1, wait_timeout=0.2)
+    fresh.pause_replica()
+    with pytest.raises(ReplicationTimeout) as err:
+        mgr.acquire("res", timeout=5)
+    assert err.value.wanted == 1 and err.value.acknowledged == 0
+    assert isinstance(err.value, LockTimeout)
+    assert "0 of 1 replicas" in str(err.value)
+    assert_nothing_held(fresh)
+    # Another owner without wait_replicas gets the lock at once.
+    managers().acquire("res", timeout=0).release()
+
+
+def test_paused_replica_retry_policy_asks_again_until_the_timeout(
+    fresh: Pair, managers: Managers
+) -> None:
+    mgr = managers(wait_replicas=1, wait_timeout=0.1, wait_policy="retry")
+    fresh.pause_replica()
+    before = commandstats(fresh.m)
+    with pytest.raises(ReplicationTimeout) as err:
+        mgr.acquire("res", timeout=0.5)
+    delta = command_delta(before, commandstats(fresh.m))
+    assert err.value.acknowledged == 0
+    assert delta.get("wait", 0) >= 2, delta  # granted, released and asked again
+    assert_nothing_held(fresh)
+
+
+def test_paused_replica_fails_a_handed_off_grant_and_leaves_nothing_held(
+    fresh: Pair, managers: Managers
+) -> None:
+    holder = managers().acquire("res")
+    waiter = managers(wait_replicas=1, wait_timeout=0.2)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire("res", timeout=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    wait_until(lambda: fresh.m.zcard("{t}:q:res") == 1, what="the waiter to queue")
+    fresh.pause_replica()
+    holder.release()
+    t.join(20)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], ReplicationTimeout), errors
+    assert_nothing_held(fresh)
+
+
+def test_replica_back_after_a_pause_grants_again(fresh: Pair, managers: Managers) -> None:
+    mgr = managers(wait_replicas=1, wait_timeout=0.2)
+    fresh.pause_replica()
+    with pytest.raises(ReplicationTimeout):
+        mgr.acquire("res", timeout=0)
+    fresh.resume_replica()
+    wait_until(fresh.in_sync, what="the replica to come back")
+    with mgr.lock("res", timeout=5) as lease:
+        assert lease.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
+
+
+def test_no_wait_is_sent_without_wait_replicas(fresh: Pair, managers: Managers) -> None:
+    mgr = managers()
+    mgr.acquire("warm", timeout=0).release()  # registration and script load
+    before = commandstats(fresh.m)
+    mgr.acquire("res", timeout=0).release()
+    delta = command_delta(before, commandstats(fresh.m))
+    assert delta["evalsha"] == 2 and "wait" not in delta, delta
+
+
+def test_one_wait_per_attempt_with_wait_replicas(fresh: Pair, managers: Managers) -> None:
+    mgr = managers(wait_replicas=1, wait_timeout=2.0)
+    mgr.acquire("warm", timeout=0).release()
+    before = commandstats(fresh.m)
+    mgr.acquire("res", timeout=0).release()
+    delta = command_delta(before, commandstats(fresh.m))
+    # One WAIT, in the acquire's pipeline; release does not WAIT.
+    assert delta["evalsha"] == 2 and delta["wait"] == 1, delta
+
+
+def test_wait_survives_script_flush(fresh: Pair, managers: Managers) -> None:
+    mgr = managers(wait_replicas=1, wait_timeout=2.0)
+    mgr.acquire("warm", timeout=0).release()
+    fresh.m.script_flush()
+    with mgr.lock("res", timeout=5) as lease:
+        assert lease.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
+    assert lock_holders(fresh.m, NS) == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting", "text"),
+    [
+        ({"wait_replicas": -1}, "wait_replicas", "0..100"),
+        ({"wait_replicas": True}, "wait_replicas", "non-negative int"),
+        ({"wait_replicas": 1.0}, "wait_replicas", "non-negative int"),
+        ({"wait_replicas": 101}, "wait_replicas", "0..100"),
+        ({"wait_timeout": 0}, "wait_timeout", "0.001.."),
+        ({"wait_timeout": float("inf")}, "wait_timeout", "0.001.."),
+        ({"wait_timeout": float("nan")}, "wait_timeout", "0.001.."),
+        ({"wait_replicas": 1, "wait_timeout": 30.0}, "wait_timeout", "socket timeout"),
+        ({"wait_timeout": 61}, "wait_timeout", "0.001..60"),
+        ({"wait_timeout": "1"}, "wait_timeout", "number of seconds"),
+        ({"wait_policy": "later"}, "wait_policy", "fail, retry"),
+    ],
+)
+def test_manager_refuses_bad_wait_options(kwargs: dict[str, Any], setting: str, text: str) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        LockManager("redis://127.0.0.1:1/0", **kwargs)
+    assert err.value.setting == setting and text in str(err.value)
+
+
+def test_settings_reach_the_manager_of_redislock_app(fresh: Pair) -> None:
+    app = Celery("t", broker=fresh.master.url, set_as_current=False)
+    app.conf.redislock_wait_replicas = 1
+    app.conf.redislock_wait_timeout = "0.5"
+    app.conf.redislock_wait_policy = "retry"
+    locks = RedisLock(app)
+    try:
+        mgr = locks.manager
+        assert (mgr.wait_replicas, mgr.wait_timeout, mgr.wait_policy) == (1, 0.5, "retry")
+        with locks.lock("res", timeout=5) as lease:
+            assert lease.token in {k.decode() for k in fresh.r.hgetall("{redislock}:lock:res")}
+    finally:
+        locks.close()
+
+
+def test_settings_default_to_no_wait() -> None:
+    cfg = load_config({"redislock_url": "redis://127.0.0.1:1/0"})
+    assert (cfg.wait_replicas, cfg.wait_timeout, cfg.wait_policy) == (0, 1.0, "fail")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "text"),
+    [
+        ("redislock_wait_replicas", -1, "0..100"),
+        ("redislock_wait_replicas", "two", "non-negative int"),
+        ("redislock_wait_replicas", True, "non-negative int"),
+        ("redislock_wait_timeout", 0, "0.001..60"),
+        ("redislock_wait_timeout", float("inf"), "0.001..60"),
+        ("redislock_wait_timeout", "soon", "number of seconds"),
+        ("redislock_wait_policy", "sometimes", "fail, retry"),
+    ],
+)
+def test_settings_refuse_bad_wait_values(name: str, value: Any, text: str) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        load_config({"redislock_url": "redis://127.0.0.1:1/0", name: value})
+    assert err.value.setting == name and text in str(err.value)
