@@ -141,7 +141,9 @@ def test_grant_is_on_the_replica_when_acquire_returns(fresh: Pair, managers: Man
 def test_handed_off_grant_is_on_the_replica_when_acquire_returns(
     fresh: Pair, managers: Managers
 ) -> None:
-    holder = managers().acquire("res")
+    holder_mgr = managers()
+    holder_mgr.acquire("warm").release()  # scripts loaded: no NOSCRIPT below
+    holder = holder_mgr.acquire("res")
     waiter = managers(wait_replicas=1, wait_timeout=2.0)
     got: dict[str, Any] = {}
 
@@ -210,6 +212,14 @@ def test_paused_replica_fails_a_handed_off_grant_and_leaves_nothing_held(
     t = threading.Thread(target=wait)
     t.start()
     wait_until(lambda: fresh.m.zcard("{t}:q:res") == 1, what="the waiter to queue")
+    wait_until(lambda: fresh.m.info("clients")["blocked_clients"] == 1, what="the waiter to block")
+    # The replica has acknowledged everything up to now, the waiter's BLPOP
+    # included: a WAIT that counted from the BLPOP's offset, not the grant's,
+    # would wrongly report the paused replica.
+    pipe = fresh.m.pipeline(transaction=False)
+    pipe.ping()
+    pipe.wait(1, 5000)
+    assert pipe.execute()[1] == 1
     fresh.pause_replica()
     holder.release()
     t.join(20)
