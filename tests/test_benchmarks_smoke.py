@@ -104,3 +104,13 @@ def test_jain_index_is_one_for_equal_shares_and_lower_otherwise() -> None:
     assert peers.jain_index([5, 5, 5, 5]) == pytest.approx(1.0)
     assert peers.jain_index([10, 0]) == pytest.approx(0.5)
     assert peers.jain_index([]) == 0.0
+
+
+def test_replica_benchmark_times_acquire_release_with_and_without_wait() -> None:
+    from benchmarks import replicas
+
+    res = replicas.run(rounds=2, ops=5)
+
+    assert len(res.without) == len(res.with_wait) == 10
+    assert res.ratio > 0
+    assert "wait_replicas" in res.markdown()
