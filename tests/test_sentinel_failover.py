@@ -17,8 +17,10 @@ the Sentinel has promoted the replica. What a user relies on:
   the replica had it; gone when the replica missed it, so a new holder gets
   it with a larger fencing token and the old lease's release reports it lost.
 
-A last test demotes the master under an open connection (READONLY replies):
+A test demotes the master under an open connection (READONLY replies):
 RedisUnavailable there too, on Redis 6.2 as on 7 (celery_redislock/connect.py).
+The last one acquires with ``wait_replicas=1`` through the Sentinel URL and
+kills the master at once: the lock is still held on the promoted replica.
 """
 
 from __future__ import annotations
@@ -365,3 +367,26 @@ def test_a_master_demoted_under_open_connections_raises_redis_unavailable(
         master.execute_command("REPLICAOF", "NO", "ONE")
     with mgr.lock(exclusive=["a"], timeout=5) as lease:
         assert [h.token for h in Inspector(mgr).holders("a")] == [lease.token]
+
+
+def test_with_wait_replicas_a_grant_survives_a_failover_right_after_acquire(
+    group: Group, managers: Callable[..., LockManager]
+) -> None:
+    # No manual sync (compare the test above): wait_replicas=1 is what makes
+    # the replica hold the grant by the time acquire returns. WAIT stays below
+    # the 1 s socket timeout of the URL.
+    mgr = managers(group.url, wait_replicas=1, wait_timeout=0.4)
+    other = managers(group.url)
+    held = mgr.acquire(exclusive=["held"], timeout=5)
+    lock_key = f"{{{NS}}}:lock:held"
+    assert held.token in {redis_text(t) for t in group.client(group.replica).hgetall(lock_key)}
+
+    group.master.kill()
+    _until_the_new_master_answers(other)
+    group.wait_promoted()
+
+    with pytest.raises(LockTimeout):
+        other.acquire(exclusive=["held"], timeout=0)
+    held.release()
+    assert not held.lost
+    other.acquire(exclusive=["held"], timeout=0).release()
