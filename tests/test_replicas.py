@@ -300,6 +300,11 @@ def test_settings_reach_the_manager_of_redislock_app(fresh: Pair) -> None:
         assert (mgr.wait_replicas, mgr.wait_timeout, mgr.wait_policy) == (1, 0.5, "retry")
         with locks.lock("res", timeout=5) as lease:
             assert lease.token in {k.decode() for k in fresh.r.hgetall("{redislock}:lock:res")}
+        worker_mgr = locks._make_manager(worker=True)  # a worker's main process and children
+        try:
+            assert (worker_mgr.wait_replicas, worker_mgr.wait_policy) == (1, "retry")
+        finally:
+            worker_mgr.close()
     finally:
         locks.close()
 
