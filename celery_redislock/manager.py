@@ -452,8 +452,16 @@ class LockManager:
             queue_keys=tuple(self.keys.queue(r) for r in names),
         )
 
-    def _call(self, name: str, keys: list[str], args: list[Any], client: Any = None) -> Any:
+    def _call(
+        self, name: str, keys: list[str], args: list[Any], client: Any = None, *, wait: int = 0
+    ) -> Any:
+        """Run a script (one round trip); ``wait=N``: also ``WAIT N`` in the same pipeline.
+
+        With ``wait`` the answer is ``(script reply, replicas that acknowledged)``.
+        """
         try:
+            if wait:
+                return self._scripts.run_and_wait(name, keys, args, wait, self._wait_ms)
             return self._scripts.run(name, keys, args, client=client)
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
@@ -705,12 +713,7 @@ class LockManager:
         ``{1, fence}`` becomes ``[1, fence, replicas that acknowledged]``;
         any other reply is returned as it is.
         """
-        try:
-            reply, acked = self._scripts.run_and_wait(
-                name, keys, args, self.wait_replicas, self._wait_ms
-            )
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.url, exc) from exc
+        reply, acked = self._call(name, keys, args, wait=self.wait_replicas)
         if int(reply[0]) == 1:
             return [*reply, acked]
         return reply
