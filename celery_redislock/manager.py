@@ -554,6 +554,13 @@ class LockManager:
                             )
                             token = f"{ident.owner_id}|{request_id}"
                             reply = None
+                            # Never granted, never blocked: look at the halt list
+                            # here, or a warm shutdown would wait for the replicas.
+                            if haltable and (
+                                self._halted
+                                or self._riding_out(outage, token, block_call, token, 0.001) == -1
+                            ):
+                                raise ShuttingDown(req.resources)
                             continue
                     lease = Lease(self, req, ident.owner_id, token, int(reply[1]), depth)
                     if log_acquire.isEnabledFor(logging.DEBUG):

@@ -35,7 +35,9 @@ from celery_redislock import (
     LockTimeout,
     RedisLock,
     ReplicationTimeout,
+    ShuttingDown,
 )
+from celery_redislock.node import halt_key, new_incarnation
 from celery_redislock.settings import load_config
 from engine_helpers import (
     Managers,
@@ -193,6 +195,37 @@ def test_paused_replica_retry_policy_asks_again_until_the_timeout(
     delta = command_delta(before, commandstats(fresh.m))
     assert err.value.acknowledged == 0
     assert delta.get("wait", 0) >= 2, delta  # granted, released and asked again
+    assert_nothing_held(fresh)
+
+
+def test_retry_policy_without_timeout_gives_way_to_a_worker_shutdown(
+    fresh: Pair, managers: Managers
+) -> None:
+    # @locked's wait in a worker (halt_ok) with timeout=None and the replica
+    # down: a warm shutdown (the halt list) must still end it.
+    mgr = managers(wait_replicas=1, wait_timeout=0.05, wait_policy="retry")
+    mgr._halt_key = halt_key("{t}:", new_incarnation())
+    fresh.pause_replica()
+    out: list[BaseException] = []
+
+    def wait() -> None:
+        mgr._local.halt_ok = True
+        try:
+            mgr.acquire("res", timeout=None)
+        except BaseException as exc:
+            out.append(exc)
+
+    before = commandstats(fresh.m)
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    wait_until(
+        lambda: command_delta(before, commandstats(fresh.m)).get("wait", 0) >= 2,
+        what="the acquire to be refused by the replicas twice",
+    )
+    fresh.m.rpush(mgr._halt_key, "halt")
+    t.join(20)
+    assert not t.is_alive()
+    assert len(out) == 1 and isinstance(out[0], ShuttingDown), out
     assert_nothing_held(fresh)
 
 
