@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_redislock import (
@@ -270,6 +271,28 @@ def test_replica_back_after_a_pause_grants_again(fresh: Pair, managers: Managers
     wait_until(fresh.in_sync, what="the replica to come back")
     with mgr.lock("res", timeout=5) as lease:
         assert lease.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
+
+
+def test_an_acl_without_wait_fails_the_acquire_and_leaves_nothing_held(
+    fresh: Pair, managers: Managers
+) -> None:
+    # The namespace ACL of docs/operations.md, without +wait.
+    fresh.m.acl_setuser(
+        "locks",
+        enabled=True,
+        passwords=["+secret"],
+        keys=["{t}:*"],
+        commands=["-@all", "+@read", "+@write", "+@scripting", "+@connection", "+blpop"]
+        + ["+info", "+time"],
+    )
+    try:
+        url = f"redis://locks:secret@{LOOPBACK}:{fresh.master.port}/0"
+        mgr = managers(url, wait_replicas=1, wait_timeout=1.0)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            mgr.acquire("res", timeout=5)
+        assert_nothing_held(fresh)
+    finally:
+        fresh.m.acl_deluser("locks")
 
 
 def test_no_wait_is_sent_without_wait_replicas(fresh: Pair, managers: Managers) -> None:
