@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from .exceptions import ConfigurationError, LockTimeout
+from .exceptions import ConfigurationError, LockTimeout, ReplicationTimeout
 from .lease import Lease
 from .manager import LockManager
 from .settings import Config, load_config
@@ -341,6 +341,9 @@ class RedisLock:
         mgr = self.manager
         try:
             lease = mgr.acquire(RECONCILE_RESOURCE, timeout=0)
+        except ReplicationTimeout as exc:
+            log_reconcile.warning("reconcile.skipped reason=replicas-behind: %s", exc)
+            return {"skipped": True}
         except LockTimeout:
             log_reconcile.info("reconcile.skipped reason=another-run-in-progress")
             return {"skipped": True}

@@ -365,6 +365,23 @@ def test_settings_reach_the_manager_of_redislock_app(fresh: Pair) -> None:
         locks.close()
 
 
+def test_reconcile_with_replicas_behind_is_skipped_and_says_why(
+    fresh: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = Celery("t", broker=fresh.master.url, set_as_current=False)
+    app.conf.redislock_wait_replicas = 1
+    app.conf.redislock_wait_timeout = 0.1
+    locks = RedisLock(app)
+    try:
+        fresh.pause_replica()
+        with caplog.at_level("INFO", logger="celery_redislock.reconcile"):
+            assert locks.reconcile() == {"skipped": True}
+        assert "reconcile.skipped reason=replicas-behind" in caplog.text
+        assert_nothing_held(fresh)
+    finally:
+        locks.close()
+
+
 def test_settings_default_to_no_wait() -> None:
     cfg = load_config({"redislock_url": "redis://127.0.0.1:1/0"})
     assert (cfg.wait_replicas, cfg.wait_timeout, cfg.wait_policy) == (0, 1.0, "fail")
