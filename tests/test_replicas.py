@@ -19,11 +19,8 @@ relies on:
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,50 +47,11 @@ from engine_helpers import (
     namespace_keys,
     wait_until,
 )
-from redis_server import LOOPBACK, RedisServer
+from redis_server import LOOPBACK
+from replica_helpers import Pair
 
 NS = "t"
 LOCK = "{t}:lock:res"
-
-
-class Pair:
-    """A master and one replica of it."""
-
-    def __init__(self, workdir: Path) -> None:
-        fast_sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
-        self.master = RedisServer(workdir=workdir / "master", extra_args=fast_sync)
-        self.master.start()
-        self.replica = RedisServer(
-            workdir=workdir / "replica",
-            extra_args=[*fast_sync, "--replicaof", LOOPBACK, str(self.master.port)],
-        )
-        self.replica.start()
-        self.m = self.master.client(socket_timeout=5)
-        self.r = self.replica.client(socket_timeout=5)
-        self.paused = False
-
-    def in_sync(self) -> bool:
-        info: dict[str, Any] = self.r.info("replication")
-        if info.get("master_link_status") != "up":
-            return False
-        return int(self.m.info("replication").get("connected_slaves", 0)) == 1
-
-    def pause_replica(self) -> None:
-        assert self.replica.process is not None
-        os.kill(self.replica.process.pid, signal.SIGSTOP)
-        self.paused = True
-
-    def resume_replica(self) -> None:
-        if self.paused and self.replica.process is not None:
-            os.kill(self.replica.process.pid, signal.SIGCONT)
-        self.paused = False
-
-    def close(self) -> None:
-        self.resume_replica()
-        self.m.close()
-        self.r.close()
-        self.replica.close()
-        self.master.close()
 
 
 @pytest.fixture(scope="module")
@@ -273,22 +231,23 @@ def test_replica_back_after_a_pause_grants_again(fresh: Pair, managers: Managers
         assert lease.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
 
 
-def test_an_acl_without_wait_fails_the_acquire_and_leaves_nothing_held(
+def test_an_acl_that_denies_wait_fails_the_acquire_and_leaves_nothing_held(
     fresh: Pair, managers: Managers
 ) -> None:
-    # The namespace ACL of docs/operations.md, without +wait.
+    # The namespace ACL of docs/operations.md (its +@connection allows WAIT),
+    # with WAIT taken away.
     fresh.m.acl_setuser(
         "locks",
         enabled=True,
         passwords=["+secret"],
         keys=["{t}:*"],
         commands=["-@all", "+@read", "+@write", "+@scripting", "+@connection", "+blpop"]
-        + ["+info", "+time"],
+        + ["+info", "+time", "-wait"],
     )
     try:
         url = f"redis://locks:secret@{LOOPBACK}:{fresh.master.port}/0"
         mgr = managers(url, wait_replicas=1, wait_timeout=1.0)
-        with pytest.raises(redis.exceptions.NoPermissionError):
+        with pytest.raises(redis.exceptions.NoPermissionError, match="(?i)wait"):
             mgr.acquire("res", timeout=5)
         assert_nothing_held(fresh)
     finally:
