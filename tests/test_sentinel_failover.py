@@ -374,10 +374,11 @@ def test_with_wait_replicas_a_grant_survives_a_failover_right_after_acquire(
 ) -> None:
     # No manual sync (compare the test above): wait_replicas=1 is what makes
     # the replica hold the grant by the time acquire returns. WAIT stays below
-    # the 1 s socket timeout of the URL.
-    mgr = managers(group.url, wait_replicas=1, wait_timeout=0.4)
+    # the 1 s socket timeout of the URL ("retry": a loaded machine may let one
+    # WAIT run out).
+    mgr = managers(group.url, wait_replicas=1, wait_timeout=0.4, wait_policy="retry")
     other = managers(group.url)
-    held = mgr.acquire(exclusive=["held"], timeout=5)
+    held = mgr.acquire(exclusive=["held"], timeout=20)
     lock_key = f"{{{NS}}}:lock:held"
     assert held.token in {redis_text(t) for t in group.client(group.replica).hgetall(lock_key)}
 
@@ -387,6 +388,14 @@ def test_with_wait_replicas_a_grant_survives_a_failover_right_after_acquire(
 
     with pytest.raises(LockTimeout):
         other.acquire(exclusive=["held"], timeout=0)
+
+    def holder_reaches_the_new_master() -> bool:
+        try:
+            return bool(mgr.client.ping())
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+
+    wait_until(holder_reaches_the_new_master, FAILOVER_DEADLINE, "the holder's client to follow")
     held.release()
     assert not held.lost
     other.acquire(exclusive=["held"], timeout=0).release()
