@@ -221,13 +221,15 @@ def test_paused_replica_fails_a_handed_off_grant_and_leaves_nothing_held(
 
 
 def test_replica_back_after_a_pause_grants_again(fresh: Pair, managers: Managers) -> None:
-    mgr = managers(wait_replicas=1, wait_timeout=0.2)
+    # "retry": timeout=0 tries once; the acquire after the pause rides out a
+    # WAIT that a loaded machine lets run out.
+    mgr = managers(wait_replicas=1, wait_timeout=0.2, wait_policy="retry")
     fresh.pause_replica()
     with pytest.raises(ReplicationTimeout):
         mgr.acquire("res", timeout=0)
     fresh.resume_replica()
     wait_until(fresh.in_sync, what="the replica to come back")
-    with mgr.lock("res", timeout=5) as lease:
+    with mgr.lock("res", timeout=20) as lease:
         assert lease.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
 
 

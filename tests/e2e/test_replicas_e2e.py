@@ -35,7 +35,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
 def test_locked_body_runs_once_the_replica_has_the_grant_and_fails_without_it(
     cluster: Callable[..., Cluster], pair: Pair
 ) -> None:
-    c = cluster(lock_url=pair.master.url, wait_replicas=1, wait_timeout=0.3, heartbeat=1)
+    c = cluster(lock_url=pair.master.url, wait_replicas=1, wait_timeout=1.0, heartbeat=1)
     c.start_worker("replicas", concurrency=1)
 
     c.send("hold", "a", "t1")
