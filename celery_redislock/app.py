@@ -220,6 +220,14 @@ class RedisLock:
             return self._manager
 
     def _make_manager(self, *, worker: bool) -> LockManager:
+        try:
+            return self._build_manager(worker=worker)
+        except ConfigurationError as exc:
+            if exc.setting.startswith("wait_"):  # checked against the client: name the setting
+                raise ConfigurationError(f"redislock_{exc.setting}", exc.message) from exc
+            raise
+
+    def _build_manager(self, *, worker: bool) -> LockManager:
         cfg = self.config
         if worker:
             from .node import group_key, halt_key
@@ -248,7 +256,11 @@ class RedisLock:
 
     @staticmethod
     def _wait_kwargs(cfg: Config) -> dict[str, Any]:
-        """The replica-acknowledgement options (``redislock_wait_*``) of the manager."""
+        """The replica-acknowledgement options (``redislock_wait_*``) of the manager.
+
+        The manager checks ``wait_timeout`` against its client's socket
+        timeout too; ``_make_manager`` reports a refusal under the setting's name.
+        """
         return {
             "wait_replicas": cfg.wait_replicas,
             "wait_timeout": cfg.wait_timeout,

@@ -84,12 +84,12 @@ class RedisLockNode(bootsteps.StartStopStep):
     def create(self, w: Any) -> None:
         locks = self.locks
         assert locks is not None
+        inc = new_incarnation()
         try:
             cfg = locks.config
+            mgr = locks._enter_worker(inc)  # may refuse redislock_wait_timeout
         except ConfigurationError as exc:  # one line and EX_CONFIG, not a traceback
             locks.refuse_to_start(exc, "the worker")
-        inc = new_incarnation()
-        mgr = locks._enter_worker(inc)
         self.node = Node(
             mgr,
             w.hostname,

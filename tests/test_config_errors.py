@@ -96,3 +96,31 @@ def test_cli_reports_the_setting_in_one_line_and_runs_on_defaults(
         "warning: redislock_owner_ttl: must be a number of seconds, not 'soon'; "
         "using the default owner TTL"
     ]
+
+
+def test_worker_refuses_a_wait_timeout_above_the_socket_timeout_in_one_line(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # Valid on its own (0.001..60), refused only against the client's socket
+    # timeout, when the worker makes its manager: the same one line and 78.
+    (tmp_path / "waitproj.py").write_text(
+        textwrap.dedent(
+            f"""
+            from celery import Celery
+            from celery_redislock import RedisLock
+
+            app = Celery("waitproj", broker={redis_url!r})
+            app.conf.redislock_url = {redis_url + "?socket_timeout=1"!r}
+            app.conf.redislock_wait_replicas = 1
+            app.conf.redislock_wait_timeout = 2.0
+            RedisLock(app)
+            """
+        )
+    )
+    proc = run(tmp_path, "-m", "celery", "-A", "waitproj", "worker", "-P", "solo")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EX_CONFIG, out
+    assert "Traceback" not in out, out
+    found = [ln for ln in out.splitlines() if "redislock_wait_timeout" in ln]
+    assert found and "refuses to start" in found[-1], out
+    assert "celery_redislock: invalid setting redislock_wait_timeout: must be within" in found[-1]

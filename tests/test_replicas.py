@@ -364,3 +364,14 @@ def test_settings_refuse_bad_wait_values(name: str, value: Any, text: str) -> No
     with pytest.raises(ConfigurationError) as err:
         load_config({"redislock_url": "redis://127.0.0.1:1/0", name: value})
     assert err.value.setting == name and text in str(err.value)
+
+
+def test_a_wait_timeout_above_the_socket_timeout_is_refused_under_the_settings_name() -> None:
+    app = Celery("t", broker="redis://127.0.0.1:1/0?socket_timeout=1", set_as_current=False)
+    app.conf.redislock_wait_replicas = 1
+    app.conf.redislock_wait_timeout = 2.0
+    locks = RedisLock(app)
+    with pytest.raises(ConfigurationError) as err:
+        _ = locks.manager
+    assert err.value.setting == "redislock_wait_timeout"
+    assert "below the client's socket timeout" in str(err.value)
