@@ -73,7 +73,9 @@ SENTINEL_OPTIONS = (
 )
 _SECRET_OPTIONS = ("sentinel_password",)
 _CERT_REQS = ("none", "optional", "required")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+#: A Sentinel service name, matched with ``fullmatch`` (``$`` would also
+#: accept a trailing newline).
+_NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -263,7 +265,7 @@ def parse_sentinel_url(
             "sentinel://host:26379[,host2:26379]/service_name[/db] "
             "(or kombu's form with broker_transport_options={'master_name': ...})",
         )
-    if not _NAME_RE.match(service):
+    if not _NAME_RE.fullmatch(service):
         raise ConfigurationError(setting, f"service name {service!r} is not valid in {shown}")
     for name in ("socket_timeout", "socket_connect_timeout"):
         if name in options:

@@ -34,17 +34,19 @@ from typing import Any
 
 import redis
 
+from . import _validate as _v
 from .checks import check_eviction
-from .exceptions import RedisUnavailable
+from .exceptions import ConfigurationError, RedisUnavailable
 from .identity import pid_of_tag
-from .keys import validate_resource
+from .keys import validate_node_name, validate_owner_id, validate_resource
 from .manager import REDIS_DOWN_ERRORS, LockManager
 from .redact import redact_url as redact_url  # old name, kept importable
 
 #: Default number of commands per round trip (SSCAN COUNT, pipeline size).
 DEFAULT_BATCH_SIZE = 500
-#: Most waiters ``waiters()`` lists by default.
+#: Most waiters ``waiters()`` lists by default, and at most.
 DEFAULT_WAITER_LIMIT = 1000
+MAX_WAITER_LIMIT = 100_000
 
 _MODES = {"x": "exclusive", "s": "shared"}
 
@@ -277,10 +279,11 @@ class Inspector:
     """
 
     def __init__(self, manager: LockManager, *, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-            raise ValueError(f"batch_size must be an int, not {batch_size!r}")
-        if not 1 <= batch_size <= 10000:
-            raise ValueError(f"batch_size must be within 1..10000, not {batch_size}")
+        if not isinstance(manager, LockManager):
+            raise ConfigurationError(
+                "manager", f"must be a LockManager, not {type(manager).__name__}"
+            )
+        batch_size = _v.integer("batch_size", batch_size, minimum=1, maximum=10000)
         self.manager = manager
         self.client = manager.client
         self.keys = manager.keys
@@ -451,8 +454,7 @@ class Inspector:
         each request's state: two round trips per batch.
         """
         validate_resource(resource)
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, not {limit}")
+        limit = _v.integer("limit", limit, minimum=1, maximum=MAX_WAITER_LIMIT)
         try:
             entries: Any = self.client.zrange(
                 self.keys.queue(resource), 0, limit - 1, withscores=True
@@ -503,6 +505,9 @@ class Inspector:
         incarnation are labelled with it (two round trips per node, see
         :meth:`node`); the keyspace is never searched for nodes.
         """
+        if isinstance(nodes, str):
+            raise ConfigurationError("nodes", f"must be a sequence of node names, not {nodes!r}")
+        nodes = [validate_node_name(n, "nodes") for n in nodes]
         labels: dict[str, tuple[str, str | None, bool]] = {}
         for name in nodes:
             info = self.node(name)
@@ -525,8 +530,7 @@ class Inspector:
         Reads ``{ns}:node:<name>`` (written by the Celery worker bootstep),
         then ``{ns}:group:<inc>`` and ``{ns}:tomb:<inc>``: two round trips.
         """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"not a node name: {name!r}")
+        validate_node_name(name, "node")
         prefix = self.keys.prefix
         try:
             raw = self.client.hgetall(f"{prefix}node:{name}")
@@ -696,6 +700,7 @@ class Inspector:
 
     def plan_owner(self, owner_id: str) -> ReleasePlan:
         """What ``cleanup_owner(owner_id)`` would free: the owner's registry."""
+        validate_owner_id(owner_id)
         info = self.owner(owner_id)
         regs = self._registries([owner_id])[owner_id]
         return ReleasePlan(
@@ -711,6 +716,7 @@ class Inspector:
         holders' owners are always planned; live ones only with ``force``,
         else they are returned in ``kept``.
         """
+        force = _v.flag("force", force)
         holders = self.holders(resource)
         chosen = [h for h in holders if force or not h.alive]
         kept = tuple(h for h in holders if not (force or not h.alive))

@@ -34,13 +34,15 @@ MAX_RESOURCE_BYTES = 512
 #: Most resources one request may name.
 MAX_RESOURCES = 64
 
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: A namespace, matched against the whole string (``fullmatch``: a ``$``
+#: anchor would also accept a trailing newline).
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def validate_namespace(namespace: object) -> str:
     """Return ``namespace`` if usable as a hash tag, else raise ConfigurationError."""
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
         raise ConfigurationError(
             "namespace",
             f"{namespace!r} must be 1-64 characters of letters, digits, '_', '.' or '-'",
@@ -72,6 +74,36 @@ def validate_resource(name: object) -> str:
     except UnicodeEncodeError as exc:
         raise InvalidResource(f"resource name is not valid UTF-8: {name!r}", name) from exc
     return name
+
+
+def validate_owner_id(owner_id: object) -> str:
+    """Return ``owner_id`` if it can name an owner, else raise ValueError.
+
+    An owner id is a non-empty ``str`` without ``|`` (the token separator) or
+    control characters, of at most :data:`MAX_RESOURCE_BYTES` UTF-8 bytes.
+    """
+    if (
+        not isinstance(owner_id, str)
+        or not owner_id
+        or "|" in owner_id
+        or _CONTROL_RE.search(owner_id)
+        or len(owner_id.encode("utf-8", "surrogatepass")) > MAX_RESOURCE_BYTES
+    ):
+        raise ValueError(f"not an owner id: {owner_id!r}")
+    return owner_id
+
+
+def validate_node_name(name: object, setting: str = "nodename") -> str:
+    """Return a Celery node name (``celery@host``) usable in ``{ns}:node:<name>``.
+
+    The rules of resource names apply (non-empty ``str``, at most
+    :data:`MAX_RESOURCE_BYTES` UTF-8 bytes, no control characters); a
+    refused name raises :class:`ConfigurationError` naming ``setting``.
+    """
+    try:
+        return validate_resource(name)
+    except InvalidResource as exc:
+        raise ConfigurationError(setting, str(exc).replace("resource name", "node name")) from exc
 
 
 class Keyspace:

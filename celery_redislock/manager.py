@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
+from . import _validate as _v
 from ._threads import real_sleep, start_os_thread
 from .checks import EvictionCheck, check_eviction
 from .connect import (
@@ -47,7 +48,7 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity
-from .keys import MAX_RESOURCES, Keyspace, validate_resource
+from .keys import MAX_RESOURCES, Keyspace, validate_owner_id, validate_resource
 from .lease import Lease
 from .reports import CleanupReport, ReconcileReport
 from .scripts import Scripts
@@ -205,8 +206,14 @@ def _names(value: str | Iterable[str] | None, kind: str) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         return (validate_resource(value),)
-    if isinstance(value, bytes):
+    if isinstance(value, (bytes, bytearray, memoryview)):
         raise InvalidResource(f"{kind} resources must be str names, not bytes", value)
+    if isinstance(value, Mapping) or not isinstance(value, Iterable):
+        raise InvalidResource(
+            f"{kind} must be a resource name (str), an iterable of names or None, "
+            f"not {type(value).__name__} {value!r}",
+            value,
+        )
     out: list[str] = []
     for name in value:
         name = validate_resource(name)
@@ -288,26 +295,25 @@ class LockManager:
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         wait_policy: str = "fail",
     ) -> None:
-        if isinstance(owner_ttl, bool) or not isinstance(owner_ttl, (int, float)):
-            raise ConfigurationError("owner_ttl", f"must be a number of seconds, not {owner_ttl!r}")
-        if not (0.05 <= owner_ttl <= 86400):
-            raise ConfigurationError("owner_ttl", f"must be within 0.05..86400 s, not {owner_ttl}")
-        if heartbeat_interval is None:
-            heartbeat_interval = owner_ttl / 3
-        if isinstance(heartbeat_interval, bool) or not isinstance(heartbeat_interval, (int, float)):
-            raise ConfigurationError(
-                "heartbeat_interval", f"must be a number of seconds, not {heartbeat_interval!r}"
-            )
-        if not (0 < heartbeat_interval <= owner_ttl / 2):
-            raise ConfigurationError(
-                "heartbeat_interval",
-                f"must be > 0 and at most half of owner_ttl ({owner_ttl / 2}), "
-                f"not {heartbeat_interval}",
-            )
-        if not isinstance(queue_scan_limit, int) or queue_scan_limit < 1:
-            raise ConfigurationError(
-                "queue_scan_limit", f"must be a positive int, not {queue_scan_limit!r}"
-            )
+        owner_ttl = _v.duration(
+            "owner_ttl", owner_ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL
+        )
+        heartbeat_interval = _v.duration(
+            "heartbeat_interval",
+            max(owner_ttl / 3, _v.MIN_HEARTBEAT_INTERVAL)
+            if heartbeat_interval is None
+            else heartbeat_interval,
+            minimum=_v.MIN_HEARTBEAT_INTERVAL,
+            maximum=owner_ttl / 2,
+        )
+        _v.warn_fast_heartbeat("heartbeat_interval", heartbeat_interval)
+        queue_scan_limit = _v.integer(
+            "queue_scan_limit", queue_scan_limit, minimum=1, maximum=_v.MAX_SCAN_LIMIT
+        )
+        name = _v.label("name", name)
+        heartbeat = _v.flag("heartbeat", heartbeat)
+        if group is not None and not callable(group):
+            raise ConfigurationError("group", f"must be a callable or None, not {group!r}")
         self.keys = Keyspace(namespace)
         self.namespace = namespace
         self.owner_ttl = float(owner_ttl)
@@ -503,13 +509,10 @@ class LockManager:
         released by its own token before the exception leaves this method.
         """
         req = self._request(exclusive, shared)
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise ValueError(f"timeout must be a number of seconds or None, not {timeout!r}")
-            if math.isnan(timeout) or timeout < 0:
-                raise ValueError(f"timeout must be >= 0 or None, not {timeout}")
-            if math.isinf(timeout):
-                timeout = None
+        timeout = _v.seconds("timeout", timeout, allow_none=True, allow_inf=True)
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
+        nested = _v.optional_flag("nested", nested)
         depth = self._depth()
         if nested is None:
             nested = depth.count > 0
@@ -1086,8 +1089,9 @@ class LockManager:
         return self._contention(lease)[0]
 
     def _wait_for_contender(self, lease: Lease, timeout: float) -> bool:
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0, not {timeout}")
+        limit = _v.seconds("timeout", timeout, allow_inf=True)
+        assert limit is not None
+        timeout = limit
         count, streams = self._contention(lease)
         if count:
             return True
@@ -1123,8 +1127,8 @@ class LockManager:
         unexpected type are kept and reported; one failing key does not stop
         the others.
         """
-        if not isinstance(owner_id, str) or not owner_id or "|" in owner_id:
-            raise ValueError(f"not an owner id: {owner_id!r}")
+        validate_owner_id(owner_id)
+        force = _v.flag("force", force)
         reply = self._call(
             "cleanup_owner",
             [self.keys.held(owner_id), self.keys.alive(owner_id), self.keys.owners],
@@ -1173,6 +1177,7 @@ class LockManager:
         Safe to run from many processes at once: each cleanup is atomic and
         idempotent. An owner whose cleanup fails stays for the next pass.
         """
+        batch_size = _v.integer("batch_size", batch_size, minimum=1, maximum=10000)
         report = ReconcileReport()
         seen: set[str] = set()
         cursor: int = 0

@@ -33,6 +33,7 @@ from .connect import clone_client
 from .exceptions import LockError
 from .heartbeat import Heartbeat
 from .identity import pid_of_tag, read_proc_stat
+from .keys import validate_node_name
 from .manager import LockManager
 from .reports import CleanupReport
 
@@ -229,8 +230,7 @@ class Node:
         on_evicted: Callable[[], None] | None = None,
         record_ttl: float = RECORD_TTL,
     ) -> None:
-        if not nodename or not isinstance(nodename, str):
-            raise ValueError(f"nodename must be a non-empty str, not {nodename!r}")
+        validate_node_name(nodename)
         self.manager = manager
         self.nodename = nodename
         self.incarnation = incarnation

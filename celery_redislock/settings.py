@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import _validate as _v
 from .connect import is_sentinel_url, parse_sentinel_url, redact, validate_url
 from .exceptions import ConfigurationError
 from .keys import validate_namespace
@@ -28,6 +29,9 @@ WAIT_POLICIES = ("fail", "retry")
 MAX_WAIT_REPLICAS = 100
 MIN_WAIT_TIMEOUT = 0.001
 MAX_WAIT_TIMEOUT = 60.0
+#: Bounds of ``redislock_reconcile_interval`` when set (seconds; 0 or None: off).
+MIN_RECONCILE_INTERVAL = 1.0
+MAX_RECONCILE_INTERVAL = 7 * 86400.0
 #: Values of ``locked(on_busy=...)``.
 ON_BUSY_MODES = ("wait", "retry", "raise", "skip")
 
@@ -64,28 +68,29 @@ SETTINGS: tuple[Setting, ...] = (
         "float (seconds)",
         "30.0",
         "Liveness TTL of every owner (process). A crashed worker nobody cleans "
-        "up blocks its resources at most this long. 0.05..86400.",
+        "up blocks its resources at most this long. 0.1..86400.",
     ),
     Setting(
         "redislock_heartbeat_interval",
         "float (seconds)",
         "owner_ttl / 3",
         "Seconds between node heartbeats (one round trip refreshes every owner "
-        "of the worker); > 0 and at most owner_ttl / 2.",
+        "of the worker); 0.05 (floor) to owner_ttl / 2; below 0.5 a warning is "
+        "logged (each idle owner then sends over 2 commands a second).",
     ),
     Setting(
         "redislock_reconcile_interval",
         "float (seconds) or None",
         "60.0",
         "Period of the celery_redislock.reconcile beat entry (also its expiry); "
-        "None or 0 adds no beat entry.",
+        "None or 0 adds no beat entry; otherwise 1..604800.",
     ),
     Setting(
         "redislock_default_timeout",
         "float (seconds) or None",
         "None",
         "How long @locked(on_busy='wait') waits when the decorator gives no "
-        "timeout; None waits until granted (bounded by the task's time limits).",
+        "timeout; None waits until granted (bounded by the task's time limits). >= 0.",
     ),
     Setting(
         "redislock_fast_restart_cleanup",
@@ -146,18 +151,24 @@ class Config:
     wait_policy: str = "fail"
 
 
-def _number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
+def _number(
+    name: str,
+    value: Any,
+    *,
+    allow_none: bool = False,
+    allow_inf: bool = False,
+    minimum: float = 0.0,
+    maximum: float | None = None,
+) -> float | None:
+    """A number of seconds (a numeric string is accepted), range-checked."""
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        what = "a number of seconds" + (" or None" if allow_none else "")
-        raise ConfigurationError(name, f"must be {what}, not {value!r}")
-    return float(value)
+    return _v.seconds(
+        name, value, allow_none=allow_none, allow_inf=allow_inf, minimum=minimum, maximum=maximum
+    )
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -260,39 +271,43 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         raise ConfigurationError("redislock_namespace", str(exc).split(": ", 1)[-1]) from exc
 
     raw_ttl = get("redislock_owner_ttl", None)
-    owner_ttl = 30.0 if raw_ttl is None else _number("redislock_owner_ttl", raw_ttl)
-    assert owner_ttl is not None
-    if not 0.05 <= owner_ttl <= 86400:
-        raise ConfigurationError(
-            "redislock_owner_ttl", f"must be within 0.05..86400 seconds, not {owner_ttl}"
+    owner_ttl = (
+        30.0
+        if raw_ttl is None
+        else _number(
+            "redislock_owner_ttl", raw_ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL
         )
+    )
+    assert owner_ttl is not None
 
     raw_iv = get("redislock_heartbeat_interval", None)
-    interval = owner_ttl / 3 if raw_iv is None else _number("redislock_heartbeat_interval", raw_iv)
+    interval = _number(
+        "redislock_heartbeat_interval",
+        max(owner_ttl / 3, _v.MIN_HEARTBEAT_INTERVAL) if raw_iv is None else raw_iv,
+        minimum=_v.MIN_HEARTBEAT_INTERVAL,
+        maximum=owner_ttl / 2,
+    )
     assert interval is not None
-    if not 0 < interval <= owner_ttl / 2:
-        raise ConfigurationError(
-            "redislock_heartbeat_interval",
-            f"must be > 0 and at most half of redislock_owner_ttl ({owner_ttl / 2}), "
-            f"not {interval}",
-        )
+    _v.warn_fast_heartbeat("redislock_heartbeat_interval", interval)
 
     raw_rec = get("redislock_reconcile_interval", 60.0)
-    reconcile = _number("redislock_reconcile_interval", raw_rec, allow_none=True)
-    if reconcile is not None and reconcile < 0:
-        raise ConfigurationError(
-            "redislock_reconcile_interval", f"must be >= 0 or None, not {reconcile}"
-        )
-    if reconcile == 0:
+    reconcile: float | None
+    if raw_rec in (0, "0", None):
         reconcile = None
+    else:
+        reconcile = _number(
+            "redislock_reconcile_interval",
+            raw_rec,
+            minimum=MIN_RECONCILE_INTERVAL,
+            maximum=MAX_RECONCILE_INTERVAL,
+        )
 
     timeout = _number(
-        "redislock_default_timeout", get("redislock_default_timeout", None), allow_none=True
+        "redislock_default_timeout",
+        get("redislock_default_timeout", None),
+        allow_none=True,
+        allow_inf=True,
     )
-    if timeout is not None and timeout < 0:
-        raise ConfigurationError(
-            "redislock_default_timeout", f"must be >= 0 or None, not {timeout}"
-        )
     if timeout is not None and math.isinf(timeout):
         timeout = None
 
@@ -300,7 +315,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
     fast_b = True if fast is None else _bool("redislock_fast_restart_cleanup", fast)
 
     mode = get("redislock_eviction_check", None) or "warn"
-    if mode not in EVICTION_MODES:
+    if not isinstance(mode, str) or mode not in EVICTION_MODES:
         raise ConfigurationError(
             "redislock_eviction_check", f"must be one of {', '.join(EVICTION_MODES)}, not {mode!r}"
         )

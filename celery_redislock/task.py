@@ -25,6 +25,7 @@ import string
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import _validate as _v
 from .exceptions import ConfigurationError, LockError, LockTimeout, ShuttingDown
 from .lease import Lease
 from .settings import ON_BUSY_MODES
@@ -165,14 +166,17 @@ def _template_list(name: str, value: Any) -> tuple[str, ...]:
 
 
 def _number(name: str, value: Any, low: float, what: str) -> None:
-    """Refuse a non-number, NaN, infinity or a value below ``low``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < low
-    ):
-        raise ConfigurationError(name, f"must be {what}, not {value!r}")
+    """Refuse a non-number, NaN, infinity, a number too large for a float
+    (``10**400``: a message, not an OverflowError) or a value below ``low``."""
+    try:
+        _v.seconds(name, value, minimum=low)
+    except ConfigurationError:
+        shown = (
+            f"a {value.bit_length()}-bit int"
+            if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64
+            else repr(value)
+        )
+        raise ConfigurationError(name, f"must be {what}, not {shown}") from None
 
 
 #: What @locked says when it is given a task instead of the function.
@@ -390,19 +394,11 @@ def locked(
         raise ConfigurationError(
             "locked(on_busy=)", f"must be one of {', '.join(ON_BUSY_MODES)}, not {on_busy!r}"
         )
-    if (
-        timeout is not _DEFAULT
-        and timeout is not None
-        and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or math.isnan(timeout)
-            or timeout < 0
-        )
-    ):
-        raise ConfigurationError(
-            "locked(timeout=)", f"must be seconds >= 0 or None, not {timeout!r}"
-        )
+    if timeout is not _DEFAULT:
+        # None, or seconds >= 0 (infinity: None); 10**400 is refused, not an OverflowError.
+        timeout = _v.seconds("locked(timeout=)", timeout, allow_none=True, allow_inf=True)
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
     if on_busy != "wait" and timeout is not _DEFAULT:
         raise ConfigurationError(
             "locked(timeout=)", f"applies to on_busy='wait' only (on_busy={on_busy!r} tries once)"
