@@ -8,6 +8,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from .connect import AnyRedis
+from .exceptions import is_permission_error
 
 #: Policies under which Redis never evicts a key to make room.
 SAFE_POLICIES = frozenset({"noeviction"})
@@ -34,13 +35,15 @@ class EvictionCheck:
         return f"maxmemory-policy is {self.policy!r}: keys are never evicted"
 
 
-def check_eviction(client: AnyRedis) -> EvictionCheck:
+def check_eviction(client: AnyRedis, *, strict: bool = False) -> EvictionCheck:
     """Read ``maxmemory_policy`` from ``INFO memory`` (works where CONFIG is disabled).
 
     One round trip. ``may_evict`` is True for every policy but ``noeviction``,
     and when the policy cannot be read (reported with ``policy=None``). On
     Redis Cluster every primary is asked and the first unsafe (or unreadable)
     policy wins, since any of them may own the namespace's slot.
+    ``strict``: an INFO refused by the ACL raises (redis-py's
+    ``NoPermissionError``) instead of reading as an unknown policy.
     """
     try:
         if isinstance(client, RedisCluster):
@@ -48,7 +51,9 @@ def check_eviction(client: AnyRedis) -> EvictionCheck:
             infos = list(replies.values()) if "maxmemory_policy" not in replies else [replies]
         else:
             infos = [client.info("memory")]
-    except redis.ResponseError:
+    except redis.ResponseError as exc:
+        if strict and is_permission_error(exc):
+            raise
         return EvictionCheck(None, True)
     found: EvictionCheck | None = None
     for info in infos:

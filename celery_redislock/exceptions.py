@@ -13,16 +13,29 @@ Every error the library raises on purpose derives from :class:`LockError`::
      │                      (also a ValueError)
      ├── ConfigurationError a setting or argument was refused (also a ValueError)
      ├── RedisUnavailable   Redis could not be reached (names the URL)
-     └── ShuttingDown       the worker began a warm shutdown while the request
-                            waited; it left the queue (``@locked`` hands the
-                            task back to the broker)
+     ├── ShuttingDown       the worker began a warm shutdown while the request
+     │                      waited; it left the queue (``@locked`` hands the
+     │                      task back to the broker)
+     └── PermissionDenied   Redis refused a command or key to the lock user
+                            (an ACL ``NOPERM``; names the command and the fix)
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
+from redis.exceptions import NoPermissionError, ResponseError
+
 from .redact import redact_url
+
+#: How Redis words a refusal by the ACL: a ``NOPERM`` reply (6.0+), or the
+#: error of a script whose ``redis.call`` was refused (6.x/7.0: an ``ERR``).
+_DENIED_RE = re.compile(r"NOPERM|no permissions to|user executing the script can't", re.IGNORECASE)
+_REFUSED_COMMAND_RE = re.compile(r"'([A-Za-z|_-]+)' command")
+
+#: Where the required ACL is documented (named in every PermissionDenied).
+ACL_DOC = "docs/operations.md, 'Least-privilege ACL'"
 
 
 class LockError(Exception):
@@ -158,3 +171,49 @@ class ShuttingDown(LockError):
             "the worker is shutting down: stopped waiting for "
             f"{', '.join(self.resources)} (the request left the queue)"
         )
+
+
+class PermissionDenied(LockError):
+    """Redis refused a command or a key to the lock user (an ACL ``NOPERM``).
+
+    Attributes: ``url`` (password masked), ``command`` (what was sent, e.g.
+    ``EVALSHA acquire`` or ``PTTL``), ``refused`` (the command Redis named
+    as refused, upper case, or None when it refused a key or did not say)
+    and ``detail`` (Redis's own words). Retrying does not help: the user's
+    ACL must grant what the library uses (see ``docs/operations.md``).
+    """
+
+    def __init__(self, url: str, command: str, detail: str) -> None:
+        self.url = redact_url(url)
+        self.command = command
+        self.detail = str(detail)
+        found = _REFUSED_COMMAND_RE.search(self.detail)
+        self.refused = found.group(1).upper() if found else None
+        super().__init__(self.url, command, self.detail)
+
+    def __str__(self) -> str:
+        what = self.command
+        if self.refused and self.refused.split("|")[0] != self.command.split()[0].upper():
+            what = f"{self.refused} (sent with {self.command})"
+        elif self.refused is None and "key" in self.detail:
+            what = f"a key used by {self.command}"
+        return (
+            f"permission denied: Redis at {self.url} refused {what}: "
+            f"{self.detail.rstrip('. ')}. "
+            f"Grant the lock user the commands and the key pattern ~{{namespace}}:* "
+            f"listed in {ACL_DOC}."
+        )
+
+
+def is_permission_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a command or key by its ACL."""
+    if isinstance(exc, NoPermissionError):
+        return True
+    return isinstance(exc, ResponseError) and bool(_DENIED_RE.search(str(exc)))
+
+
+def permission_denied(exc: BaseException, url: str, command: str) -> PermissionDenied | None:
+    """``exc`` as a :class:`PermissionDenied` if it is an ACL refusal, else None."""
+    if not is_permission_error(exc):
+        return None
+    return PermissionDenied(url, command, str(exc))

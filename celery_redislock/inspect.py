@@ -27,8 +27,9 @@ searched for in the keyspace.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -36,7 +37,7 @@ import redis
 
 from . import _validate as _v
 from .checks import check_eviction
-from .exceptions import ConfigurationError, RedisUnavailable
+from .exceptions import ConfigurationError, RedisUnavailable, permission_denied
 from .identity import pid_of_tag
 from .keys import validate_node_name, validate_owner_id, validate_resource
 from .manager import REDIS_DOWN_ERRORS, LockManager
@@ -292,10 +293,32 @@ class Inspector:
     # -- plumbing ---------------------------------------------------------
 
     def _run(self, pipe: Any) -> list[Any]:
+        """Execute a pipeline; replies that are errors stay in the list, but a
+        refusal by the ACL raises :class:`PermissionDenied` (an unreadable
+        key must never read as an absent one: a live owner as DEAD)."""
+        sent = [str(args[0]).upper() for args, _ in pipe.command_stack]
         try:
-            return list(pipe.execute(raise_on_error=False))
+            replies = list(pipe.execute(raise_on_error=False))
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.manager.url, exc) from exc
+        for command, reply in zip(sent, replies):
+            if isinstance(reply, Exception):
+                denied = permission_denied(reply, self.manager.url, command)
+                if denied is not None:
+                    raise denied from reply
+        return replies
+
+    def _call(self, command: str, fn: Callable[[], Any]) -> Any:
+        """One command: Redis down -> RedisUnavailable; refused -> PermissionDenied."""
+        try:
+            return fn()
+        except REDIS_DOWN_ERRORS as exc:
+            raise RedisUnavailable(self.manager.url, exc) from exc
+        except redis.ResponseError as exc:
+            denied = permission_denied(exc, self.manager.url, command)
+            if denied is not None:
+                raise denied from exc
+            raise
 
     def _pipe(self) -> Any:
         return self.client.pipeline(transaction=False)
@@ -309,10 +332,9 @@ class Inspector:
         seen: set[str] = set()
         cursor: int = 0
         while True:
-            try:
-                cursor, members = self.client.sscan(key, cursor, count=self.batch_size)
-            except REDIS_DOWN_ERRORS as exc:
-                raise RedisUnavailable(self.manager.url, exc) from exc
+            cursor, members = self._call(
+                "SSCAN", functools.partial(self.client.sscan, key, cursor, count=self.batch_size)
+            )
             batch = [m for m in (_text(x) for x in members) if m not in seen]
             seen.update(batch)
             if batch:
@@ -456,11 +478,12 @@ class Inspector:
         validate_resource(resource)
         limit = _v.integer("limit", limit, minimum=1, maximum=MAX_WAITER_LIMIT)
         try:
-            entries: Any = self.client.zrange(
-                self.keys.queue(resource), 0, limit - 1, withscores=True
+            entries: Any = self._call(
+                "ZRANGE",
+                lambda: self.client.zrange(
+                    self.keys.queue(resource), 0, limit - 1, withscores=True
+                ),
             )
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.manager.url, exc) from exc
         except redis.ResponseError:
             return []  # not a zset: nothing the engine queued
         parsed = [(_text(m), float(score)) for m, score in entries]
@@ -533,11 +556,9 @@ class Inspector:
         validate_node_name(name, "node")
         prefix = self.keys.prefix
         try:
-            raw = self.client.hgetall(f"{prefix}node:{name}")
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.manager.url, exc) from exc
+            raw = self._call("HGETALL", lambda: self.client.hgetall(f"{prefix}node:{name}"))
         except redis.ResponseError:
-            return None
+            return None  # not a hash: no node record
         if not raw:
             return None
         record = {_text(k): _text(v) for k, v in raw.items()}
@@ -645,15 +666,12 @@ class Inspector:
 
     def status(self) -> Status:
         """Counts of owners and registered locks, eviction policy, fence."""
-        try:
-            ev = check_eviction(self.client)
-            try:
-                server: Any = self.client.info("server")
-            except redis.ResponseError:  # INFO denied by an ACL: version unknown
-                server = None
-            fence = self.client.get(self.keys.fence)
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.manager.url, exc) from exc
+        # INFO refused by the ACL raises PermissionDenied here (an unknown
+        # eviction policy must not pass for an answer); the documented ACL
+        # grants it.
+        ev = self._call("INFO", lambda: check_eviction(self.client, strict=True))
+        server: Any = self._call("INFO", lambda: self.client.info("server"))
+        fence = self._call("GET", lambda: self.client.get(self.keys.fence))
         version = server.get("redis_version") if isinstance(server, dict) else None
         owners = alive = dead = registered = dead_locks = 0
         for batch in self.owner_ids():

@@ -42,9 +42,11 @@ from .exceptions import (
     InvalidResource,
     LockError,
     LockTimeout,
+    PermissionDenied,
     RedisUnavailable,
     ReplicationTimeout,
     ShuttingDown,
+    permission_denied,
 )
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity
@@ -471,6 +473,12 @@ class LockManager:
             return self._scripts.run(name, keys, args, client=client)
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
+        except redis.ResponseError as exc:
+            sent = f"EVALSHA {name}" + (" + WAIT" if wait else "")
+            denied = permission_denied(exc, self.url, sent)
+            if denied is None:
+                raise
+            raise denied from exc
 
     # -- acquire ----------------------------------------------------------
 
@@ -822,6 +830,8 @@ class LockManager:
                 return -1
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
+        except redis.ResponseError as exc:
+            raise (permission_denied(exc, self.url, "BLPOP") or exc) from exc
         if got is None:
             return None
         msg = _text(got[1])
@@ -1186,13 +1196,18 @@ class LockManager:
                 cursor, members = self.client.sscan(self.keys.owners, cursor, count=batch_size)
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
+            except redis.ResponseError as exc:
+                raise (permission_denied(exc, self.url, "SSCAN") or exc) from exc
             batch = [m for m in (_text(x) for x in members) if m not in seen]
             seen.update(batch)
             if batch:
                 pipe = self.client.pipeline(transaction=False)
                 for owner in batch:
                     pipe.exists(self.keys.alive(owner))
-                alive = pipe.execute()
+                try:
+                    alive = pipe.execute()
+                except redis.ResponseError as exc:
+                    raise (permission_denied(exc, self.url, "EXISTS") or exc) from exc
                 for owner, is_alive in zip(batch, alive):
                     report.owners_seen += 1
                     if is_alive:
@@ -1200,6 +1215,8 @@ class LockManager:
                         continue
                     try:
                         report.add(self.cleanup_owner(owner))
+                    except PermissionDenied:
+                        raise  # not this owner's failure: every other one would fail too
                     except (redis.RedisError, LockError) as exc:
                         report.errors[owner] = repr(exc)
                         log_reconcile.error("reconcile.owner-error owner=%s error=%r", owner, exc)

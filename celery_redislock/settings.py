@@ -352,7 +352,11 @@ def _wait_settings(get: Callable[[str, Any], Any]) -> tuple[int, float, str]:
         )
     name = "redislock_wait_timeout"
     raw = get(name, None)
-    timeout = 1.0 if raw is None else _number(name, raw)
+    timeout = (
+        1.0
+        if raw is None
+        else _number(name, raw, minimum=MIN_WAIT_TIMEOUT, maximum=MAX_WAIT_TIMEOUT)
+    )
     assert timeout is not None
     if not MIN_WAIT_TIMEOUT <= timeout <= MAX_WAIT_TIMEOUT:
         raise ConfigurationError(

@@ -3,7 +3,11 @@
 - ``redis_server`` (session): a running :class:`redis_server.RedisServer`;
   ``REDISLOCK_TEST_REDIS`` picks the binary (see tests/redis_server.py).
 - ``redis_url`` (function): its URL, after FLUSHALL, so every test starts
-  with an empty Redis (the script cache is kept).
+  with an empty Redis (the script cache is kept). With
+  ``REDISLOCK_TEST_ACL=1`` the URL carries the credentials of a user holding
+  only the least-privilege ACL of docs/operations.md (tests/acl_helpers.py),
+  for the namespaces ``t``, ``redislock`` and ``other``: a command the
+  documentation does not grant fails the test with PermissionDenied.
 - ``r`` (function): a ``redis.Redis`` client (bytes replies) on that empty Redis.
 - ``free_port`` : the :func:`redis_server.free_port` helper, as a fixture.
 
@@ -21,6 +25,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
+import acl_helpers
 from redis_server import (
     ENV_VAR,
     RedisServer,
@@ -44,14 +49,24 @@ def pytest_report_header(config: pytest.Config) -> str:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A real redis-server on a free 127.0.0.1 port, for the whole session."""
-    with RedisServer(workdir=tmp_path_factory.mktemp("redis-server")) as server:
+    extra: list[str] = []
+    if os.environ.get(acl_helpers.ENV_VAR) == "1":
+        # Declared on the command line, so the user survives a restart.
+        extra = acl_helpers.user_directive()
+    with RedisServer(workdir=tmp_path_factory.mktemp("redis-server"), extra_args=extra) as server:
         yield server
 
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
-    """URL of the session's Redis, emptied (FLUSHALL) for this test."""
-    return redis_server.emptied_url()
+    """URL of the session's Redis, emptied (FLUSHALL) for this test.
+
+    As the least-privilege user when ``REDISLOCK_TEST_ACL=1``.
+    """
+    url = redis_server.emptied_url()
+    if os.environ.get(acl_helpers.ENV_VAR) != "1":
+        return url
+    return acl_helpers.user_url(url)
 
 
 @pytest.fixture

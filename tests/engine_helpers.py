@@ -98,6 +98,16 @@ class Managers:
 # -- reading the engine's state from Redis --------------------------------
 
 
+def admin_url(url: str) -> str:
+    """``url`` without its user and password: the test server's default user.
+
+    The engine may run as the least-privilege user (``REDISLOCK_TEST_ACL=1``);
+    a test's own reads and its data keys outside the namespace use this.
+    """
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -376,7 +386,7 @@ def child_mutex_worker(
 
     def body() -> None:
         mgr = LockManager(url, namespace=namespace, owner_ttl=10.0)
-        data = redis.Redis.from_url(url, decode_responses=True)
+        data = redis.Redis.from_url(admin_url(url), decode_responses=True)
         rng = random.Random(seed)
         shapes: list[tuple[list[str], list[str]]] = [
             (["a"], []),  # writer of a

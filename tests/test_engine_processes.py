@@ -18,6 +18,7 @@ import redis
 from engine_helpers import (
     Child,
     Managers,
+    admin_url,
     assert_registry_truth,
     check_event_log,
     child_holder,
@@ -157,7 +158,7 @@ def test_forked_child_has_its_own_owner_id_and_heartbeat(
             # child's own keeps its liveness key alive that long
             wait_until(lambda: mgr.heartbeat.ticks >= 5, what="child heartbeat")
             result["ticks"] = mgr.heartbeat.ticks
-            client = redis.Redis.from_url(mgr.url)
+            client = redis.Redis.from_url(admin_url(mgr.url))
             result["alive"] = client.exists("{t}:alive:" + str(result["owner_id"]))
             result["pttl"] = client.pttl("{t}:alive:" + str(result["owner_id"]))
             lease.release()

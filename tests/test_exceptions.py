@@ -19,6 +19,7 @@ from celery_redislock import (
     LockError,
     LockLost,
     LockTimeout,
+    PermissionDenied,
     RedisUnavailable,
     ReplicationTimeout,
     ShuttingDown,
@@ -34,6 +35,11 @@ ERRORS: list[LockError] = [
     TemplateError("repo:{repo}", "repo", "sync"),
     TemplateError("repo:{n:d}", "Unknown format code", "sync", "cannot be formatted (ValueError)"),
     ReplicationTimeout(["repo:1"], 2.5, 1, 0, 0.5),
+    PermissionDenied(
+        "redis://user:secret@127.0.0.1:1/0",
+        "PTTL",
+        "this user has no permissions to run the 'pttl' command or its subcommand",
+    ),
     RedisUnavailable("redis://user:secret@127.0.0.1:1/0", ConnectionError("refused")),
 ]
 

@@ -1,0 +1,437 @@
+"""Least privilege: the documented ACL is exactly what the code uses, and a
+refusal by the ACL is reported as such, never as an answer.
+
+- The ``ACL SETUSER`` line of docs/operations.md is compared with the
+  commands derived from the code: every ``redis.call`` of ``lua/*.lua``,
+  plus every command ``INFO commandstats`` records while the engine, a worker
+  node, the Inspector and every CLI command run as that very user (on
+  database 1, so ``SELECT`` is used too). A missing grant fails the exercise
+  (the user is refused); a grant nothing uses fails the comparison.
+- A user lacking one permission at a time: the API raises PermissionDenied
+  naming what was refused; each CLI command either answers exactly as with
+  the full ACL (it does not need that permission) or says "permission
+  denied" and exits 1. It never prints "nobody waits", a live owner as DEAD,
+  or a plan built from unreadable keys.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner, Result
+
+import acl_helpers
+from celery_redislock import (
+    Inspector,
+    LockError,
+    LockManager,
+    LockTimeout,
+    PermissionDenied,
+    check_eviction,
+)
+from celery_redislock.cli import redislock
+from celery_redislock.node import Node, group_key, new_incarnation
+from engine_helpers import wait_until
+from redis_server import RedisServer
+from test_inspect import dead_owner
+
+LUA_DIR = Path(__file__).resolve().parent.parent / "celery_redislock" / "lua"
+_CALL_RE = re.compile(r"redis\.p?call\(")
+_LITERAL_CALL_RE = re.compile(r"redis\.p?call\(\s*(['\"])([A-Za-z]+)\1")
+NS = "acl"
+NODENAME = "celery@acl-host"
+
+#: What the test's own admin connection sends while the exercise runs: only
+#: commands the Lua scripts send anyway, so they cannot hide a command the
+#: Python side stopped (or started) using.
+ADMIN_DURING = {"set", "sadd"}
+#: Sent by redis-py on connect and refused without harm (CLIENT SETINFO);
+#: on Redis < 7 commandstats names no subcommand.
+IGNORED = {"auth", "hello", "client", "client|setinfo"}
+
+
+def lua_commands() -> set[str]:
+    """Every command a Lua script calls (lower case); names must be literals."""
+    found: set[str] = set()
+    for path in sorted(LUA_DIR.glob("*.lua")):
+        text = path.read_text(encoding="utf-8")
+        code = "\n".join(line.split("--", 1)[0] for line in text.splitlines())
+        literal = _LITERAL_CALL_RE.findall(code)
+        assert len(literal) == len(_CALL_RE.findall(code)), (
+            f"{path.name}: a redis.call whose command is not a literal string; "
+            "the ACL test cannot derive it"
+        )
+        found.update(name.lower() for _, name in literal)
+    return found
+
+
+def commandstats(admin: redis.Redis) -> dict[str, dict[str, int]]:
+    """``INFO commandstats`` as name -> counters, names lower case (``script|load``)."""
+    out: dict[str, dict[str, int]] = {}
+    for key, value in admin.info("commandstats").items():
+        name = str(key).removeprefix("cmdstat_").lower()
+        if name == "script":  # Redis < 7: no subcommand; the library only loads
+            name = "script|load"
+        out[name] = {k: int(v) for k, v in value.items() if k != "usec_per_call"}
+    return out
+
+
+# -- fixtures ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of this module only, so its commandstats count only us."""
+    with RedisServer(workdir=tmp_path_factory.mktemp("acl-redis")) as srv:
+        yield srv
+
+
+@pytest.fixture
+def admin(server: RedisServer) -> Iterator[redis.Redis]:
+    client = server.client()
+    client.flushall()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def cli(url: str, *args: str) -> Result:
+    return CliRunner().invoke(redislock, ["--url", url, "--namespace", NS, *args])
+
+
+# -- the documented ACL is derived from the code --------------------------------------
+
+
+def test_the_documented_acl_names_one_key_pattern_no_channel_and_no_category() -> None:
+    acl = acl_helpers.documented_acl()
+    assert acl.key_patterns == ("~{redislock}:*",)
+    assert acl.flags == ("on", "resetkeys", "resetchannels", "-@all")
+    assert "select" not in acl.commands  # added only for a database other than 0
+
+
+def test_documented_acl_grants_exactly_the_commands_the_code_sends(
+    server: RedisServer, admin: redis.Redis
+) -> None:
+    admin.execute_command("ACL", "SETUSER", "exercise", "reset")
+    acl_helpers.create_lock_user(admin, [NS], user="exercise", select=True)
+    url = acl_helpers.user_url(server.url, user="exercise", db=1)
+    admin.script_flush()  # so the library has to SCRIPT LOAD after NOSCRIPT
+    db1 = redis.Redis.from_url(url.replace("exercise:lock-user-pw@", ""))
+    db1.ping()  # connected (and SELECTed) before the counters are reset
+    admin.config_resetstat()
+    try:
+        _exercise(url, db1)
+    finally:
+        db1.close()
+
+    stats = commandstats(admin)
+    # CONFIG RESETSTAT counts itself once it has run.
+    stats[next(n for n in ("config|resetstat", "config") if n in stats)]["calls"] -= 1
+    refused = {
+        name: s["rejected_calls"]
+        for name, s in stats.items()
+        if s.get("rejected_calls") and name not in IGNORED
+    }
+    assert not refused, f"the documented ACL refused commands the code sends: {refused}"
+    used = {name for name, s in stats.items() if s["calls"]} - IGNORED
+    lua = lua_commands()
+    assert lua >= ADMIN_DURING
+    derived = lua | used
+    documented = acl_helpers.documented_acl().commands | {"select"}
+    assert not derived - documented, (
+        f"used by the code but missing from docs/operations.md: {sorted(derived - documented)}"
+    )
+    assert not documented - derived, (
+        f"granted in docs/operations.md but never sent: {sorted(documented - derived)}"
+    )
+
+
+def _exercise(url: str, admin: redis.Redis) -> None:
+    """Everything the library does against Redis, as the restricted user.
+
+    ``admin``: a connection to the same database, already open.
+    """
+    made: list[LockManager] = []
+
+    def manager(**kw: Any) -> LockManager:
+        kw.setdefault("owner_ttl", 1.0)
+        kw.setdefault("heartbeat_interval", 0.1)
+        m = LockManager(url, NS, **kw)
+        made.append(m)
+        return m
+
+    try:
+        holder, waiter = manager(), manager()
+        lease = holder.acquire(exclusive=["a"], shared=["b"], timeout=5)
+        got: list[Any] = []
+        t = threading.Thread(
+            target=lambda: got.append(waiter.acquire(exclusive=["a"], timeout=30)), daemon=True
+        )
+        t.start()
+        assert lease.wait_for_contender(20)
+        assert lease.contenders() >= 1
+        wait_until(lambda: holder.heartbeat.ticks >= 2, what="holder heartbeat")
+        insp = Inspector(holder)
+        insp.waiters("a")
+        insp.holders("a")
+        insp.plan_resource("a")
+        lease.release()  # handed to the waiter
+        t.join(30)
+        assert got and not got[0].released
+        got[0].release()
+        with pytest.raises(LockTimeout):  # a try that leaves nothing behind
+            with holder.lock("b", timeout=0), waiter.lock("b", timeout=0):
+                pass
+
+        dead = manager(owner_ttl=0.3, heartbeat=False)
+        dead.acquire(exclusive=["c"], timeout=5)
+        dead_id = dead.owner_id
+        dead.close()
+        wait_until(lambda: not insp.liveness([dead_id])[dead_id].alive, what="dead owner")
+        insp.plan_owner(dead_id)
+        insp.owners(nodes=[NODENAME])
+        insp.status()
+        check_eviction(holder.client)
+        assert holder.reconcile().cleaned == 1
+        holder.cleanup_owner("nobody")
+        admin.set("{acl}:lock:odd", "not a hash")  # TYPE: an odd key is reported
+        assert insp.locks(["odd"])[0].odd_type == "string"
+
+        inc = new_incarnation()
+        gkey = group_key("{" + NS + "}:", inc)
+        # A liveness value naming its incarnation: owners() reads the group (HEXISTS).
+        child = manager(heartbeat=False, group=lambda: gkey, name=f"node={NODENAME} inc={inc}")
+        node = Node(child, NODENAME, inc)
+        node.start()
+        child.acquire(exclusive=["n"], timeout=5)  # also starts the lost-owner watcher
+        assert any(o.in_group for o in insp.owners())
+        admin.sadd("{acl}:owners", "gone-child")
+        admin.execute_command("HSET", gkey, "gone-child", "999999.1")  # a dead child
+        assert "gone-child" in node.tick().dead  # freed, then HDEL from the group
+        insp.node(NODENAME)
+
+        for args in (
+            ["status"],
+            ["locks"],
+            ["locks", "a", "odd"],
+            ["owners", "--node", NODENAME],
+            ["waiters", "a"],
+            ["release", "--resource", "n", "--force", "--dry-run"],
+            ["reconcile", "--yes"],
+        ):
+            result = cli(url, *args)
+            assert result.exit_code == 0, (args, result.output)
+        node.shutdown()  # node_stop, cleanup, DEL of the group hash
+    finally:
+        for m in made:
+            m.close()
+
+
+# -- refusals are reported as refusals ---------------------------------------------
+
+
+@pytest.fixture
+def restricted(server: RedisServer, admin: redis.Redis) -> Callable[..., str]:
+    """``restricted(drop=[...])``: URL of a lock user lacking ``drop``."""
+
+    def make(drop: tuple[str, ...] = ()) -> str:
+        acl_helpers.create_lock_user(admin, [NS], user="partial", drop=drop)
+        return acl_helpers.user_url(server.url, user="partial")
+
+    admin.execute_command("ACL", "SETUSER", "partial", "reset")
+    return make
+
+
+def test_acquire_without_evalsha_raises_permission_denied_naming_the_command(
+    restricted: Callable[..., str],
+) -> None:
+    mgr = LockManager(restricted(drop=("evalsha",)), NS)
+    try:
+        with pytest.raises(PermissionDenied) as info:
+            mgr.acquire("a", timeout=0)
+        assert isinstance(info.value, LockError)
+        assert info.value.command == "EVALSHA acquire"
+        text = str(info.value)
+        assert "permission denied" in text and "evalsha" in text.lower()
+        assert "docs/operations.md" in text and "partial" in text and "lock-user-pw" not in text
+        with pytest.raises(PermissionDenied):
+            mgr.cleanup_owner("someone")
+        with pytest.raises(PermissionDenied):
+            Inspector(mgr).waiters("a")  # ZRANGE is granted; the liveness reads too
+            raise PermissionDenied(mgr.url, "none", "no refusal")  # not reached if raised above
+    finally:
+        mgr.close()
+
+
+def test_a_command_refused_inside_a_script_is_permission_denied(
+    restricted: Callable[..., str],
+) -> None:
+    mgr = LockManager(restricted(drop=("hset",)), NS)
+    try:
+        with pytest.raises(PermissionDenied) as info:
+            mgr.acquire("a", timeout=0)
+        assert info.value.command == "EVALSHA acquire"
+        assert "acquire" in str(info.value)
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("drop", ["sscan", "exists", "evalsha"])
+def test_reconcile_without_a_permission_raises_permission_denied(
+    drop: str, restricted: Callable[..., str], redis_server_url: str
+) -> None:
+    dead_owner(redis_server_url, [(["a"], [])], namespace=NS)
+    mgr = LockManager(restricted(drop=(drop,)), NS)
+    try:
+        with pytest.raises(PermissionDenied) as info:
+            mgr.reconcile()
+        assert drop in str(info.value).lower()
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("drop", ["info", "get", "sscan", "exists", "scard"])
+def test_inspector_status_without_a_permission_raises_permission_denied(
+    drop: str, restricted: Callable[..., str], redis_server_url: str
+) -> None:
+    dead_owner(redis_server_url, [(["a"], [])], namespace=NS)
+    mgr = LockManager(restricted(drop=(drop,)), NS, heartbeat=False)
+    try:
+        with pytest.raises(PermissionDenied) as info:
+            Inspector(mgr).status()
+        assert drop in str(info.value).lower()
+    finally:
+        mgr.close()
+
+
+@pytest.fixture
+def redis_server_url(server: RedisServer, admin: redis.Redis) -> str:
+    """The module server's admin URL (emptied by ``admin``)."""
+    return server.url
+
+
+#: Every command the read-only views and the release planning send from Python.
+INSPECTION_COMMANDS = [
+    "pttl",
+    "get",
+    "scard",
+    "hgetall",
+    "zcard",
+    "zrange",
+    "hget",
+    "hexists",
+    "type",
+    "sscan",
+    "exists",
+    "info",
+]
+
+CLI_COMMANDS = [
+    ["status", "--json"],
+    ["locks", "--json"],
+    ["locks", "R", "odd", "--json"],
+    ["owners", "--node", NODENAME, "--json"],
+    ["waiters", "R", "--json"],
+    ["release", "--resource", "R", "--force", "--dry-run", "--json"],
+    ["release", "--owner", "DEAD", "--dry-run", "--json"],
+    ["reconcile", "--dry-run", "--json"],
+]
+
+
+def _stable(output: str) -> Any:
+    """The JSON of a command, without the remaining TTLs (they tick down)."""
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "ttl"}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return strip(json.loads(output))
+
+
+@pytest.fixture
+def inspection_state(
+    server: RedisServer, admin: redis.Redis, redis_server_url: str
+) -> Iterator[dict[str, str]]:
+    """A live holder of R, a queued waiter on R, a dead owner, a node, an odd key."""
+    dead = dead_owner(redis_server_url, [(["D"], [])], namespace=NS)
+    inc = new_incarnation()
+    gkey = group_key("{" + NS + "}:", inc)
+    holder = LockManager(server.url, NS, group=lambda: gkey, name=f"node={NODENAME} inc={inc}")
+    waiter = LockManager(server.url, NS)
+    node = Node(holder, NODENAME, inc)
+    node.start()
+    lease = holder.acquire(exclusive=["R"], timeout=5)
+    t = threading.Thread(
+        target=lambda: waiter.acquire(shared=["R"], timeout=60).release(), daemon=True
+    )
+    t.start()
+    insp = Inspector(holder)
+    wait_until(lambda: insp.waiters("R"), what="queued waiter")
+    admin.set("{acl}:lock:odd", "x")
+    try:
+        yield {"DEAD": dead}
+    finally:
+        lease.release()
+        t.join(30)
+        node.shutdown()
+        holder.close()
+        waiter.close()
+
+
+@pytest.mark.parametrize("drop", INSPECTION_COMMANDS)
+def test_cli_lacking_one_permission_says_permission_denied_or_answers_as_with_all(
+    drop: str,
+    inspection_state: dict[str, str],
+    restricted: Callable[..., str],
+    server: RedisServer,
+) -> None:
+    full = restricted()
+    answers: dict[tuple[str, ...], Any] = {}
+    for args in CLI_COMMANDS:
+        args = [inspection_state.get(a, a) for a in args]
+        result = cli(full, *args)
+        assert result.exit_code == 0, (args, result.output)
+        answers[tuple(args)] = _stable(result.stdout)
+    lacking = restricted(drop=(drop,))
+    refused = 0
+    for args_t, expected in answers.items():
+        result = cli(lacking, *args_t)
+        if result.exit_code == 0:
+            assert _stable(result.stdout) == expected, (
+                f"without {drop}, `{' '.join(args_t)}` answered differently:\n{result.output}"
+            )
+            continue
+        refused += 1
+        assert result.exit_code == 1, result.output
+        assert "permission denied" in result.output, result.output
+        assert drop in result.output.lower(), result.output
+    assert refused, f"no CLI command needs {drop}: drop it from INSPECTION_COMMANDS"
+
+
+def test_waiters_without_zrange_is_not_nobody_waits(
+    inspection_state: dict[str, str], restricted: Callable[..., str]
+) -> None:
+    result = cli(restricted(drop=("zrange",)), "waiters", "R")
+    assert result.exit_code == 1
+    assert "nobody waits" not in result.output
+    assert "permission denied" in result.output and "ZRANGE" in result.output
+
+
+def test_release_without_pttl_never_plans_to_free_a_live_holder(
+    inspection_state: dict[str, str], restricted: Callable[..., str]
+) -> None:
+    result = cli(restricted(drop=("pttl",)), "release", "--resource", "R", "--yes")
+    assert result.exit_code == 1
+    assert "This will free" not in result.output and "DEAD" not in result.output
+    assert "permission denied" in result.output and "PTTL" in result.output
