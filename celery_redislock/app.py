@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from .exceptions import ConfigurationError, LockTimeout, ReplicationTimeout
 from .lease import Lease
 from .manager import LockManager
-from .settings import Config, load_config
+from .settings import Config, hide_url_password, load_config
 
 log = logging.getLogger("celery_redislock.app")
 log_reconcile = logging.getLogger("celery_redislock.reconcile")
@@ -140,6 +140,8 @@ class RedisLock:
         self._merge_beat_schedule_or_report(source if source is not None else self.app.conf)
 
     def _merge_beat_schedule_or_report(self, conf: Any) -> None:
+        # Before anything prints the settings (celery inspect conf, report).
+        hide_url_password(conf)
         try:
             self._merge_beat_schedule(conf)
         except ConfigurationError as exc:
@@ -198,6 +200,7 @@ class RedisLock:
         if self._config is None:
             if self.app is None:
                 raise RuntimeError("RedisLock is not attached to an app: call init_app(app)")
+            hide_url_password(self.app.conf)
             self._config = load_config(self.app.conf)
         return self._config
 

@@ -38,7 +38,7 @@ from .exceptions import ConfigurationError, LockError
 from .inspect import Holder, Inspector, LockInfo, OwnerInfo, ReleasePlan, redact_url
 from .manager import DEFAULT_OWNER_TTL, LockManager
 from .reports import CleanupReport
-from .settings import default_url, load_config
+from .settings import default_url, load_config, reveal
 
 log = logging.getLogger("celery_redislock.cli")
 
@@ -87,7 +87,7 @@ def resolve_connection(app: Any, url: str | None, namespace: str | None) -> tupl
         click.echo(f"warning: {exc}; using the default owner TTL", err=True)
         final_url = (
             url
-            or view.get("redislock_url")
+            or reveal(view.get("redislock_url"))
             or default_url(view.get("broker_url"), view.get("broker_transport_options"))
         )
         if not final_url:

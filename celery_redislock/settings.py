@@ -134,6 +134,60 @@ SETTINGS: tuple[Setting, ...] = (
 SETTING_NAMES = frozenset(s.name for s in SETTINGS)
 
 
+class HiddenURL:
+    """A URL kept in ``app.conf`` whose text (``repr`` and ``str``) masks its passwords.
+
+    ``celery inspect conf`` and ``celery report`` print every setting with
+    ``repr`` and mask only names Celery knows (``broker_url``,
+    ``result_backend``, names containing ``PASS``, ``SECRET``...): a plain
+    ``redislock_url`` would show its password. :func:`hide_url_password`
+    wraps it in this object; :func:`load_config` reads it back with
+    :meth:`reveal`. Picklable.
+    """
+
+    __slots__ = ("_url",)
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def reveal(self) -> str:
+        """The URL with its password (for connecting; never print it)."""
+        return self._url
+
+    def __repr__(self) -> str:
+        return repr(redact(self._url))
+
+    def __str__(self) -> str:
+        return redact(self._url)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HiddenURL) and other._url == self._url
+
+    def __hash__(self) -> int:
+        return hash(self._url)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HiddenURL, (self._url,))
+
+
+def reveal(value: Any) -> Any:
+    """``value`` itself, or the URL inside a :class:`HiddenURL`."""
+    return value.reveal() if isinstance(value, HiddenURL) else value
+
+
+def hide_url_password(conf: Any) -> None:
+    """Wrap ``conf['redislock_url']`` in :class:`HiddenURL` if it carries a password.
+
+    Idempotent; leaves any other value (no password, not a str) as it is.
+    """
+    try:
+        url = conf.get("redislock_url")
+    except Exception:  # a lazy settings object that fails to load
+        return
+    if isinstance(url, str) and redact(url) != url:
+        conf["redislock_url"] = HiddenURL(url)
+
+
 @dataclass(frozen=True)
 class Config:
     """The validated settings (see :data:`SETTINGS` for each field's meaning)."""
@@ -240,7 +294,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
     """
     get: Callable[[str, Any], Any] = conf.get
 
-    url = get("redislock_url", None)
+    url = reveal(get("redislock_url", None))
     if url is None:
         broker = get("broker_url", None)
         url = default_url(broker, get("broker_transport_options", None))

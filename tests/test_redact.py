@@ -7,6 +7,7 @@ parts that must stay readable (scheme, hosts, ports, db, service name).
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from urllib.parse import unquote
@@ -235,3 +236,38 @@ def test_refused_url_error_keeps_quoted_parts_the_masked_url_shows() -> None:
     with pytest.raises(ConfigurationError) as info:
         validate_url("redis://:Zq9pw@h1:notaport/0")
     assert "'notaport'" in str(info.value) and "Zq9pw" not in str(info.value)
+
+
+# -- what Celery prints: `celery inspect conf` and `celery report` ---------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://app:Zq9pw@127.0.0.1:6379/0",
+        "rediss://:Zq9pw@127.0.0.1:6380/0?ssl_cert_reqs=none",
+        "sentinel://:Zq9pw@s1:26379,s2:26379/mymaster/0?sentinel_password=Zq9pw",
+    ],
+)
+@pytest.mark.parametrize("configured_first", [False, True])
+def test_celery_settings_views_mask_the_lock_url_password(url: str, configured_first: bool) -> None:
+    from celery import Celery
+    from celery.app.utils import bugreport
+    from celery.utils.saferepr import saferepr
+    from celery.utils.serialization import jsonify
+
+    from celery_redislock import RedisLock
+
+    app = Celery("mask", broker="memory://", set_as_current=False)
+    app.conf.redislock_url = url
+    if configured_first:
+        app.conf.finalize()
+    locks = RedisLock(app)
+    # what `celery inspect conf` replies (celery/worker/control.py: conf) ...
+    inspect_conf = json.dumps(jsonify(app.conf.table(), unknown_type_filter=saferepr))
+    # ... and what `celery report` prints
+    report = bugreport(app)
+    for shown in (inspect_conf, report):
+        assert "Zq9pw" not in shown
+        assert "redislock_url" in shown and "***" in shown
+    assert locks.config.url == url or "Zq9pw" in locks.config.url  # the engine still has it
