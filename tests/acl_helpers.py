@@ -123,3 +123,13 @@ def user_url(url: str, *, user: str = USER, password: str = PASSWORD, db: int | 
     if db is not None:
         rest = rest.rsplit("/", 1)[0] + f"/{db}"
     return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
+
+
+def admin_url(url: str) -> str:
+    """``url`` without its user and password: the test server's default user.
+
+    The engine may run as the least-privilege user; a test's own reads and
+    its data keys outside the namespace use this.
+    """
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"

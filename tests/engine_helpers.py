@@ -35,6 +35,7 @@ from typing import Any
 
 import redis
 
+from acl_helpers import admin_url
 from celery_redislock import LockLost, LockManager
 
 #: Default deadline of every wait in these tests (seconds). Generous: the
@@ -96,16 +97,6 @@ class Managers:
 
 
 # -- reading the engine's state from Redis --------------------------------
-
-
-def admin_url(url: str) -> str:
-    """``url`` without its user and password: the test server's default user.
-
-    The engine may run as the least-privilege user (``REDISLOCK_TEST_ACL=1``);
-    a test's own reads and its data keys outside the namespace use this.
-    """
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
 
 
 def _s(value: bytes | str) -> str:

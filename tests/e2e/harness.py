@@ -187,6 +187,9 @@ class Cluster:
         workdir: directory for logs and beat's schedule file.
         namespace: the lock namespace (``redislock_namespace``).
         lock_url: ``redislock_url``; None leaves the library's default.
+        lock_admin_url: URL of the lock Redis for the test's own reads (the
+            helpers below use KEYS, HGETALL...); default ``lock_url``. Give
+            it when ``lock_url`` is a least-privilege user.
         settings: extra environment for :mod:`e2e.proj` (``E2E_OWNER_TTL``...).
     """
 
@@ -197,6 +200,7 @@ class Cluster:
         *,
         namespace: str | None = None,
         lock_url: str | None = None,
+        lock_admin_url: str | None = None,
         app_module: str = "e2e.proj",
         **settings: Any,
     ) -> None:
@@ -228,7 +232,9 @@ class Cluster:
         self.producer = Celery("e2e-producer", broker=broker_url, backend=broker_url)
         self.producer.conf.update(task_default_queue=self.queue, result_expires=600)
         self.data = redis.Redis.from_url(broker_url, decode_responses=True)
-        self.lock_redis = redis.Redis.from_url(self.lock_url, decode_responses=True)
+        self.lock_redis = redis.Redis.from_url(
+            lock_admin_url or self.lock_url, decode_responses=True
+        )
         self._seq = 0
 
     # -- processes ------------------------------------------------------
