@@ -20,7 +20,9 @@ Connection: ``--url`` / ``--namespace`` (on the group or any command, or
 ``redislock_namespace`` (default ``redislock``).
 
 Exit codes: 0 done; 1 refused (a live owner without ``--force``), partial
-cleanup, or Redis unavailable; 2 usage error; an unconfirmed prompt aborts
+cleanup, Redis unavailable, or permission denied (the Redis user's ACL lacks
+a command or key: the message names it; a refused read is never shown as
+"nobody waits" or a DEAD owner); 2 usage error; an unconfirmed prompt aborts
 with 1 and frees nothing.
 """
 
