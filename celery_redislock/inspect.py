@@ -63,6 +63,15 @@ def _grant_value(value: str) -> tuple[str, int | None]:
 _FIELD_RE = re.compile(r"(\w+)=(\S+)")
 
 
+def _command_name(queued: Any) -> str:
+    """The command of a queued pipeline entry: ``(args, options)`` for a
+    Redis pipeline, a ``PipelineCommand`` (``.args``) for a cluster one."""
+    args = getattr(queued, "args", None)
+    if args is None:
+        args = queued[0]
+    return str(args[0]).upper() if args else "?"
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -296,7 +305,7 @@ class Inspector:
         """Execute a pipeline; replies that are errors stay in the list, but a
         refusal by the ACL raises :class:`PermissionDenied` (an unreadable
         key must never read as an absent one: a live owner as DEAD)."""
-        sent = [str(args[0]).upper() for args, _ in pipe.command_stack]
+        sent = [_command_name(c) for c in pipe.command_stack]
         try:
             replies = list(pipe.execute(raise_on_error=False))
         except REDIS_DOWN_ERRORS as exc:

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from celery_redislock import ConfigurationError, InvalidResource, LockManager, locked
+from celery_redislock._validate import label
 from celery_redislock.cli import redislock
 from celery_redislock.connect import parse_sentinel_url
 from celery_redislock.inspect import Inspector
@@ -156,6 +157,8 @@ def test_every_accepted_name_is_clean_and_stays_inside_the_namespace(name: str, 
             assert keys.held(name).startswith(keys.prefix)
     if _accepted(validate_owner_id, name):
         assert "|" not in name
+    if _accepted(lambda v: label("name", v), name):  # LockManager(name=...)
+        assert name.isprintable() and not any(c in name for c in CONTROL)
     try:
         spec = parse_sentinel_url(f"sentinel://h:26379/{quote(name, safe='')}")
     except ConfigurationError:
