@@ -35,7 +35,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, unquote, urlencode
+from urllib.parse import quote, unquote, urlencode, urlsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
@@ -76,6 +76,9 @@ _CERT_REQS = ("none", "optional", "required")
 #: A Sentinel service name, matched with ``fullmatch`` (``$`` would also
 #: accept a trailing newline).
 _NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+#: Highest database number accepted in a URL (Redis's own limit is INT_MAX).
+MAX_DB = 2**31 - 1
 
 
 def is_sentinel_url(url: str) -> bool:
@@ -168,9 +171,10 @@ def _host_port(part: str, setting: str, shown: str) -> tuple[str, int]:
 
 
 def _db(text: str, setting: str, shown: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_DB:
         raise ConfigurationError(
-            setting, f"database {text!r} must be a non-negative integer in {shown}"
+            setting,
+            f"database {text!r} must be a non-negative integer (at most {MAX_DB}) in {shown}",
         )
     return int(text)
 
@@ -303,6 +307,11 @@ def validate_url(url: Any, *, setting: str = "redis_url", master_name: str | Non
             f"must be a {', '.join(URL_SCHEMES)} URL, not "
             f"{type(url).__name__ if not isinstance(url, str) else 'an empty string'}",
         )
+    if _CONTROL_RE.search(url) or url != url.strip():
+        raise ConfigurationError(
+            setting,
+            f"has control characters or surrounding whitespace: {redact_url(url.strip())!r}",
+        )
     if is_sentinel_url(url):
         return parse_sentinel_url(url, setting=setting, master_name=master_name).to_url()
     if not url.lower().startswith(DIRECT_SCHEMES):
@@ -310,9 +319,20 @@ def validate_url(url: Any, *, setting: str = "redis_url", master_name: str | Non
             setting, f"must be a {', '.join(URL_SCHEMES)} URL, not {redact_url(url)!r}"
         )
     try:
-        parse_url(url)
+        kwargs = parse_url(url)
     except ValueError as exc:
         raise _url_error(setting, url, exc) from exc
+    shown = redact_url(url)
+    if not url.lower().startswith("unix://"):
+        # redis-py reads a path that is not a number as database 0: refuse it.
+        segment = urlsplit(url).path.strip("/")
+        if segment:
+            _db(segment, setting, shown)
+    db = kwargs.get("db", 0)
+    if not isinstance(db, int) or not 0 <= db <= MAX_DB:
+        raise ConfigurationError(
+            setting, f"database must be a non-negative integer (at most {MAX_DB}) in {shown}"
+        )
     return url
 
 

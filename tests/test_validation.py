@@ -388,3 +388,31 @@ def test_settings_accept_their_boundaries(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.WARNING, "celery_redislock.heartbeat"):
         load_config({**base, "redislock_heartbeat_interval": 0.05})
     assert any("redislock_heartbeat_interval=0.05s" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h/0\n",
+        " redis://h/0",
+        "redis://h\x00/0",
+        "redis://h/abc",  # redis-py would read it as database 0
+        "redis://h/-1",
+        "redis://h/²",
+        "redis://h/2147483648",
+        "unix:///tmp/r.sock?db=-2",
+        "sentinel://h:26379/m/0\n",
+    ],
+)
+def test_lock_url_with_control_characters_or_a_bad_database_is_refused(url: str) -> None:
+    with pytest.raises(ConfigurationError, match="redislock_url"):
+        load_config({"redislock_url": url})
+    with pytest.raises(ConfigurationError, match="redis_url"):
+        LockManager(url)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://h", "redis://h/", "redis://h/2147483647", "unix:///tmp/r.sock?db=2"]
+)
+def test_lock_url_boundaries_are_accepted(url: str) -> None:
+    assert load_config({"redislock_url": url}).url == url
