@@ -20,12 +20,21 @@ class EvictionCheck:
 
     policy: str | None
     may_evict: bool
+    #: Why the policy is unknown: ``"denied"`` when the Redis user's ACL
+    #: refused INFO, else None.
+    unknown_because: str | None = None
 
     def describe(self) -> str:
         if self.policy is None:
+            why = (
+                " (INFO refused by the Redis user's ACL: grant +info, see the "
+                "least-privilege ACL in docs/operations.md)"
+                if self.unknown_because == "denied"
+                else ""
+            )
             return (
-                "could not read maxmemory_policy from INFO memory; if Redis may evict keys, "
-                "liveness keys can vanish and locks be freed early"
+                f"could not read maxmemory_policy from INFO memory{why}; if Redis may evict "
+                "keys, liveness keys can vanish and locks be freed early"
             )
         if self.may_evict:
             return (
@@ -52,8 +61,10 @@ def check_eviction(client: AnyRedis, *, strict: bool = False) -> EvictionCheck:
         else:
             infos = [client.info("memory")]
     except redis.ResponseError as exc:
-        if strict and is_permission_error(exc):
-            raise
+        if is_permission_error(exc):
+            if strict:
+                raise
+            return EvictionCheck(None, True, "denied")
         return EvictionCheck(None, True)
     found: EvictionCheck | None = None
     for info in infos:

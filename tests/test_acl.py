@@ -432,3 +432,16 @@ def test_release_without_pttl_never_plans_to_free_a_live_holder(
     assert result.exit_code == 1
     assert "This will free" not in result.output and "DEAD" not in result.output
     assert "permission denied" in result.output and "PTTL" in result.output
+
+
+def test_worker_eviction_check_without_info_says_the_acl_refused_it(
+    restricted: Callable[..., str],
+) -> None:
+    mgr = LockManager(restricted(drop=("info",)), NS, heartbeat=False)
+    try:
+        check = mgr.check_eviction()  # tolerated at worker start: the policy is unknown
+        assert check.policy is None and check.may_evict
+        assert "refused by the Redis user's ACL" in check.describe()
+        assert "+info" in check.describe()
+    finally:
+        mgr.close()
