@@ -236,17 +236,19 @@ class LockManager:
             workers and the CLI with the same namespace share the same locks.
         owner_ttl: seconds an owner stays alive without a heartbeat. A
             crashed owner's locks are reclaimable this long after its last
-            beat. Default 30: long enough to ride out a GC or scheduling
+            beat; 0.1..86400. Default 30: long enough to ride out a GC or scheduling
             pause of several seconds, short enough that an unattended crash
             clears within half a minute.
-        heartbeat_interval: seconds between liveness refreshes, at most half
-            of ``owner_ttl``. Default ``owner_ttl / 3``: two beats may be
+        heartbeat_interval: seconds between liveness refreshes, at least
+            0.05 (a warning is logged below 0.5) and at most half of
+            ``owner_ttl``. Default ``owner_ttl / 3``: two beats may be
             lost (a slow Redis, a blocked process) before the owner is dead.
         queue_scan_limit: most live wait-queue entries one script inspects
             per resource (and the page size of a scan of a lock's holders);
             bounds the work of every script. Dead entries a script removes
             do not count against it: they have a budget of their own, four
             times this limit, past which the work goes on in a later call.
+            1..100000.
         name: a label stored with the owner's liveness (shown by the CLI).
         heartbeat: run this process's own heartbeat thread (default). Turn
             it off only when something else refreshes the owner's liveness
@@ -505,12 +507,15 @@ class LockManager:
         Raises:
             LockTimeout: not granted in time; nothing is left behind.
             InvalidResource: bad names or request shape (before any I/O).
-            ValueError: negative timeout, or a nested request without one.
+            ConfigurationError: (a ValueError) a timeout that is not None or a
+                number >= 0, or a ``nested`` that is not None/True/False.
+            ValueError: a nested request without a finite timeout.
             RedisUnavailable: Redis could not be reached for longer than the
                 outage bound: ``timeout``, and at most ``owner_ttl`` after
                 the first failure (``timeout=0``: at once). Shorter
                 outages (a stalled server, a dropped or refused connection)
                 are ridden out by re-running the idempotent acquire.
+            PermissionDenied: the Redis user's ACL refused a command or key.
 
         Whatever ends the call (a timeout, KeyboardInterrupt, a soft time
         limit, a gevent kill), the request's grant or queue entries are
@@ -1135,7 +1140,8 @@ class LockManager:
         also deletes its liveness key so that, if it still runs, its next
         heartbeat finds itself dead and marks its leases lost. Keys of an
         unexpected type are kept and reported; one failing key does not stop
-        the others.
+        the others. Raises ValueError for a malformed owner id and
+        :class:`PermissionDenied` when the Redis user's ACL refuses the script.
         """
         validate_owner_id(owner_id)
         force = _v.flag("force", force)
@@ -1185,7 +1191,9 @@ class LockManager:
         Walks ``{ns}:owners`` with SSCAN in batches (one EXISTS pipeline per
         batch), never the keyspace; cost O(owners + dead owners' locks).
         Safe to run from many processes at once: each cleanup is atomic and
-        idempotent. An owner whose cleanup fails stays for the next pass.
+        idempotent. An owner whose cleanup fails stays for the next pass; a
+        refusal by the ACL (:class:`PermissionDenied`) ends the pass, since
+        every owner would fail the same way.
         """
         batch_size = _v.integer("batch_size", batch_size, minimum=1, maximum=10000)
         report = ReconcileReport()
