@@ -357,6 +357,7 @@ class Inspector:
 
     def registry(self, owner_id: str) -> list[str]:
         """The lock keys in one owner's registry (SSCAN in batches)."""
+        validate_owner_id(owner_id)
         out: list[str] = []
         for batch in self._sscan(self.keys.held(owner_id)):
             out.extend(batch)
@@ -383,6 +384,8 @@ class Inspector:
 
     def liveness(self, owners: Iterable[str]) -> dict[str, Liveness]:
         """PTTL and value of each owner's liveness key (pipelined in batches)."""
+        if isinstance(owners, str):
+            raise ConfigurationError("owners", f"must be an iterable of owner ids, not {owners!r}")
         wanted = list(dict.fromkeys(owners))
         out: dict[str, Liveness] = {}
         for batch in self._batches(wanted):
@@ -590,6 +593,7 @@ class Inspector:
 
     def owner(self, owner_id: str) -> OwnerInfo:
         """One owner (need not be in the active-owners set)."""
+        validate_owner_id(owner_id)
         return self._owner_infos([owner_id])[0]
 
     def _owner_infos(self, owners: Sequence[str]) -> list[OwnerInfo]:
@@ -658,6 +662,10 @@ class Inspector:
         A named resource is listed even when free (no holders). Sorted by
         resource name.
         """
+        if isinstance(resources, str):
+            raise ConfigurationError(
+                "resources", f"must be a sequence of resource names, not the str {resources!r}"
+            )
         if resources:
             keys = [self.keys.lock(validate_resource(r)) for r in dict.fromkeys(resources)]
         else:

@@ -308,6 +308,23 @@ def test_inspector_waiters_refuses_a_bad_limit(limit: Any, managers: Managers) -
         Inspector(managers()).waiters("a", limit=limit)
 
 
+def test_inspector_refuses_a_str_where_it_takes_many_names_and_a_malformed_owner_id(
+    managers: Managers,
+) -> None:
+    insp = Inspector(managers())
+    with pytest.raises(ConfigurationError, match="resources"):
+        insp.locks("repo:1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="owners"):
+        insp.liveness("owner-1")
+    for bad in ("", "a|b", "a\nb"):
+        with pytest.raises(ValueError, match="owner id"):
+            insp.owner(bad)
+        with pytest.raises(ValueError, match="owner id"):
+            insp.registry(bad)
+        with pytest.raises(ValueError, match="owner id"):
+            insp.plan_owner(bad)
+
+
 def test_inspector_needs_a_lock_manager() -> None:
     with pytest.raises(ConfigurationError, match="manager"):
         Inspector("redis://h/0")  # type: ignore[arg-type]
