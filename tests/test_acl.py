@@ -34,10 +34,11 @@ from celery_redislock import (
     LockManager,
     LockTimeout,
     PermissionDenied,
+    ShuttingDown,
     check_eviction,
 )
 from celery_redislock.cli import redislock
-from celery_redislock.node import Node, group_key, new_incarnation
+from celery_redislock.node import Node, group_key, halt_key, new_incarnation
 from engine_helpers import wait_until
 from redis_server import RedisServer
 from test_inspect import dead_owner
@@ -127,8 +128,9 @@ def test_documented_acl_grants_exactly_the_commands_the_code_sends(
     db1 = redis.Redis.from_url(url.replace("exercise:lock-user-pw@", ""))
     db1.ping()  # connected (and SELECTed) before the counters are reset
     admin.config_resetstat()
+    outcomes: list[Any] = []
     try:
-        _exercise(url, db1)
+        _exercise(url, db1, outcomes)
     finally:
         db1.close()
 
@@ -141,6 +143,7 @@ def test_documented_acl_grants_exactly_the_commands_the_code_sends(
         if s.get("rejected_calls") and name not in IGNORED
     }
     assert not refused, f"the documented ACL refused commands the code sends: {refused}"
+    assert isinstance(outcomes[0], ShuttingDown), outcomes  # the halt reached the waiter
     used = {name for name, s in stats.items() if s["calls"]} - IGNORED
     lua = lua_commands()
     assert lua >= ADMIN_DURING
@@ -154,10 +157,12 @@ def test_documented_acl_grants_exactly_the_commands_the_code_sends(
     )
 
 
-def _exercise(url: str, admin: redis.Redis) -> None:
+def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
     """Everything the library does against Redis, as the restricted user.
 
-    ``admin``: a connection to the same database, already open.
+    ``admin``: a connection to the same database, already open. ``outcomes``
+    receives what the halted waiter got (checked after the refusals, which
+    explain a wrong one).
     """
     made: list[LockManager] = []
 
@@ -217,6 +222,30 @@ def _exercise(url: str, admin: redis.Redis) -> None:
         admin.execute_command("HSET", gkey, "gone-child", "999999.1")  # a dead child
         assert "gone-child" in node.tick().dead  # freed, then HDEL from the group
         insp.node(NODENAME)
+
+        # Warm shutdown: the node pushes its halt list; a waiter of the worker
+        # (as @locked waits) leaves its queue and pushes the entry back.
+        blocker = child.acquire(exclusive=["h"], timeout=5)
+        pool = manager(heartbeat=False)
+        pool._halt_key = halt_key("{" + NS + "}:", inc)
+        halted: list[Any] = []
+
+        def wait_as_locked() -> None:
+            pool._local.halt_ok = True
+            try:
+                halted.append(pool.acquire(exclusive=["h"], timeout=30))
+            except BaseException as exc:
+                halted.append(exc)
+
+        hw = threading.Thread(target=wait_as_locked, daemon=True)
+        hw.start()
+        wait_until(lambda: insp.waiters("h"), what="a waiter of the worker")
+        node.halt_waiters()  # refused, it only logs node.halt-error: see commandstats
+        blocker.release()
+        hw.join(30)
+        if halted and not isinstance(halted[0], BaseException):
+            halted[0].release()
+        outcomes.append(halted[0] if halted else None)
 
         for args in (
             ["status"],
