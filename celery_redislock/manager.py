@@ -1123,6 +1123,8 @@ class LockManager:
                 got = self.client.xread(streams, block=block_ms)  # type: ignore[arg-type]
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
+            except redis.ResponseError as exc:
+                raise (permission_denied(exc, self.url, "XREAD") or exc) from exc
             # The signal may be stale (a request that only tried, or has
             # given up since): count again, and keep waiting if nobody waits.
             if got:

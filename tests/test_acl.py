@@ -474,3 +474,16 @@ def test_worker_eviction_check_without_info_says_the_acl_refused_it(
         assert "+info" in check.describe()
     finally:
         mgr.close()
+
+
+def test_wait_for_contender_without_xread_raises_permission_denied(
+    restricted: Callable[..., str],
+) -> None:
+    mgr = LockManager(restricted(drop=("xread",)), NS)
+    try:
+        with mgr.lock("a", timeout=5) as lease:
+            with pytest.raises(PermissionDenied) as info:
+                lease.wait_for_contender(5)
+            assert info.value.command == "XREAD" and "xread" in str(info.value).lower()
+    finally:
+        mgr.close()
