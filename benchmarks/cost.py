@@ -90,7 +90,7 @@ def _dead_owner(url: str, resources: list[str]) -> str:
     for res in resources:
         mgr.acquire(res, timeout=0)
     owner = mgr.owner_id
-    mgr.close()
+    mgr.heartbeat.stop()  # it "dies" holding them (close() would release them)
     deadline = time.monotonic() + 10
     while client.exists(mgr.keys.alive(owner)):
         if time.monotonic() > deadline:

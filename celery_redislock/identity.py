@@ -100,6 +100,11 @@ class OwnerIdentity:
     pid: int = field(default_factory=os.getpid)
     #: True once an acquire registered the liveness key (SET NX).
     registered: bool = False
+    #: Monotonic time until which this owner's liveness is known to hold:
+    #: start of the last confirmed refresh + the TTL it left, less a margin
+    #: (``LockManager._confirm``); 0.0 until the first confirmation. Past it,
+    #: every lease of the owner is lost, whatever Redis says later.
+    valid_until: float = 0.0
 
     @functools.cached_property
     def tag(self) -> str:

@@ -18,6 +18,7 @@ key                            type    holds
 ``{ns}:contended:<resource>``  stream  one entry, added when a holder blocks
                                        a request (read by wait_for_contender)
 ``{ns}:lost:<owner>``          list    pushed when the owner is declared dead
+``{ns}:dead:<owner>``          string  tombstone of a cleaned owner (TTL)
 ``{ns}:fence``                 string  last fencing token
 ``{ns}:seq``                   string  last arrival sequence number
 =============================  ======  =========================================
@@ -143,6 +144,9 @@ class Keyspace:
 
     def lost(self, owner_id: str) -> str:
         return f"{self.prefix}lost:{owner_id}"
+
+    def dead(self, owner_id: str) -> str:
+        return f"{self.prefix}dead:{owner_id}"
 
     def resource_of(self, lock_key: str) -> str:
         """The resource name of a ``{ns}:lock:<resource>`` key."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .exceptions import LockLost
 
 if TYPE_CHECKING:
+    from .identity import OwnerIdentity
     from .manager import LockManager, _Depth, _Request
 
 
@@ -29,14 +30,15 @@ class Lease:
         self,
         manager: LockManager,
         request: _Request,
-        owner_id: str,
+        ident: OwnerIdentity,
         token: str,
         fencing_token: int,
         depth: _Depth,
     ) -> None:
         self._manager = manager
         self._request = request
-        self.owner_id = owner_id
+        self._ident = ident
+        self.owner_id = ident.owner_id
         self.token = token
         self.fencing_token = fencing_token
         self.exclusive = request.exclusive
@@ -54,8 +56,26 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once the owner's liveness lapsed: the locks may belong to another."""
+        """True once the owner's liveness lapsed: the locks may belong to another.
+
+        Also True, without asking Redis, once the owner's local liveness
+        deadline passed (:attr:`deadline`): a holder resumed from a pause
+        longer than ``owner_ttl`` sees it at once.
+        """
+        if not self._lost and not self._released and time.monotonic() > self._ident.valid_until:
+            self._manager._deadline_passed(self._ident)
+            self._lost = True
         return self._lost
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic time (:func:`time.monotonic`) after which the lease is lost.
+
+        The start of the last confirmed refresh of the owner's liveness plus
+        ``owner_ttl``, less a safety margin (docs/design.md, "Loss model");
+        moved forward by every heartbeat that extends the liveness key.
+        """
+        return self._ident.valid_until
 
     @property
     def released(self) -> bool:
@@ -63,8 +83,12 @@ class Lease:
         return self._released
 
     def check(self) -> None:
-        """Raise :class:`LockLost` if the lease is lost; no Redis round trip."""
-        if self._lost:
+        """Raise :class:`LockLost` if the lease is lost; no Redis round trip.
+
+        Lost means: the owner was found dead (heartbeat, lost-owner watcher,
+        node heartbeat, a partial release), or the local deadline passed.
+        """
+        if self.lost:
             raise LockLost(self.resources, self.owner_id, self.fencing_token)
 
     def release(self) -> None:

@@ -77,6 +77,15 @@ DEFAULT_WAIT_TIMEOUT = 1.0
 MAX_WAIT_REPLICAS = 100
 MIN_WAIT_TIMEOUT = 0.001
 MAX_WAIT_TIMEOUT = 60.0
+#: Safety margin of the local liveness deadline (docs/design.md, "Loss
+#: model"): a lease counts as lost this long before its owner's liveness key
+#: can expire in Redis, to absorb clock drift between this host's monotonic
+#: clock and the Redis server's expiry clock (NTP slewing, a stepped clock):
+#: a tenth of owner_ttl, at most LIVENESS_MARGIN_MAX seconds.
+LIVENESS_MARGIN_FRACTION = 0.1
+LIVENESS_MARGIN_MAX = 2.0
+#: Values of ``LockManager(eviction_check=...)``.
+EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
 
 #: Errors that mean Redis cannot be reached or cannot serve (reported as
 #: RedisUnavailable): a dropped or refused connection, a timeout, and a Redis
@@ -114,6 +123,25 @@ def _socket_timeout(client: AnyRedis) -> float | None:
                     value = param.default
                 break
     return float(value) if value else None
+
+
+#: What each place that finds an owner lost tells the operator (logged once).
+_GONE = (
+    "liveness key gone: paused or partitioned longer than owner_ttl, force-released, "
+    "evicted by Redis (maxmemory-policy), or Redis lost its data (restart without "
+    "persistence, FLUSHALL, failover to a replica that missed it)"
+)
+_LOSS_CAUSES = {
+    "heartbeat": _GONE,
+    "acquire": _GONE,
+    "watch": _GONE,
+    "declared-dead": "a cleanup declared this owner dead (its worker, reconcile or an operator)",
+    "deadline": "local liveness deadline passed: no confirmed refresh for owner_ttl less the "
+    "margin (this process was paused or starved, or Redis was unreachable)",
+    "node-heartbeat": "the worker's node heartbeat found the liveness key gone",
+    "node-state-lost": "Redis lost the worker's node record or group (restart without "
+    "persistence, FLUSHALL, failover, eviction)",
+}
 
 
 def _text(value: Any) -> str:
@@ -272,6 +300,13 @@ class LockManager:
             and ``"retry"`` asks again (at the back of the queue) until the
             acquire's own ``timeout`` runs out, then raises
             :class:`ReplicationTimeout`.
+        eviction_check: what the first round trip does when Redis may evict
+            keys (``maxmemory-policy`` other than ``noeviction``, read from
+            INFO): ``"warn"`` (default) logs ``startup.eviction-risk`` once,
+            ``"raise"`` refuses every call with :class:`ConfigurationError`,
+            ``"ignore"`` skips the check. An evicted liveness key or lock
+            frees locks early; the heartbeat tells the holder, but only after
+            the fact.
 
     ``heartbeat=False`` and ``group`` apply to the process that built the
     manager only (the *member* process; a Celery pool child becomes one
@@ -298,6 +333,7 @@ class LockManager:
         wait_replicas: int = 0,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         wait_policy: str = "fail",
+        eviction_check: str = "warn",
     ) -> None:
         owner_ttl = _v.duration(
             "owner_ttl", owner_ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL
@@ -318,6 +354,11 @@ class LockManager:
         heartbeat = _v.flag("heartbeat", heartbeat)
         if group is not None and not callable(group):
             raise ConfigurationError("group", f"must be a callable or None, not {group!r}")
+        if eviction_check not in EVICTION_CHECK_MODES:
+            raise ConfigurationError(
+                "eviction_check",
+                f"must be one of {', '.join(EVICTION_CHECK_MODES)}, not {eviction_check!r}",
+            )
         self.keys = Keyspace(namespace)
         self.namespace = namespace
         self.owner_ttl = float(owner_ttl)
@@ -381,6 +422,21 @@ class LockManager:
         #: made with ``_local.halt_ok`` set (``@locked``'s wait) are halted.
         self._halt_key: str | None = None
         self._halted = False
+        self._eviction_mode = eviction_check
+        #: The eviction check is still due (it runs before the first script).
+        self._eviction_pending = eviction_check != "ignore"
+        #: Set in "raise" mode when Redis may evict: every call is refused.
+        self._eviction_refusal: str | None = None
+        #: The eviction check found that Redis may evict keys ("warn" mode):
+        #: the heartbeat then also verifies that Redis still records each
+        #: held grant (a lock hash may be evicted while the liveness stays).
+        self._may_evict = False
+        #: Owners of this process retired because their local deadline passed
+        #: while their liveness key may still exist: the heartbeat (or the
+        #: lost-owner watcher, or the node heartbeat) force-cleans them.
+        self._doomed: set[str] = set()
+        #: Seconds the local liveness deadline keeps from owner_ttl.
+        self.liveness_margin = min(LIVENESS_MARGIN_MAX, self.owner_ttl * LIVENESS_MARGIN_FRACTION)
 
     # -- identity ---------------------------------------------------------
 
@@ -430,6 +486,7 @@ class LockManager:
         self._hb_client = None
         self._heartbeat.after_fork_in_child()
         self._watch_pid = 0
+        self._doomed = set()
 
     def _depth(self) -> _Depth:
         depth = getattr(self._local, "depth", None)
@@ -469,6 +526,8 @@ class LockManager:
 
         With ``wait`` the answer is ``(script reply, replicas that acknowledged)``.
         """
+        if self._eviction_pending or self._eviction_refusal is not None:
+            self._check_eviction_once()
         try:
             if wait:
                 return self._scripts.run_and_wait(name, keys, args, wait, self._wait_ms)
@@ -522,6 +581,8 @@ class LockManager:
         released by its own token before the exception leaves this method.
         """
         req = self._request(exclusive, shared)
+        if self._closed:
+            raise LockError(f"this LockManager ({self.url}) is closed: make a new one")
         timeout = _v.seconds("timeout", timeout, allow_none=True, allow_inf=True)
         if timeout is not None and math.isinf(timeout):
             timeout = None
@@ -550,12 +611,19 @@ class LockManager:
         try:
             reply: Any = None
             while True:
+                if self._closed:
+                    raise LockError(f"this LockManager ({self.url}) was closed")
                 if reply is None:
+                    started = time.monotonic()
                     reply = self._riding_out(
                         outage, token, self._attempt, ident, token, req, timeout != 0, nested
                     )
                     if reply is None:  # Redis failed; backed off: run the attempt again
                         continue
+                    # Past step 1 the script refreshed our liveness: a confirmed
+                    # refresh, unless our local deadline had already passed.
+                    if int(reply[0]) != -1 and not self._confirm(ident, started, self.owner_ttl):
+                        self._owner_lost(ident, "deadline")
                 code = int(reply[0])
                 if code == 1:
                     ident.registered = True
@@ -578,20 +646,47 @@ class LockManager:
                             ):
                                 raise ShuttingDown(req.resources)
                             continue
-                    lease = Lease(self, req, ident.owner_id, token, int(reply[1]), depth)
-                    if log_acquire.isEnabledFor(logging.DEBUG):
-                        log_acquire.debug(
-                            "acquire.granted owner=%s resources=%s fence=%s",
-                            ident.owner_id,
-                            ",".join(req.resources),
-                            lease.fencing_token,
-                        )
-                    # Counted last: an interrupt before this must not leave the
-                    # thread looking nested (it would skip the queue for ever).
+                    lease = Lease(self, req, ident, token, int(reply[1]), depth)
+                    # Kept only while its identity is current (checked under the
+                    # lock that _owner_lost takes to mark leases lost): a grant
+                    # made to a retired identity, e.g. handed off just as a
+                    # cleanup declared the owner dead, is never returned.
                     with self._state_lock:
-                        self._leases[token] = lease
-                        depth.count += 1
-                    return lease
+                        current = self._identity.peek() is ident and not self._closed
+                        if current:
+                            # Counted last: an interrupt before this must not leave
+                            # the thread looking nested (it would skip the queue).
+                            self._leases[token] = lease
+                            depth.count += 1
+                    if current:
+                        if log_acquire.isEnabledFor(logging.DEBUG):
+                            log_acquire.debug(
+                                "acquire.granted owner=%s resources=%s fence=%s",
+                                ident.owner_id,
+                                ",".join(req.resources),
+                                lease.fencing_token,
+                            )
+                        return lease
+                    retired = True
+                else:
+                    retired = code == 0 and self._identity.peek() is not ident
+                if retired:
+                    # Granted or queued under an identity that was retired
+                    # meanwhile (or the manager was closed): end that request
+                    # and ask again as the current identity.
+                    self._end_request(ident.owner_id, token, req)
+                    if self._closed:
+                        raise LockError(f"this LockManager ({self.url}) was closed")
+                    ident = self._identity.current()
+                    token = f"{ident.owner_id}|{request_id}"
+                    reply = None
+                    log_acquire.warning(
+                        "acquire.re-request resources=%s owner=%s: granted or queued under "
+                        "an identity declared dead meanwhile; released and asked again",
+                        ",".join(req.resources),
+                        ident.owner_id,
+                    )
+                    continue
                 if code == -1:
                     self._owner_lost(ident, "acquire")
                     ident = self._identity.current()
@@ -610,6 +705,11 @@ class LockManager:
                 block = min(remaining, self._block_cap, self.owner_ttl)
                 if wait_ms >= 0:
                     block = min(block, wait_ms / 1000.0 + 0.01)
+                # Re-run the script (a liveness refresh) while a third of
+                # owner_ttl is still left before the local deadline: a lease
+                # handed off during the wait is not born close to its deadline
+                # (a pool child's watcher confirms within owner_ttl / 4).
+                block = min(block, ident.valid_until - time.monotonic() - self.owner_ttl / 3)
                 # A release that finds us at the head hands us the locks and
                 # pushes 'g<fence>': granted without another round trip.
                 # Anything else (a plain wake, a timeout) re-runs the script,
@@ -618,11 +718,14 @@ class LockManager:
                 if fence is not None and fence < 0:
                     raise ShuttingDown(req.resources)
                 reply = None if fence is None else (1, fence)
-        except BaseException:
+        except BaseException as exc:
             with self._state_lock:
                 if self._leases.pop(token, None) is not None:  # interrupted at the return
                     depth.count = max(0, depth.count - 1)
             self._end_request(ident.owner_id, token, req)
+            if self._closed and isinstance(exc, Exception) and not isinstance(exc, LockError):
+                # close() shut the connection under a waiting thread
+                raise LockError(f"this LockManager ({self.url}) was closed") from exc
             raise
 
     def _riding_out(self, outage: _Outage, token: str, call: Callable[..., Any], *args: Any) -> Any:
@@ -678,8 +781,8 @@ class LockManager:
             req.modes,
             "1" if queue else "0",
             "1" if nested else "0",
-            "0" if ident.registered else str(ttl_ms),
-            # Read by the script only when registering: not built on every attempt.
+            str(ttl_ms),  # every attempt refreshes the liveness (step 1)
+            # Registering (non-empty) or not; not built on every attempt.
             "" if ident.registered else ident.describe(self.name),
             self.keys.prefix,
             self._req_ttl_arg,
@@ -935,20 +1038,70 @@ class LockManager:
 
     # -- liveness ---------------------------------------------------------
 
+    def _confirm(self, ident: OwnerIdentity, started: float, ttl: float) -> bool:
+        """Record a confirmed refresh of ``ident``'s liveness; False if too late.
+
+        ``started`` is :func:`time.monotonic` taken *before* the request was
+        sent, ``ttl`` the seconds the key had left after it (owner_ttl for a
+        PEXPIRE, the PTTL read by a lost-owner watcher): the key cannot expire
+        in Redis before ``started + ttl``. The lease deadline becomes that,
+        less :attr:`liveness_margin`. A refresh that started after the
+        previous deadline had passed is refused (False): the owner must be
+        treated as lost, since its key may have expired, its locks been
+        reclaimed and the key re-created in between.
+        """
+        with self._state_lock:
+            if self._lapsed_locked(ident, started):
+                return False
+            floor = ident.valid_until if started <= ident.valid_until else 0.0
+            ident.valid_until = max(floor, started + ttl - self.liveness_margin)
+            return True
+
+    def _lapsed(self, ident: OwnerIdentity, now: float) -> bool:
+        """Whether ``ident``'s deadline passed while it holds a lease."""
+        with self._state_lock:
+            return self._lapsed_locked(ident, now)
+
+    def _lapsed_locked(self, ident: OwnerIdentity, now: float) -> bool:
+        # A deadline that passed while the owner held nothing costs nothing:
+        # an idle pool child, whose refreshes it does not watch, must not be
+        # declared lost at its next acquire. Only a lease makes it a loss.
+        if not ident.valid_until or now <= ident.valid_until:
+            return False
+        return any(
+            x.owner_id == ident.owner_id and not x._lost and not x._released
+            for x in self._leases.values()
+        )
+
+    def _deadline_passed(self, ident: OwnerIdentity) -> None:
+        """A lease of ``ident`` found the local deadline passed (no I/O here)."""
+        self._owner_lost(ident, "deadline")
+
     def _owner_lost(self, ident: OwnerIdentity, where: str) -> None:
+        """Retire ``ident`` and mark its leases lost; logs once per identity."""
         if not self._identity.retire(ident):
             return
         with self._state_lock:
             lost = [x for x in self._leases.values() if x.owner_id == ident.owner_id]
+            if where == "deadline" and ident.registered:
+                # Its key may still live (the pause was shorter in Redis's eyes,
+                # or another process refreshes it): put it to death in Redis too.
+                self._doomed.add(ident.owner_id)
         for lease in lost:
             lease._mark_lost()
+        if where == "deadline":
+            self._heartbeat.wake()
         log_heartbeat.error(
-            "heartbeat.lost owner=%s leases=%d where=%s: liveness key gone (paused longer "
-            "than owner_ttl, partitioned, or evicted); continuing under a new identity",
+            "heartbeat.lost owner=%s leases=%d where=%s: %s; continuing under a new identity",
             ident.owner_id,
             len(lost),
             where,
+            _LOSS_CAUSES.get(where, _LOSS_CAUSES["heartbeat"]),
         )
+
+    def _holds(self, ident: OwnerIdentity) -> bool:
+        with self._state_lock:
+            return any(x.owner_id == ident.owner_id for x in self._leases.values())
 
     def _heartbeat_client(self) -> AnyRedis:
         if self._hb_client is None or self._hb_client_pid != os.getpid():
@@ -964,8 +1117,13 @@ class LockManager:
         dead only at its next acquire or release. The watcher blocks on
         ``{ns}:lost:<owner>``, which every cleanup of the owner pushes to,
         and marks the owner's leases lost the moment it is told; it also
-        retries deferred releases. Cost: one blocked connection per process,
-        re-blocking every ``_block_cap`` seconds.
+        retries deferred releases. While the owner holds a lease, each pass
+        first reads the liveness key's PTTL: that feeds the leases' local
+        deadline (the refreshes are made by another process) and reports a
+        key that vanished (Redis lost its data, or evicted it). Cost: one
+        blocked connection per process, re-blocking every
+        ``min(_block_cap, heartbeat_interval / 2)`` seconds, plus one PTTL
+        per pass while holding.
         """
         if self._watch_pid == os.getpid() or self._closed:
             return
@@ -980,6 +1138,7 @@ class LockManager:
     def _lost_watch_loop(self) -> None:
         pid = os.getpid()
         outage = False
+        block = max(0.01, min(self._block_cap, self.heartbeat_interval / 2))
         while not self._closed and self._watch_pid == pid:
             try:
                 ident = self._identity.peek()
@@ -987,12 +1146,15 @@ class LockManager:
                     real_sleep(0.05)
                     continue
                 client = self._heartbeat_client()
-                got = client.blpop([self.keys.lost(ident.owner_id)], timeout=self._block_cap)
+                if self._holds(ident) and not self._watch_liveness(ident, client):
+                    continue
+                got = client.blpop([self.keys.lost(ident.owner_id)], timeout=block)
                 if outage:
                     outage = False
                     log_heartbeat.info("heartbeat.watch-resumed url=%s", self.url)
                 if got is not None:
                     self._owner_lost(ident, "declared-dead")
+                self._bury_doomed(client)
                 self._retry_orphans(client)
             except REDIS_DOWN_ERRORS as exc:  # an outage: one line, not a traceback a second
                 if not outage and not self._closed:
@@ -1007,20 +1169,92 @@ class LockManager:
                 log_heartbeat.exception("heartbeat.watch-error")
                 real_sleep(1.0)
 
+    def _watch_liveness(self, ident: OwnerIdentity, client: AnyRedis) -> bool:
+        """Watcher side of the deadline (no own heartbeat); False once lost."""
+        started = time.monotonic()
+        if self._lapsed(ident, started):
+            self._owner_lost(ident, "deadline")
+            return False
+        ms = int(client.pttl(self.keys.alive(ident.owner_id)))
+        if ms == -2:
+            self._owner_lost(ident, "watch")
+            return False
+        if ms > 0 and not self._confirm(ident, started, ms / 1000.0):
+            self._owner_lost(ident, "deadline")
+            return False
+        return True
+
     def _beat(self) -> None:
-        """One heartbeat: extend this owner's liveness; retry deferred releases."""
+        """One heartbeat: extend this owner's liveness; retry deferred work.
+
+        Never sends the refresh once the local deadline of an owner holding a
+        lease has passed: that owner is lost (it may have expired, been
+        reclaimed and been re-created meanwhile); it is force-cleaned instead.
+        An outage (RedisUnavailable) is logged once by :class:`Heartbeat`.
+        """
         client = self._heartbeat_client()
         ident = self._identity.peek()
         if ident is not None and ident.registered:
-            reply = self._call(
-                "heartbeat",
-                [self.keys.alive(ident.owner_id)],
-                [str(int(self.owner_ttl * 1000))],
-                client=client,
-            )
-            if int(reply[0]) == 0:
-                self._owner_lost(ident, "heartbeat")
+            started = time.monotonic()
+            if self._lapsed(ident, started):
+                self._owner_lost(ident, "deadline")
+            else:
+                grants = self._grants_to_verify(ident) if self._may_evict else []
+                reply = self._call(
+                    "heartbeat",
+                    [self.keys.alive(ident.owner_id), *(key for _, key in grants)],
+                    [str(int(self.owner_ttl * 1000)), "1", *(x.token for x, _ in grants)],
+                    client=client,
+                )
+                if int(reply[0]) == 0:
+                    self._owner_lost(ident, "heartbeat")
+                elif not self._confirm(ident, started, self.owner_ttl):
+                    self._owner_lost(ident, "deadline")
+                else:
+                    self._grants_gone(grants, reply[1:])
+        self._bury_doomed(client)
         self._retry_orphans(client)
+
+    def _grants_to_verify(self, ident: OwnerIdentity) -> list[tuple[Lease, str]]:
+        with self._state_lock:
+            leases = [
+                x
+                for x in self._leases.values()
+                if x.owner_id == ident.owner_id and not x._lost and not x._released
+            ]
+        return [(x, key) for x in leases for key in x._request.lock_keys]
+
+    def _grants_gone(self, grants: list[tuple[Lease, str]], found: list[Any]) -> None:
+        """Mark lost the leases whose grant Redis no longer records (evicted)."""
+        for (lease, key), ok in zip(grants, found):
+            if int(ok) == 0 and not lease._lost and not lease._released:
+                lease._mark_lost()
+                log_heartbeat.error(
+                    "heartbeat.grant-gone owner=%s token=%s lock=%s fence=%d: Redis no longer "
+                    "records this grant (the lock was evicted: maxmemory-policy is not "
+                    "noeviction); the lease is lost",
+                    lease.owner_id,
+                    lease.token,
+                    key,
+                    lease.fencing_token,
+                )
+
+    def _bury_doomed(self, client: AnyRedis) -> None:
+        """Force-clean this process's owners retired by their local deadline."""
+        if not self._doomed:
+            return
+        with self._state_lock:
+            doomed = list(self._doomed)
+        for owner in doomed:
+            report = self._cleanup(owner, force=True, client=client)
+            with self._state_lock:
+                self._doomed.discard(owner)
+            log_cleanup.info(
+                "cleanup.retired-owner owner=%s locks=%d status=%s",
+                owner,
+                report.released,
+                report.status,
+            )
 
     def _retry_orphans(self, client: AnyRedis) -> None:
         """Retry the releases that failed on an exit path (deferred); never raises.
@@ -1080,14 +1314,67 @@ class LockManager:
                 retry.failures if retry is not None else 0,
             )
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
     def close(self) -> None:
-        """Stop the heartbeat and close connections (held leases stay held
-        until released or the owner's liveness runs out)."""
+        """Release what this manager holds, then stop it for good.
+
+        Every lease it still holds is released (owner-checked, one round trip
+        each); if Redis cannot be reached, the rest are marked lost instead
+        (their owner's liveness lapses: nothing refreshes it any more). Then
+        the heartbeat and the lost-owner watcher stop, :meth:`acquire` raises
+        :class:`LockError`, and, for a manager with its own heartbeat whose
+        owner now holds nothing, the owner leaves ``{ns}:owners`` and its
+        liveness key is deleted (one ``cleanup_owner`` round trip), so
+        short-lived scripts do not pile up as dead owners. A manager whose
+        liveness another process refreshes (``heartbeat=False``, a Celery
+        pool child) leaves its owner to that process. Idempotent.
+        """
+        first = not self._closed
         self._closed = True
         self._heartbeat.stop()
+        if first and self._identity.peek() is not None:
+            self._close_owner()
         self.client.close()
         if self._hb_client is not None:
             self._hb_client.close()
+
+    def _close_owner(self) -> None:
+        with self._state_lock:
+            leases = [x for x in self._leases.values() if x.pid == os.getpid()]
+        unreachable: BaseException | None = None
+        for lease in leases:
+            if unreachable is None:
+                try:
+                    lease.release()
+                    continue
+                except Exception as exc:
+                    unreachable = exc
+            lease._mark_lost()
+        ident = self._identity.peek()
+        if ident is None:
+            return
+        self._identity.retire(ident)
+        with self._state_lock:
+            rest = [x for x in self._leases.values() if x.owner_id == ident.owner_id]
+        for lease in rest:  # granted to another thread meanwhile: not returned
+            lease._mark_lost()
+        if unreachable is not None:
+            log_release.warning(
+                "release.close-unreachable owner=%s leases_lost=%d error=%r",
+                ident.owner_id,
+                len(leases),
+                unreachable,
+            )
+            return
+        if ident.registered and self._own_heartbeat:
+            try:
+                self._cleanup(ident.owner_id, force=True, closing=True)
+            except Exception as exc:  # its liveness expires on its own
+                log_cleanup.warning("cleanup.close-error owner=%s error=%r", ident.owner_id, exc)
 
     # -- contention -------------------------------------------------------
 
@@ -1144,9 +1431,17 @@ class LockManager:
         unexpected type are kept and reported; one failing key does not stop
         the others. Raises ValueError for a malformed owner id and
         :class:`PermissionDenied` when the Redis user's ACL refuses the script.
+        A cleaned owner is tombstoned (``{ns}:dead:<owner>``, for 3 x
+        owner_ttl): it can never register again, so a request of it still in
+        flight cannot bring it back to life.
         """
         validate_owner_id(owner_id)
         force = _v.flag("force", force)
+        return self._cleanup(owner_id, force=force)
+
+    def _cleanup(
+        self, owner_id: str, *, force: bool, client: Any = None, closing: bool = False
+    ) -> CleanupReport:
         reply = self._call(
             "cleanup_owner",
             [self.keys.held(owner_id), self.keys.alive(owner_id), self.keys.owners],
@@ -1156,7 +1451,9 @@ class LockManager:
                 "1" if force else "0",
                 str(self._req_ttl_ms),
                 str(self.queue_scan_limit),
+                "1" if closing else "0",
             ],
+            client=client,
         )
         status, released, skipped, errors, remaining = reply
         skipped_l = [_text(x) for x in skipped]
@@ -1244,6 +1541,28 @@ class LockManager:
         return report
 
     # -- server checks ----------------------------------------------------
+
+    def _check_eviction_once(self) -> None:
+        """The eviction-policy check of the first round trip (``eviction_check``).
+
+        One INFO per manager (not per call); an unreachable Redis leaves it
+        due for the next call. ``"raise"`` keeps refusing every later call.
+        """
+        if self._eviction_refusal is not None:
+            raise ConfigurationError("eviction_check", self._eviction_refusal)
+        self._eviction_pending = False  # one thread checks; others go on
+        try:
+            check = self.check_eviction()
+        except BaseException:
+            self._eviction_pending = True
+            raise
+        if not check.may_evict:
+            return
+        self._may_evict = True
+        if self._eviction_mode == "raise":
+            self._eviction_refusal = f"{check.describe()} (or pass eviction_check='warn')"
+            raise ConfigurationError("eviction_check", self._eviction_refusal)
+        log_heartbeat.warning("startup.eviction-risk url=%s %s", self.url, check.describe())
 
     def check_eviction(self) -> EvictionCheck:
         """Whether Redis may evict keys (``maxmemory_policy`` from INFO)."""

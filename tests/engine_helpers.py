@@ -305,8 +305,10 @@ def child_holder(
     """Acquire, report ``("held", fence, owner_id, token)``, then obey commands.
 
     Commands: ``("wait_lost",)`` -> waits until the lease is lost and answers
-    ``("lost", lease.lost, check_raised_LockLost, fence)``; ``("release",)``
-    -> ``("released",)``; ``("exit",)``.
+    ``("lost", lease.lost, check_raised_LockLost, fence)``; ``("check",)`` ->
+    calls ``lease.check()`` at once and answers ``("checked",
+    check_raised_LockLost, lease.lost)``; ``("release",)`` ->
+    ``("released",)``; ``("exit",)``.
     """
 
     def body() -> None:
@@ -323,6 +325,13 @@ def child_holder(
                 except LockLost:
                     raised = True
                 conn.send(("lost", lease.lost, raised, lease.fencing_token))
+            elif cmd[0] == "check":
+                try:
+                    lease.check()
+                    raised = False
+                except LockLost:
+                    raised = True
+                conn.send(("checked", raised, lease.lost))
             elif cmd[0] == "release":
                 lease.release()
                 conn.send(("released",))

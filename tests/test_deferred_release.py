@@ -93,7 +93,7 @@ def test_release_refused_by_an_acl_is_reported_once_then_retried_quietly(
             f"~{PREFIX}{kind}" for kind in ("fence", "seq", "owners", "held:*", "alive:*", "req:*")
         )
         + " "
-        + " ".join(f"~{PREFIX}{kind}" for kind in ("wake:*", "lock:*", "q:*", "lost:*"))
+        + " ".join(f"~{PREFIX}{kind}" for kind in ("wake:*", "lock:*", "q:*", "lost:*", "dead:*"))
     )
     with RedisServer(workdir=tmp_path / "redis") as server:
         admin = server.client()

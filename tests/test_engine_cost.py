@@ -97,7 +97,7 @@ def dead_owner_with_locks(rc: redis.Redis, managers: Managers) -> tuple[LockMana
     live = managers(owner_ttl=OWNER_TTL)
     dead.acquire(exclusive=["a", "b"], shared=["c"], timeout=0)
     live.acquire(shared=["c"], timeout=0)
-    dead.close()
+    dead.heartbeat.stop()  # it dies holding them (close() would release them)
     owner = dead.owner_id
     rc.delete("{t}:alive:" + owner)  # what its liveness expiring does
     live.client.ping()  # connection already open, as in a running process

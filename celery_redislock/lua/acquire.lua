@@ -16,9 +16,9 @@
 --            group of owners (a Celery worker incarnation), written on
 --            registration
 -- Keys read from locks and queues (other owners' alive, req, wake, waits
--- and held keys), this owner's {ns}:waits:<owner> and the resources'
--- {ns}:contended:<res> streams are built from ARGV[8] and stay in the same
--- hash tag.
+-- and held keys), this owner's {ns}:waits:<owner>, its tombstone
+-- {ns}:dead:<owner> and the resources' {ns}:contended:<res> streams are
+-- built from ARGV[8] and stay in the same hash tag.
 --
 -- ARGV:
 --   1 owner id
@@ -26,8 +26,9 @@
 --   3 modes: one char per resource, 'x' exclusive or 's' shared
 --   4 '1' to join the wait queue when blocked, '0' to try once
 --   5 '1' for a nested request (waits only for holders, queued first)
---   6 liveness TTL in ms to register the owner with (SET NX), '0' if registered
---   7 value of the liveness key when registering (owner description)
+--   6 liveness TTL in ms (every attempt refreshes the owner's liveness)
+--   7 value of the liveness key when registering (owner description), ''
+--     when the owner is registered already
 --   8 key prefix '{ns}:'
 --   9 request TTL in ms (queued request state, wake list)
 --  10 queue scan limit (entries looked at per queue)
@@ -36,8 +37,12 @@
 --     /proc is unavailable (only read when KEYS[8+2n] is given)
 --
 -- Atomic steps:
---   1. Register (SET NX PX, and the group entry) when asked; otherwise a missing liveness key means
---      this owner was declared dead: reply {-1}.
+--   1. Liveness. Registering (ARGV[7] not ''): an owner with a tombstone
+--      (cleaned up: declared dead) is refused, {-1}; else SET NX PX, or
+--      PEXPIRE when the key exists (another request registered it), and the
+--      group entry. Registered: PEXPIRE; a missing key means this owner was
+--      declared dead (or Redis lost it): reply {-1}. Never re-creates a key
+--      that existed: a dead owner stays dead.
 --   2. Idempotency: a request already granted (its token is in its first
 --      lock hash: grants are all or nothing) replies its grant again, with
 --      the fence stored there.
@@ -70,7 +75,8 @@
 --                      is a decimal string
 --   {0, wait_ms, why}  blocked; wait_ms = soonest a blocking owner's liveness
 --                      runs out (-1 if unknown); why = 'held' | 'queued'
---   {-1}               this owner's liveness is gone: use a new identity
+--   {-1}               this owner's liveness is gone, or it is tombstoned:
+--                      use a new identity
 
 local prefix = ARGV[8]
 local owner, token, modes = ARGV[1], ARGV[2], ARGV[3]
@@ -81,12 +87,15 @@ local n = #modes
 local req_key, wake_key = KEYS[6], KEYS[7]
 
 -- 1. liveness
-if reg_ttl ~= '0' then
-  redis.call('SET', KEYS[5], ARGV[7], 'NX', 'PX', reg_ttl)
+if ARGV[7] ~= '' then
+  if redis.call('EXISTS', prefix .. 'dead:' .. owner) == 1 then return {-1} end
+  if not redis.call('SET', KEYS[5], ARGV[7], 'NX', 'PX', reg_ttl) then
+    redis.call('PEXPIRE', KEYS[5], reg_ttl)
+  end
   if #KEYS > 7 + 2 * n then
     redis.call('HSET', KEYS[8 + 2 * n], owner, ARGV[11])
   end
-elseif redis.call('EXISTS', KEYS[5]) == 0 then
+elseif redis.call('PEXPIRE', KEYS[5], reg_ttl) == 0 then
   return {-1}
 end
 

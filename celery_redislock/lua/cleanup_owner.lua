@@ -6,9 +6,10 @@
 --   2 {ns}:alive:<owner>  the owner's liveness key
 --   3 {ns}:owners         the active-owners set
 -- Lock keys come from the registry; queue, request, waits
--- ({ns}:waits:<owner>) and contended keys are built from ARGV[2]. Only
--- registry members of the form '{ns}:lock:<res>' are touched: any other
--- member is reported as skipped and kept.
+-- ({ns}:waits:<owner>), contended keys and the owner's tombstone
+-- {ns}:dead:<owner> are built from ARGV[2]. Only registry members of the
+-- form '{ns}:lock:<res>' are touched: any other member is reported as
+-- skipped and kept.
 --
 -- ARGV:
 --   1 owner id
@@ -16,14 +17,19 @@
 --   3 '1' to force: the caller proved the owner dead by other means (its
 --     process is gone, or its node was evicted); its liveness key is deleted
 --     first so that the owner, if it is somehow still running, fences itself
---   4 request TTL in ms (wake lists)
+--   4 request TTL in ms (wake lists, the lost list and the tombstone)
 --   5 queue scan limit
+--   6 (optional) '1' when the owner cleans itself up (LockManager.close: it
+--     holds nothing and its identity is retired): no tombstone, no lost push
 --
--- Atomic steps: refuse a live owner unless forced; push to {ns}:lost:<owner>
--- (built from ARGV[2]) so a still-running owner learns it is dead; remove
--- every queued request of the owner (its waits hash names each one's
--- resources) from every queue it joined, with its request state and wake
--- list, then delete the waits hash; for each registry member:
+-- Atomic steps: refuse a live owner unless forced; tombstone the owner
+-- ({ns}:dead:<owner>, TTL ARGV[4]: acquire.lua refuses to register it again,
+-- so a request of it still in flight cannot revive it) and push to
+-- {ns}:lost:<owner> (built from ARGV[2]) so a still-running owner learns it
+-- is dead (neither when ARGV[6] = '1'); remove every queued request of the
+-- owner (its waits hash names each one's resources) from every queue it
+-- joined, with its request state and wake list, then delete the waits hash;
+-- for each registry member:
 -- a missing key is dropped from the registry (nothing held); a hash has
 -- every field of this owner deleted, the request state, wake list and
 -- its contended stream deleted when no holder is left, its waiters woken,
@@ -56,10 +62,13 @@ end
 -- Tell the owner, should it still run (a stalled or force-cleaned process
 -- whose liveness someone else refreshes), that it is dead: a watcher thread
 -- of that process BLPOPs this list and marks its leases lost.
-local lost = prefix .. 'lost:' .. owner
-redis.call('LPUSH', lost, 'lost')
-redis.call('LTRIM', lost, '0', '0')
-redis.call('PEXPIRE', lost, req_ttl)
+if ARGV[6] ~= '1' then
+  redis.call('SET', prefix .. 'dead:' .. owner, '1', 'PX', req_ttl)
+  local lost = prefix .. 'lost:' .. owner
+  redis.call('LPUSH', lost, 'lost')
+  redis.call('LTRIM', lost, '0', '0')
+  redis.call('PEXPIRE', lost, req_ttl)
+end
 
 local lock_prefix = prefix .. 'lock:'
 local p = owner .. '|'
