@@ -101,6 +101,9 @@ class RedisLock:
         self.incarnation: str | None = None
         #: The running :class:`celery_redislock.node.Node`, main process only.
         self.node: Any = None
+        #: The incarnation id shared with the pool children
+        #: (:class:`celery_redislock.node.IncarnationCell`), in a worker.
+        self.incarnation_cell: Any = None
         self._config_error_reported = False
         #: Processes of the worker in which the manager runs in worker mode:
         #: the main process (set before the pool forks) and, in a pool
@@ -235,16 +238,23 @@ class RedisLock:
         if worker:
             from .node import group_key, halt_key
 
-            inc = self.incarnation
+            cell = self.incarnation_cell
             prefix = "{" + cfg.namespace + "}:"
-            key = group_key(prefix, inc) if inc else None
+            inc = self.incarnation
+
+            def group() -> str | None:
+                # Read at each registration: the node may have moved on to a
+                # fresh incarnation (Redis lost its state) since the fork.
+                return group_key(prefix, cell.get()) if cell is not None else None
+
             mgr = LockManager(
                 cfg.url,
                 cfg.namespace,
                 owner_ttl=cfg.owner_ttl,
                 heartbeat_interval=cfg.heartbeat_interval,
                 heartbeat=False,
-                group=lambda: key,
+                group=group,
+                eviction_check="ignore",  # the worker bootstep checks at start-up
                 **self._wait_kwargs(cfg),
             )
             mgr._halt_key = halt_key(prefix, inc) if inc else None
@@ -254,6 +264,7 @@ class RedisLock:
             cfg.namespace,
             owner_ttl=cfg.owner_ttl,
             heartbeat_interval=cfg.heartbeat_interval,
+            eviction_check=cfg.eviction_check,
             **self._wait_kwargs(cfg),
         )
 
@@ -272,9 +283,12 @@ class RedisLock:
 
     def _enter_worker(self, incarnation: str) -> LockManager:
         """Main process, before the pool forks: switch to worker mode."""
+        from .node import IncarnationCell
+
         with self._lock:
             self.incarnation = incarnation
             self._worker_pids = frozenset({os.getpid()})
+            self.incarnation_cell = IncarnationCell(incarnation)
             self._manager = self._make_manager(worker=True)
             # The node heartbeat covers this process's owner (it marks its
             # leases lost); a watcher thread here would only be one more real
@@ -287,6 +301,7 @@ class RedisLock:
         """After worker shutdown: later use gets a standalone manager."""
         with self._lock:
             self.incarnation = None
+            self.incarnation_cell = None
             self.node = None
             self._manager = None
             self._worker_pids = frozenset()
@@ -315,12 +330,14 @@ class RedisLock:
             _ = mgr.owner_id  # the identity source compares the pid: a fresh id
 
     def close(self) -> None:
-        """Stop this process's standalone manager (its heartbeat, connections).
+        """Close this process's standalone manager (:meth:`LockManager.close`).
 
-        Held leases stay held until released or their owner's liveness runs
-        out. In a worker's main process or pool child, the bootstep releases
-        everything at shutdown; in a helper process a task forked, the
-        manager is the helper's own and is closed here.
+        Its held leases are released (or marked lost if Redis cannot be
+        reached) and its owner is removed; the next use of :attr:`manager`
+        makes a new one. In a worker's main process or pool child, the
+        bootstep releases everything at shutdown and this does nothing; in a
+        helper process a task forked, the manager is the helper's own and is
+        closed here.
         """
         with self._lock:
             mgr, self._manager = self._manager, None

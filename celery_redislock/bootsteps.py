@@ -97,6 +97,7 @@ class RedisLockNode(bootsteps.StartStopStep):
             live_pids=lambda: pool_pids(w),
             fast_restart_cleanup=cfg.fast_restart_cleanup,
             on_evicted=lambda: self._fence(w),
+            incarnation_cell=locks.incarnation_cell,
         )
         locks.node = self.node
         w.redislock_node = self.node

@@ -163,7 +163,9 @@ def _inspector(ctx: click.Context, url: str | None, namespace: str | None) -> In
     namespace = namespace or state.get("namespace")
     try:
         final_url, ns, owner_ttl = resolve_connection(app, url, namespace)
-        mgr = LockManager(final_url, ns, owner_ttl=owner_ttl, heartbeat=False, name="cli")
+        mgr = LockManager(
+            final_url, ns, owner_ttl=owner_ttl, heartbeat=False, name="cli", eviction_check="ignore"
+        )
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     ctx.call_on_close(mgr.close)

@@ -17,6 +17,7 @@ the design and its race analysis.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 import socket
@@ -48,6 +49,58 @@ RECORD_TTL = 86400.0
 def new_incarnation() -> str:
     """A fresh incarnation id (one worker start): 16 hex characters."""
     return secrets.token_hex(8)
+
+
+class IncarnationCell:
+    """The worker's current incarnation id, shared with its forked pool children.
+
+    An anonymous shared memory page made in the main process before the pool
+    forks: the main process writes a new id when it must continue as a fresh
+    incarnation (Redis lost its state, see :meth:`Node.tick`), and every
+    child reads the current one when it registers an owner (the manager's
+    ``group`` callable), so a child never re-creates a lost incarnation's
+    group. A sequence counter around the write lets a reader retry a torn
+    read. Where anonymous shared memory is unavailable, or in a process that
+    was not forked from the writer, it holds the id it was made with.
+    """
+
+    _SIZE = 64
+
+    def __init__(self, incarnation: str) -> None:
+        self._value = incarnation
+        self._map: mmap.mmap | None
+        try:
+            self._map = mmap.mmap(-1, self._SIZE)
+        except (OSError, ValueError):  # pragma: no cover - no shared memory
+            self._map = None
+        self._write_lock = threading.Lock()
+        self.set(incarnation)
+
+    def set(self, incarnation: str) -> None:
+        """Publish ``incarnation`` (main process)."""
+        data = incarnation.encode()
+        if len(data) > self._SIZE - 9:
+            raise ValueError(f"incarnation id too long: {incarnation!r}")
+        with self._write_lock:
+            self._value = incarnation
+            m = self._map
+            if m is None:
+                return
+            seq = int.from_bytes(m[0:8], "little")
+            m[0:8] = (seq + 1).to_bytes(8, "little")  # odd: being written
+            m[8 : self._SIZE] = data.ljust(self._SIZE - 8, b"\0")
+            m[0:8] = (seq + 2).to_bytes(8, "little")
+
+    def get(self) -> str:
+        """The current incarnation id."""
+        m = self._map
+        if m is None:
+            return self._value
+        while True:
+            before = m[0:8]
+            data = m[8 : self._SIZE]
+            if before == m[0:8] and int.from_bytes(before, "little") % 2 == 0:
+                return data.rstrip(b"\0").decode()
 
 
 def node_key(prefix: str, nodename: str) -> str:
@@ -191,6 +244,9 @@ class TickResult:
     cleaned: list[CleanupReport] = field(default_factory=list)
     #: Incarnation of a predecessor evicted by this tick, if any.
     predecessor: str | None = None
+    #: True when this tick found that Redis lost our node record or group:
+    #: the node fenced itself and continues as a fresh incarnation.
+    state_lost: bool = False
 
 
 class Node:
@@ -212,6 +268,10 @@ class Node:
         on_evicted: called (from the heartbeat thread) when the tick finds
             this incarnation tombstoned, after its leases were marked lost:
             stop the pool.
+        incarnation_cell: where the pool children read the current
+            incarnation (:class:`IncarnationCell`); the node writes a fresh
+            id there when Redis lost its state. None: children keep the
+            id they were forked with.
 
     States: ``init`` (start not done yet), ``owner`` (the node record is
     ours), ``watching`` (another incarnation's record, deciding),
@@ -229,6 +289,7 @@ class Node:
         fast_restart_cleanup: bool = True,
         on_evicted: Callable[[], None] | None = None,
         record_ttl: float = RECORD_TTL,
+        incarnation_cell: IncarnationCell | None = None,
     ) -> None:
         validate_node_name(nodename)
         self.manager = manager
@@ -239,7 +300,16 @@ class Node:
         self.node_key = node_key(prefix, nodename)
         self.group_key = group_key(prefix, incarnation)
         self.tomb_key = tomb_key(prefix, incarnation)
+        #: The halt list of the incarnation the pool children were forked
+        #: with: kept when the node moves on to a fresh incarnation (their
+        #: managers watch this one).
         self.halt_key = halt_key(prefix, incarnation)
+        self._cell = incarnation_cell
+        #: Incarnations this node gave up because Redis lost their state.
+        self.lost_incarnations: list[str] = []
+        #: (group key of the incarnation given up, monotonic time until which
+        #: its late registrations are adopted by each tick).
+        self._adopt: tuple[str, float] | None = None
         self._live_pids = live_pids
         self.fast_restart_cleanup = fast_restart_cleanup
         self._on_evicted = on_evicted
@@ -281,6 +351,7 @@ class Node:
                 heartbeat_interval=self.manager.heartbeat_interval,
                 queue_scan_limit=self.manager.queue_scan_limit,
                 heartbeat=False,
+                eviction_check="ignore",  # the bootstep checks at start-up
             )
             self._ops_by_thread[key] = ops
         return ops
@@ -387,6 +458,7 @@ class Node:
                 str(self._iv_ms),
                 str(self._record_ttl_ms),
                 str(self._record_ttl_ms),
+                str(3 * self._ttl_ms),
             ],
         )
         kind = _text(reply[0])
@@ -470,9 +542,20 @@ class Node:
             if tag is not None:
                 live.add(tag)
                 live.add(str(pid))
+        mgr = self.manager
+        ident = mgr._identity.peek()
+        if ident is not None and not ident.registered:
+            ident = None
+        started = time.monotonic()
+        keys = [self.node_key, self.group_key, self.tomb_key]
+        if self._adopt is not None:
+            if started < self._adopt[1]:
+                keys.append(self._adopt[0])
+            else:
+                self._adopt = None
         reply = self._run(
             "node_heartbeat",
-            [self.node_key, self.group_key, self.tomb_key],
+            keys,
             [
                 self.incarnation,
                 str(self._ttl_ms),
@@ -480,13 +563,16 @@ class Node:
                 str(self._record_ttl_ms),
                 "1" if self.state == "owner" else "0",
                 str(self._iv_ms),
-                *self._record_args(),
+                ident.owner_id if ident is not None else "",
                 *sorted(live),
             ],
         )
-        if _text(reply[0]) == "evicted":
+        kind = _text(reply[0])
+        if kind == "evicted":
             self._fence()
             return TickResult(self.state, evicted=True)
+        if kind == "gone":
+            return self._state_lost(_text(reply[1]))
         owned = int(reply[1]) == 1
         inc, hb, hb_ms, iv, now = (_text(x) for x in reply[2:7])
         result = TickResult(self.state, owned=owned)
@@ -503,6 +589,13 @@ class Node:
         for owner, tag in lost:
             self._free(owner, _pid(tag), "lost", result)
             result.lost.append(owner)
+        # This process's owner, if still current, was refreshed by this tick
+        # (it is in the group, its process lives, it was not reported lost):
+        # that feeds its leases' local deadline, as a heartbeat would.
+        current = ident is not None and mgr._identity.peek() is ident
+        if current and ident is not None and not mgr._confirm(ident, started, mgr.owner_ttl):
+            mgr._owner_lost(ident, "deadline")
+        mgr._bury_doomed(self._ops().client)
         if owned:
             self.state = "owner"
             self._seen = None
@@ -510,6 +603,53 @@ class Node:
             self._decide(inc, hb, int(hb_ms or 0), int(iv or 0), int(now), result)
         result.state = self.state
         return result
+
+    def _state_lost(self, what: str) -> TickResult:
+        """Redis lost our node record or group: fence, then start afresh.
+
+        Every lease of this process is marked lost and its identity retired;
+        pool children learn it from their lost-owner watcher (their liveness
+        keys are gone, or no longer refreshed under the lost group). The old
+        incarnation is never re-created: the node continues as a fresh one,
+        published to the children through the incarnation cell, and claims
+        the node record again (node_start.lua).
+        """
+        old = self.incarnation
+        mgr = self.manager
+        with mgr._state_lock:
+            leases = [x for x in mgr._leases.values() if not x.released]
+        for lease in leases:
+            lease._mark_lost()
+        ident = mgr._identity.peek()
+        if ident is not None:
+            mgr._identity.retire(ident)
+        new = new_incarnation()
+        self.incarnation = new
+        self.group_key = group_key(self.prefix, new)
+        self.tomb_key = tomb_key(self.prefix, new)
+        if self._cell is not None:
+            self._cell.set(new)
+        self.lost_incarnations.append(old)
+        # A child that read the old id just before the switch registers there:
+        # the next ticks move such owners into the new group (within owner_ttl,
+        # after which an unrefreshed registration has expired anyway).
+        self._adopt = (group_key(self.prefix, old), time.monotonic() + self.manager.owner_ttl)
+        self._seen = None
+        log.error(
+            "node.state-lost node=%s inc=%s missing=%s leases_lost=%d: Redis lost this "
+            "worker's %s (restart without persistence, FLUSHALL, a failover to a replica that "
+            "missed it, or eviction); every lock of this incarnation is lost (pool children "
+            "learn it from their watcher); continuing as a new incarnation %s",
+            self.nodename,
+            old,
+            what,
+            len(leases),
+            "node record" if what == "record" else "owner group",
+            new,
+        )
+        self.state = "init"
+        self._start_locked()
+        return TickResult(self.state, state_lost=True)
 
     def _free(self, owner: str, pid: int, why: str, result: TickResult) -> None:
         ident = self.manager._identity.peek()

@@ -17,11 +17,14 @@
 --   6 our incarnation id; 7 pid; 8 host; 9 start time; 10 our interval, ms
 --   11 TTL of the node record, ms
 --   12 TTL of the tombstone, ms
+--   13 TTL of each evicted owner's tombstone {ns}:dead:<owner>, ms (3 x
+--      owner_ttl: acquire.lua refuses to register a tombstoned owner)
 --
 -- Atomic steps: refuse if inc or hb differ from ARGV[2], ARGV[3] (it beat:
 -- nothing is touched) or if its last beat is younger than ARGV[4]; else, in
--- 'evict' mode, SET the tombstone and DEL the liveness key of every owner of
--- its group; then replace the record with ours.
+-- 'evict' mode, SET the tombstone and, for every owner of its group, SET the
+-- owner's tombstone and DEL its liveness key; then replace the record with
+-- ours.
 --
 -- Reply:
 --   {'changed', inc, hb}      the record moved on (inc '' if it vanished)
@@ -44,6 +47,7 @@ local owners = redis.call('HKEYS', prefix .. 'group:' .. old)
 if ARGV[5] == 'evict' then
   redis.call('SET', prefix .. 'tomb:' .. old, ARGV[6], 'PX', ARGV[12])
   for _, owner in ipairs(owners) do
+    redis.call('SET', prefix .. 'dead:' .. owner, '1', 'PX', ARGV[13])
     redis.call('DEL', prefix .. 'alive:' .. owner)
   end
 end
