@@ -59,7 +59,13 @@ def test_release_that_hit_an_outage_is_retried_by_the_heartbeat_once_redis_is_ba
         "the deferred release to be retried by the heartbeat",
         on_timeout=w.tail,
     )
-    assert w.log_lines("release.retried", held["token"]), w.tail()
+    # logged just after the script deleted the key: wait for the line
+    wait_for(
+        lambda: w.log_lines("release.retried", held["token"]),
+        10,
+        "the release.retried log line",
+        on_timeout=w.tail,
+    )
     assert len(w.log_lines("release.retry-failed")) <= 1, w.tail()
     assert not w.log_lines("Traceback"), w.tail()
     assert not c.data.exists(c.key("held", held["owner"]))
