@@ -49,7 +49,7 @@ REPO_ROOT = TESTS_DIR.parent
 #: counters (no TTL), and the kinds documented with a TTL (docs/design.md,
 #: Data model) provided they still carry one.
 FIXED_KEYS = ("fence", "seq")
-TTL_KINDS = ("req", "wake", "contend", "lost")
+TTL_KINDS = ("req", "wake", "contend", "lost", "dead")
 
 
 @dataclass
