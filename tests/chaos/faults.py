@@ -27,13 +27,7 @@ ALL_FAULTS: tuple[str, ...] = tuple(FAULTS)
 #: expose (docs/chaos.md has the traces). The short run (``make test``) leaves
 #: them out until the fix lands; ``make chaos`` uses every fault. Remove a
 #: kind from here once its fix is merged and the short run passes with it.
-KNOWN_TO_FAIL: dict[str, str] = {
-    "stop_worker": (
-        "stale_check: a holder resumed after a pause longer than owner_ttl still passes "
-        "check() (the lease has no local deadline; it learns at its next heartbeat or "
-        "at release)"
-    ),
-}
+KNOWN_TO_FAIL: dict[str, str] = {}
 
 #: The short run's fault set, unless ``CHAOS_SHORT_FAULTS`` (comma-separated
 #: kinds, or ``all``) says otherwise.
