@@ -243,7 +243,9 @@ def test_cleanup_removes_a_dead_multi_resource_waiters_entry_from_every_queue(
 
     assert report.status == "cleaned"
     assert qlen(r, "A") == 0 and qlen(r, "B") == 0
-    assert [k for k in namespace_keys(r) if owner in k] == ["{t}:lost:" + owner]
+    # but the expiring 'lost' signal and tombstone of the cleaned owner
+    mentions = sorted(k for k in namespace_keys(r) if owner in k)
+    assert mentions == ["{t}:dead:" + owner, "{t}:lost:" + owner]
     lease.release()
 
 
@@ -253,7 +255,7 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
     # Processes wait on random sets of resources (exclusive and shared), held
     # by a live holder; they are SIGKILLed and their liveness is gone. After
     # reconcile, nothing in the namespace mentions them (but the expiring
-    # 'lost' signal of each cleaned owner).
+    # 'lost' signal and tombstone of each cleaned owner).
     names = ["A", "B", "C", "D"]
     holder = make()
     lease = holder.acquire(names, timeout=0)
@@ -282,8 +284,8 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
         left = namespace_keys(r)
         for owner in owners:
             mentions = {k for k in left if owner in k}
-            assert mentions == {"{t}:lost:" + owner}, mentions
-            assert r.pttl("{t}:lost:" + owner) > 0
+            assert mentions == {"{t}:lost:" + owner, "{t}:dead:" + owner}, mentions
+            assert r.pttl("{t}:lost:" + owner) > 0 and r.pttl("{t}:dead:" + owner) > 0
         me = holder.owner_id
         fixed = {
             "{t}:fence",
@@ -294,13 +296,14 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
             *("{t}:lock:" + n for n in names),
             *("{t}:contended:" + n for n in names),  # expiring signals to the holder
         }
-        assert {k for k in left if ":lost:" not in k} <= fixed
-        assert {k for k in left if ":lost:" not in k} >= fixed - {
+        signals = (":lost:", ":dead:")
+        assert {k for k in left if not any(x in k for x in signals)} <= fixed
+        assert {k for k in left if not any(x in k for x in signals)} >= fixed - {
             "{t}:contended:" + n for n in names
         }
 
         lease.release()
-        left = {k for k in namespace_keys(r) if ":lost:" not in k}
+        left = {k for k in namespace_keys(r) if not any(x in k for x in signals)}
         assert left == {"{t}:fence", "{t}:seq", "{t}:owners", "{t}:alive:" + me}
     finally:
         for kid in kids:
