@@ -689,13 +689,20 @@ class ProtocolMachine(RuleBasedStateMachine):
                 REC_TTL_MS,
                 "1" if self.node.owning == inc else "0",
                 IV_MS,
-                *self._record_args(),
+                "",  # the model's main process registers no owner of its own
                 "4242",
                 *tags,
             ],
         )
         if inc in self.node.tombs:
             assert reply == ["evicted"], reply
+            self.settle()
+            return
+        if self.node.owning == inc and self.node.record is None:
+            # Redis lost the record it owned: refresh nothing, re-create
+            # nothing (Node continues as a fresh incarnation: node_start).
+            assert reply == ["gone", "record"], reply
+            self.node.owning = None
             self.settle()
             return
         dead = dict(zip(reply[7][::2], reply[7][1::2]))
@@ -705,8 +712,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         rec = self.node.record
         if rec is not None and rec[0] == inc:
             self.node.record = (inc, rec[1] + 1)
-        elif rec is None and self.node.owning == inc:
-            self.node.record = (inc, 1)
         owned = self.node.record is not None and self.node.record[0] == inc
         assert int(reply[1]) == int(owned), (reply, self.node)
         for oid in [*dead, *lost]:  # Node._free: force cleanup, leave the group
@@ -742,6 +747,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 IV_MS,
                 REC_TTL_MS,
                 REC_TTL_MS,
+                str(3 * int(TTL_MS)),  # the evicted owners' tombstones
             ],
         )
         if stale:  # it beat since we looked: nothing touched
