@@ -164,7 +164,7 @@ def test_idle_owner_without_own_heartbeat_is_not_declared_lost_at_its_next_acqui
     caplog.set_level(logging.ERROR, logger="celery_redislock")
     again = child.acquire("a", timeout=5)
     assert again.owner_id == owner and not again.lost
-    assert not caplog.records, caplog.text
+    assert not [x for x in caplog.records if x.levelno >= logging.ERROR], caplog.text
     again.release()
 
 
