@@ -201,6 +201,7 @@ class Model:
         for owner in self.owners.values():
             if owner.state == "alive":
                 owner.state = "dead"
+            owner.cleaned = False  # its tombstone is gone with the data
         for q in self.requests.values():
             q.state, q.handed_off = "ended", False
         self.seq = 0
