@@ -114,3 +114,38 @@ def test_replica_benchmark_times_acquire_release_with_and_without_wait() -> None
     assert len(res.without) == len(res.with_wait) == 10
     assert res.ratio > 0
     assert "wait_replicas" in res.markdown()
+
+
+def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
+    from benchmarks import memory
+    from redis_server import resolve_binary
+
+    report = memory.run(resolve_binary(), locks=4, owners=2, per_owner=2, waiters=3)
+
+    assert [(r.scenario, r.lib) for r in report.rows] == [
+        ("held", memory.OURS),
+        ("held", memory.PRL),
+        ("held", memory.PRL_EXPIRE),
+        ("held", memory.REDIS_PY),
+        ("owners", memory.OURS),
+        ("waiters", memory.OURS + " (one owner)"),
+        ("waiters", memory.OURS + " (distinct owners)"),
+    ]
+    assert [r.items for r in report.rows] == [3, 3, 3, 3, 2, 2, 2]
+    kinds = {k.kind.split(" (")[0] for k in report.kinds if k.key}
+    assert {
+        "lock hash",
+        "held registry set",
+        "liveness key",
+        "owners set",
+        "wait queue zset",
+        "req hash",
+        "waits hash",
+        "contended stream",
+        "python-redis-lock key",
+        "redis-py Lock key",
+    } <= kinds
+    assert all(k.encoding and k.usage > 0 for k in report.kinds if k.key)
+    table = memory.markdown(report)
+    assert f"redis-server {report.redis_version}" in table
+    assert "celery-redislock / python-redis-lock" in table
