@@ -9,6 +9,8 @@ Run them all, against a throw-away redis-server they start themselves::
   python-redis-lock, with N contending processes on one Redis.
 - :mod:`benchmarks.cost`: Redis commands used by acquire+release,
   ``cleanup_owner`` and ``reconcile`` with a small and a large keyspace.
+- :mod:`benchmarks.memory` (run alone: ``python -m benchmarks.memory``):
+  Redis bytes per held lock, owner and queued waiter, against the peers.
 
 Results are printed as markdown and written to ``benchmarks/results.md``;
 ``docs/benchmarks.md`` explains how to read them.
