@@ -200,7 +200,7 @@ def render(
         "",
         cost.markdown_table(costs),
         "",
-        "## Targets (issue 3)",
+        "## Targets",
         "",
         f"- Jain index >= 0.99 (open runs): {jain_min:.3f} -> "
         f"{'met' if jain_min >= 0.99 else 'NOT met'}",

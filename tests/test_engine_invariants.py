@@ -1,4 +1,4 @@
-"""Invariants 2-4 and 10 of DESIGN.md against a real Redis, in one process.
+"""Invariants 2-4 and 10 of docs/design.md against a real Redis, in one process.
 
 All or nothing, owner-checked release, registry truth, odd keys kept and
 reported, and one failing key not stopping the cleanup of the others. A dead

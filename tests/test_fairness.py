@@ -1,11 +1,11 @@
-"""Fair, push-woken waiting across processes (issue 3, DESIGN.md invariant 9).
+"""Fair, push-woken waiting across processes (invariant 9 of docs/design.md).
 
 Each test pins one behaviour and says, in a comment, which naive
 implementation it catches. Waiters run in forked processes (their own
 LockManager, hence their own owner id) or in threads of the test process.
 Every wait is on a condition in Redis (ZCARD of a queue, a log entry, a
 client blocked in BLPOP), never a sleep. The only timing bounds are the ones
-issue 3 asks for (a pushed wake-up is prompt; a dead holder or waiter costs
+the design promises (a pushed wake-up is prompt; a dead holder or waiter costs
 at most its liveness TTL), with wide margins: a re-check that is not pushed
 would take ~30 s in these set-ups (no socket timeout, owner_ttl 30 s).
 """
@@ -96,7 +96,7 @@ def test_forked_children_get_owner_ids_distinct_from_each_other_and_the_parent(
 ) -> None:
     # Naive: an owner id made once (at import or first use) and cached
     # without a pid check is inherited by every fork, so the parent and all
-    # its children register as one contender (DESIGN.md incident 3).
+    # its children register as one contender (the defect fairness.md describes).
     mgr = make()
     with mgr.lock("parent-used-it-first"):
         parent_id = mgr.owner_id

@@ -1,6 +1,6 @@
 """End-to-end: real ``celery worker -P prefork`` and ``celery beat`` processes.
 
-What issue 4 says the Celery integration must show, against real processes
+What the Celery integration must show, against real processes
 and the real redis-server: exclusion under contention, a SIGKILLed pool
 child, warm shutdown, a whole worker killed and restarted under its name, a
 live duplicate node name, a worker that never comes back (beat's reconcile,
