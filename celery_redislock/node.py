@@ -51,6 +51,10 @@ def new_incarnation() -> str:
     return secrets.token_hex(8)
 
 
+#: Seconds between two ``node.heartbeat-error`` lines while ticks keep failing.
+_ERROR_REMINDER_S = 60.0
+
+
 class IncarnationCell:
     """The worker's current incarnation id, shared with its forked pool children.
 
@@ -331,6 +335,10 @@ class Node:
         self._tick_lock = _os_lock()
         self._ops_by_thread: dict[int, LockManager] = {}
         self._heartbeat = Heartbeat(manager.heartbeat_interval, self._safe_tick, "redislock-node")
+        #: Failed ticks in the current run of failures, and when the last
+        #: ``node.heartbeat-error`` line was logged (monotonic seconds).
+        self.failed_ticks = 0
+        self._error_logged_at = 0.0
 
     # -- plumbing ---------------------------------------------------------
 
@@ -703,12 +711,37 @@ class Node:
         try:
             self.tick()
         except LockError as exc:
-            log.error("node.heartbeat-error node=%s error=%s", self.nodename, exc)
+            self._tick_failed(exc)
+        else:
+            if self.failed_ticks:
+                log.info(
+                    "node.heartbeat-resumed node=%s failed_ticks=%d",
+                    self.nodename,
+                    self.failed_ticks,
+                )
+                self.failed_ticks = 0
         if self.state not in ("evicted", "stopped"):
             # Releases deferred in this process (tasks of a threads, solo,
             # gevent or eventlet pool run here): nothing else retries them.
             # Never raises; backs off and logs once per release.
             self.manager._retry_orphans(self._ops().client)
+
+    def _tick_failed(self, exc: LockError) -> None:
+        """Log a failed tick: the first of a run, then one reminder a minute.
+
+        An outage fails every tick; one ERROR line per tick would bury the
+        log. The count goes on and ``node.heartbeat-resumed`` ends the run.
+        """
+        self.failed_ticks += 1
+        now = time.monotonic()
+        if self.failed_ticks == 1 or now - self._error_logged_at >= _ERROR_REMINDER_S:
+            self._error_logged_at = now
+            log.error(
+                "node.heartbeat-error node=%s failed_ticks=%d error=%s",
+                self.nodename,
+                self.failed_ticks,
+                exc,
+            )
 
     def child_exited(self, pid: int) -> bool:
         """A pool child with ``pid`` exited: beat now to free its locks.

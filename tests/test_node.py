@@ -673,3 +673,37 @@ def test_node_module_does_not_import_celery() -> None:
     code = "import sys, celery_redislock.node, celery_redislock; print('celery' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_outage_logs_one_heartbeat_error_then_a_resumed_line(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every tick of an outage fails; the log gets one ERROR line, not one per tick.
+
+    The ticks are called directly (no thread), so the count is exact: three
+    failed ticks log one ``node.heartbeat-error`` (the next reminder is a
+    minute away), and the first good tick logs ``node.heartbeat-resumed``
+    with the number of failed ticks.
+    """
+    from tcp_proxy import TcpProxy
+
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    with TcpProxy(port) as proxy:
+        w = Worker(proxy.url, nodename="celery@outage")
+        try:
+            w.node.start()
+            caplog.set_level("INFO", logger="celery_redislock.node")
+            proxy.cut()
+            for _ in range(3):
+                w.node._safe_tick()
+            errors = [m for m in caplog.messages if m.startswith("node.heartbeat-error ")]
+            assert len(errors) == 1, errors
+            assert "failed_ticks=1 " in errors[0]
+            assert w.node.failed_ticks == 3
+            proxy.restore()
+            w.node._safe_tick()
+            assert w.node.failed_ticks == 0
+            resumed = [m for m in caplog.messages if m.startswith("node.heartbeat-resumed ")]
+            assert resumed == ["node.heartbeat-resumed node=celery@outage failed_ticks=3"]
+        finally:
+            w.close()
