@@ -541,6 +541,22 @@ class LockManager:
                 raise
             raise denied from exc
 
+    def _command(self, name: str, *args: Any) -> Any:
+        """Send one plain command with ``_call``'s error mapping.
+
+        Redis down -> :class:`RedisUnavailable`; refused by the ACL ->
+        :class:`PermissionDenied` naming the command.
+        """
+        try:
+            return self.client.execute_command(name, *args)
+        except REDIS_DOWN_ERRORS as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+        except redis.ResponseError as exc:
+            denied = permission_denied(exc, self.url, name)
+            if denied is None:
+                raise
+            raise denied from exc
+
     # -- acquire ----------------------------------------------------------
 
     def acquire(

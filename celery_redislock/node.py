@@ -503,7 +503,7 @@ class Node:
                 )
         result.cleaned.extend(reports)
         if not failed and all(r.status != "alive" for r in reports):
-            ops.client.delete(group_key(self.prefix, inc))
+            ops._command("DEL", group_key(self.prefix, inc))
 
     # -- heartbeat --------------------------------------------------------
 
@@ -670,7 +670,12 @@ class Node:
             log_cleanup.error("cleanup.owner-error owner=%s pid=%d error=%r", owner, pid, exc)
             return  # still in the group: retried next tick
         result.cleaned.append(report)
-        ops.client.hdel(self.group_key, owner)
+        try:
+            ops._command("HDEL", self.group_key, owner)
+        except LockError as exc:
+            # The owner is freed; its group entry stays and the next tick
+            # frees it again (idempotent) and retries the HDEL.
+            log_cleanup.error("cleanup.group-error owner=%s pid=%d error=%s", owner, pid, exc)
         level = logging.INFO if why == "dead" else logging.ERROR
         log_cleanup.log(
             level,
@@ -827,7 +832,7 @@ class Node:
                 failed += 1
                 log_cleanup.error("cleanup.owner-error owner=%s error=%r", owner, exc)
         if not failed:
-            ops.client.delete(self.group_key, self.halt_key)
+            ops._command("DEL", self.group_key, self.halt_key)
         log.info(
             "node.stop node=%s inc=%s owners=%d released=%d record_deleted=%s evicted=%s",
             self.nodename,

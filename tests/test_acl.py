@@ -487,3 +487,21 @@ def test_wait_for_contender_without_xread_raises_permission_denied(
             assert info.value.command == "XREAD" and "xread" in str(info.value).lower()
     finally:
         mgr.close()
+
+
+def test_plain_commands_of_the_node_raise_permission_denied_not_redis_py_errors(
+    restricted: Callable[..., str],
+) -> None:
+    """The node's own HDEL/DEL (outside scripts) map ACL refusals like scripts do.
+
+    Its heartbeat catches LockError: a redis-py NoPermissionError escaping a
+    tick would log a traceback per tick and skip the tick's release retries.
+    """
+    mgr = LockManager(restricted(drop=("hdel",)), NS)
+    try:
+        with pytest.raises(PermissionDenied) as info:
+            mgr._command("HDEL", "{" + NS + "}:group:x", "owner")
+        assert info.value.command == "HDEL"
+        assert "hdel" in str(info.value).lower()
+    finally:
+        mgr.close()
