@@ -424,8 +424,16 @@ def _wait_settings(get: Callable[[str, Any], Any]) -> tuple[int, float, str]:
 
 
 def markdown_table() -> str:
-    """The settings table in Markdown (``docs/configuration.md`` embeds it)."""
+    """The settings table in Markdown (``docs/configuration.md`` embeds it).
+
+    A ``|`` inside a cell (``'warn' | 'raise'``) is escaped as ``\\|`` so
+    that it does not end the cell.
+    """
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
     lines = ["| Setting | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
     for s in SETTINGS:
-        lines.append(f"| `{s.name}` | {s.type} | {s.default} | {s.doc} |")
+        lines.append(f"| `{s.name}` | {cell(s.type)} | {cell(s.default)} | {cell(s.doc)} |")
     return "\n".join(lines) + "\n"

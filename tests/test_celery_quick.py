@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -115,6 +116,15 @@ def test_defaults_match_the_settings_table() -> None:
 def test_configuration_docs_embed_the_settings_table() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     assert markdown_table() in doc
+
+
+def test_settings_table_keeps_four_cells_per_row() -> None:
+    """A `|` inside a cell ('warn' | 'raise') is escaped, not a column break."""
+    rows = markdown_table().splitlines()[2:]
+    assert len(rows) == len(SETTINGS)
+    for row, setting in zip(rows, SETTINGS):
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        assert cells == [f"`{setting.name}`", setting.type, setting.default, setting.doc]
 
 
 def test_settings_are_read_lazily_after_construction(redis_url: str) -> None:
