@@ -81,7 +81,8 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
 class RedisLock:
     """Celery extension: locks for tasks, a worker bootstep, and reconcile.
 
-    ``RedisLock(app)`` or ``RedisLock().init_app(app)``. Then use
+    ``RedisLock(app)`` or ``RedisLock().init_app(app)`` for a
+    :class:`celery.Celery` app. Then use
     :func:`celery_redislock.locked` on tasks, ``locks.lock(...)`` in other
     code, and ``locks.manager`` for the engine itself.
 
@@ -161,7 +162,7 @@ class RedisLock:
             log.error("%s", config_error_line(exc))
 
     def refuse_to_start(self, exc: ConfigurationError, process: str) -> NoReturn:
-        """Log the refused setting in one line, then exit with :data:`EX_CONFIG`."""
+        """Log the refused setting in one line, then exit with status 78 (``EX_CONFIG``)."""
         log.critical("%s (%s refuses to start)", config_error_line(exc), process)
         raise SystemExit(EX_CONFIG)
 

@@ -20,8 +20,8 @@ class EvictionCheck:
 
     policy: str | None
     may_evict: bool
-    #: Why the policy is unknown: ``"denied"`` when the Redis user's ACL
-    #: refused INFO, else None.
+    #: Why the policy is unknown (``"denied"`` when the Redis user's ACL
+    #: refused INFO), else None.
     unknown_because: str | None = None
 
     def describe(self) -> str:

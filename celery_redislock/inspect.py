@@ -234,7 +234,7 @@ class Status:
     dead_owners: int
     #: Sum of registry sizes (a lock shared by two owners counts twice).
     registered_locks: int
-    #: Registry entries of dead owners: what ``reconcile`` would free.
+    #: Registry entries of dead owners (what ``reconcile`` would free).
     dead_owner_locks: int
     warnings: list[str] = field(default_factory=list)
 

@@ -56,7 +56,7 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once the owner's liveness lapsed: the locks may belong to another.
+        """Whether the owner's liveness lapsed (the locks may belong to another).
 
         Also True, without asking Redis, once the owner's local liveness
         deadline passed (:attr:`deadline`): a holder resumed from a pause

@@ -257,7 +257,7 @@ class LockManager:
 
     Args:
         redis_url: a ``redis://``, ``rediss://``, ``unix://`` or
-            ``sentinel://`` URL (forms: :mod:`celery_redislock.connect`), or a
+            ``sentinel://`` URL (forms: docs/configuration.md), or a
             ready :class:`redis.Redis` or :class:`redis.cluster.RedisCluster`
             client (its pool is reused; replies may be bytes or str).
         namespace: keys live under the hash tag ``{namespace}``; managers,
@@ -310,7 +310,7 @@ class LockManager:
 
     ``heartbeat=False`` and ``group`` apply to the process that built the
     manager only (the *member* process; a Celery pool child becomes one
-    through ``worker_process_init``). A process forked from it is a
+    through :signal:`worker_process_init`). A process forked from it is a
     standalone owner: its own heartbeat thread, no group, because nobody
     else knows its owner id and a group's refresher would take it for a
     dead process and free its locks.

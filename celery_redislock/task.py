@@ -335,7 +335,8 @@ def locked(
     """Hold locks on the formatted resource names while the task body runs.
 
     Place it directly above the function and under ``@app.task`` (or
-    ``@shared_task``); given a task, a task proxy or a Task class it raises
+    ``@shared_task``); given a task, a task proxy or a
+    :class:`~celery.app.task.Task` class it raises
     TypeError saying so, since the registered task would run unlocked.
 
     Args:
@@ -351,7 +352,8 @@ def locked(
         on_busy: what to do when the locks are taken:
             ``"wait"``: queue fairly (first come, first served) up to
             ``timeout``, then raise :class:`LockTimeout`. The fair mode.
-            ``"retry"``: try once, then ``task.retry(countdown=...)``; the
+            ``"retry"``: try once, then
+            :meth:`task.retry(countdown=...) <celery.app.task.Task.retry>`; the
             task leaves the queue and loses its place in line.
             ``"raise"``: try once, raise :class:`LockTimeout`.
             ``"skip"``: try once, log ``locked.skipped`` and return None.
@@ -361,11 +363,11 @@ def locked(
             (default 2, >= 1) ``** request.retries``, capped at
             ``retry_backoff_max`` (default 600 s), randomised to
             [50%, 100%] when ``retry_jitter`` (default True).
-        max_retries: passed to ``task.retry`` (default: the task's own;
+        max_retries: passed to :meth:`~celery.app.task.Task.retry` (default: the task's own;
             ``on_busy="retry"`` only).
 
-    Raises (when decorating, so at import time):
-        TypeError: not applied to a plain function (see above).
+    Raises:
+        TypeError: (these are raised when decorating, so at import time) not applied to a plain function (see above).
         TemplateError: a template field names no parameter of the function
             (unless it takes ``**kwargs``: then each call checks), or is
             positional.

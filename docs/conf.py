@@ -1,0 +1,91 @@
+"""Sphinx configuration of the celery-redislock documentation site (``make docs``).
+
+The guides are the Markdown files of this directory (MyST); the API
+reference comes from the docstrings (autodoc), the settings reference from
+``celery_redislock.settings.SETTINGS`` (``_ext/redislock_docs.py``) and the
+CLI page from the click commands (sphinx-click). The build never touches the
+network: the intersphinx inventories are files under ``_inventories/``,
+written by ``_inventories/make_inventories.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # the package of this checkout, not an installed one
+sys.path.insert(0, str(HERE / "_ext"))
+
+import celery_redislock  # noqa: E402
+
+project = "celery-redislock"
+author = "celery-redislock contributors"
+copyright = "celery-redislock contributors"
+release = celery_redislock.__version__
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.intersphinx",
+    "sphinx_click",
+    "redislock_docs",
+]
+
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+root_doc = "index"
+exclude_patterns = ["_build", "_ext", "_inventories"]
+templates_path: list[str] = []
+
+# Every cross-reference must resolve (make docs runs with -n -W).
+nitpicky = True
+nitpick_ignore = [
+    # A type variable of a signature.
+    ("py:class", "celery_redislock.task.F"),
+    # Internal machinery named by the type of a public attribute; documented
+    # in the guides (worker.md, design.md), not part of the API.
+    ("py:class", "celery_redislock.heartbeat.Heartbeat"),
+    ("py:class", "celery_redislock.node.Node"),
+    ("py:class", "celery_redislock.node.IncarnationCell"),
+]
+
+# -- MyST ---------------------------------------------------------------------
+
+myst_enable_extensions = ["deflist", "colon_fence"]
+# GitHub-style anchors for headings, so `page.md#some-heading` links work in
+# the site as they do on the repository.
+myst_heading_anchors = 4
+
+# -- autodoc ------------------------------------------------------------------
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented_params"
+autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_type_aliases = {"AnyRedis": "celery_redislock.connect.AnyRedis"}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+# -- intersphinx (vendored inventories: no network at build time) -------------
+
+_INV = HERE / "_inventories"
+intersphinx_mapping = {
+    "python": ("https://docs.python.org/3", str(_INV / "python.inv")),
+    "celery": ("https://docs.celeryq.dev/en/stable", str(_INV / "celery.inv")),
+    "kombu": ("https://docs.celeryq.dev/projects/kombu/en/stable", str(_INV / "kombu.inv")),
+    "redis": ("https://redis.readthedocs.io/en/stable", str(_INV / "redis.inv")),
+}
+
+# -- HTML ---------------------------------------------------------------------
+
+html_theme = "alabaster"
+html_title = f"celery-redislock {release}"
+html_static_path: list[str] = []
+html_theme_options = {
+    "description": "Crash-safe, fork-safe, fair Redis locks for Celery tasks",
+    "fixed_sidebar": True,
+}
