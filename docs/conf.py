@@ -52,6 +52,9 @@ nitpick_ignore = [
     ("py:class", "celery_redislock.node.IncarnationCell"),
 ]
 
+# Option names (--force) must stay as typed, not become dashes.
+smartquotes = False
+
 # -- MyST ---------------------------------------------------------------------
 
 myst_enable_extensions = ["deflist", "colon_fence"]
@@ -64,7 +67,7 @@ myst_heading_anchors = 4
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
-autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_default_options = {"members": True}
 autodoc_type_aliases = {"AnyRedis": "celery_redislock.connect.AnyRedis"}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -251,3 +251,12 @@ def test_link_checker_reports_missing_pages_and_anchors(tmp_path: Path) -> None:
         ("index.html", "sub/page.html#gone"),
         ("sub/page.html", "../../out.html"),
     ]
+
+
+def test_api_reference_documents_every_public_name() -> None:
+    """A name added to ``celery_redislock.__all__`` gets its entry in docs/api.md."""
+    import celery_redislock
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    missing = [n for n in celery_redislock.__all__ if f"celery_redislock.{n}\n" not in api]
+    assert not missing, f"add to docs/api.md: {missing}"
