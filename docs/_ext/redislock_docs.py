@@ -71,7 +71,7 @@ def resolve_public_names(
     public = _public_name(node["reftarget"])
     if public is None or public == node["reftarget"]:
         return None
-    py: Any = env.domains.python_domain
+    py: Any = env.get_domain("py")
     return py.resolve_xref(  # type: ignore[no-any-return]
         env, node["refdoc"], app.builder, node["reftype"], public, node, contnode
     )
@@ -84,7 +84,7 @@ class SettingsDirective(SphinxDirective):
     required_arguments = 0
 
     def run(self) -> list[nodes.Node]:
-        std: Any = self.env.domains.standard_domain
+        std: Any = self.env.get_domain("std")
         items = nodes.definition_list(classes=["redislock-settings"])
         for setting in SETTINGS:
             node_id = make_id(self.env, self.state.document, "setting", setting.name)
