@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
+from . import _validate as _v
 from .exceptions import ConfigurationError, LockTimeout, ReplicationTimeout
 from .lease import Lease
 from .manager import LockManager
@@ -111,6 +112,11 @@ class RedisLock:
         #: child, that child (set by worker_process_init). Any other process
         #: (a helper forked by a task) is standalone.
         self._worker_pids: frozenset[int] = frozenset()
+        #: The pid of this process when it is a prefork pool child (set by
+        #: worker_process_init): ``@locked(on_lost="terminate")`` may kill it.
+        self._pool_child_pid = 0
+        #: The worker's node name (``celery@host``), in a worker.
+        self.nodename: str | None = None
         if app is not None:
             self.init_app(app)
 
@@ -236,6 +242,9 @@ class RedisLock:
 
     def _build_manager(self, *, worker: bool) -> LockManager:
         cfg = self.config
+        name = self.nodename if worker else None
+        if name is not None and (len(name) > _v.MAX_LABEL or not name.isprintable()):
+            name = None  # only a label for operators: never refuse a worker over it
         if worker:
             from .node import group_key, halt_key
 
@@ -255,6 +264,8 @@ class RedisLock:
                 heartbeat_interval=cfg.heartbeat_interval,
                 heartbeat=False,
                 group=group,
+                # Shown by `redislock owners` as each owner's node.
+                name=name,
                 eviction_check="ignore",  # the worker bootstep checks at start-up
                 **self._wait_kwargs(cfg),
             )
@@ -282,12 +293,13 @@ class RedisLock:
             "wait_policy": cfg.wait_policy,
         }
 
-    def _enter_worker(self, incarnation: str) -> LockManager:
+    def _enter_worker(self, incarnation: str, nodename: str | None = None) -> LockManager:
         """Main process, before the pool forks: switch to worker mode."""
         from .node import IncarnationCell
 
         with self._lock:
             self.incarnation = incarnation
+            self.nodename = nodename
             self._worker_pids = frozenset({os.getpid()})
             self.incarnation_cell = IncarnationCell(incarnation)
             self._manager = self._make_manager(worker=True)
@@ -304,8 +316,10 @@ class RedisLock:
             self.incarnation = None
             self.incarnation_cell = None
             self.node = None
+            self.nodename = None
             self._manager = None
             self._worker_pids = frozenset()
+            self._pool_child_pid = 0
 
     def _process_init(self) -> None:
         """Pool child start: a fresh owner id, and the worker's group again.
@@ -324,6 +338,7 @@ class RedisLock:
         # No self._lock here: a thread of the parent may have held it when
         # the pool forked, and this child would wait for ever.
         self._worker_pids = frozenset({pid})
+        self._pool_child_pid = pid
         self.node = None  # the main process's; never used from a child
         mgr = self._manager
         if mgr is not None:

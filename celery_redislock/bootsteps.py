@@ -87,7 +87,8 @@ class RedisLockNode(bootsteps.StartStopStep):
         inc = new_incarnation()
         try:
             cfg = locks.config
-            mgr = locks._enter_worker(inc)  # may refuse redislock_wait_timeout
+            # may refuse redislock_wait_timeout
+            mgr = locks._enter_worker(inc, nodename=w.hostname)
         except ConfigurationError as exc:  # one line and EX_CONFIG, not a traceback
             locks.refuse_to_start(exc, "the worker")
         self.node = Node(

@@ -279,12 +279,13 @@ def _holder_rows(infos: Sequence[LockInfo]) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for info in infos:
         if info.odd_type:
-            rows.append((info.resource, f"? ({info.odd_type} key)", "-", "-", "-", "-"))
+            rows.append((info.resource, f"? ({info.odd_type} key)", "-", "-", "-", "-", "-", "-"))
             continue
         if not info.holders:
-            rows.append((info.resource, "free", "-", "-", str(info.waiting), "-"))
+            rows.append((info.resource, "free", "-", "-", str(info.waiting), "-", "-", "-"))
             continue
         for h in info.holders:
+            task = f"{h.task_name or '?'}[{h.task_id or '?'}]" if h.task_name or h.task_id else "-"
             rows.append(
                 (
                     h.resource,
@@ -292,6 +293,8 @@ def _holder_rows(infos: Sequence[LockInfo]) -> list[tuple[str, ...]]:
                     h.owner_id,
                     _life(h.alive, h.ttl),
                     str(info.waiting),
+                    task,
+                    h.node or "-",
                     h.description or "-",
                 )
             )
@@ -327,7 +330,16 @@ def locks(
             return
         click.echo(
             _table(
-                ("RESOURCE", "MODE", "OWNER", "OWNER STATE", "WAITING", "OWNER INFO"),
+                (
+                    "RESOURCE",
+                    "MODE",
+                    "OWNER",
+                    "OWNER STATE",
+                    "WAITING",
+                    "TASK",
+                    "NODE",
+                    "OWNER INFO",
+                ),
                 _holder_rows(infos),
             )
         )
@@ -573,7 +585,7 @@ def release(
             click.confirm("Free these locks?", abort=True, err=True)
         reports = []
         for o in plan.owners:
-            rep = insp.manager.cleanup_owner(o.owner_id, force=force)
+            rep = insp.manager.cleanup_owner(o.owner_id, force=force, reason="operator")
             log.info(
                 "cli.release owner=%s force=%s status=%s released=%d",
                 o.owner_id,

@@ -8,7 +8,10 @@ Every error the library raises on purpose derives from :class:`LockError`::
      │                       ``wait_replicas`` acknowledged the grant in
      │                       time; the grant was released
      ├── LockLost           a lease's owner lost its liveness; the locks may
-     │                      now belong to someone else
+     │                      now belong to someone else (``cause`` says why)
+     ├── LockUpgradeError   an exclusive request for a resource this thread,
+     │                      greenlet or task holds only shared (also a
+     │                      ValueError: waiting would deadlock on itself)
      ├── InvalidResource    a resource name or request shape was refused
      │                      (also a ValueError)
      ├── ConfigurationError a setting or argument was refused (also a ValueError)
@@ -100,19 +103,59 @@ class LockLost(LockError):
     """The lease's owner lost its liveness, so its locks may have passed on.
 
     Stop writing to what the lock protects; use the fencing token to let the
-    store refuse late writes.
+    store refuse late writes. ``cause`` says why, when it is known: one of
+    :data:`LOST_CAUSES` (released by an operator, owner declared dead,
+    liveness expired, Redis lost the lock), or None.
     """
 
-    def __init__(self, resources: Sequence[str], owner_id: str, fencing_token: int) -> None:
+    def __init__(
+        self,
+        resources: Sequence[str],
+        owner_id: str,
+        fencing_token: int,
+        cause: str | None = None,
+    ) -> None:
         self.resources = tuple(resources)
         self.owner_id = owner_id
         self.fencing_token = fencing_token
-        super().__init__(list(self.resources), owner_id, fencing_token)
+        self.cause = cause
+        super().__init__(list(self.resources), owner_id, fencing_token, cause)
+
+    def __str__(self) -> str:
+        why = self.cause or "its owner lost its liveness"
+        return (
+            f"lease lost ({why}; owner {self.owner_id}): "
+            f"{', '.join(self.resources)}; fencing token {self.fencing_token} is stale"
+        )
+
+
+#: Why a lease was lost (``LockLost.cause``, ``Lease.lost_cause``, log lines).
+CAUSE_OPERATOR = "released by operator via CLI"
+CAUSE_DECLARED_DEAD = "owner declared dead"
+CAUSE_EXPIRED = "liveness expired"
+CAUSE_REDIS_LOST = "Redis lost the lock"
+LOST_CAUSES = (CAUSE_OPERATOR, CAUSE_DECLARED_DEAD, CAUSE_EXPIRED, CAUSE_REDIS_LOST)
+
+
+class LockUpgradeError(LockError, ValueError):
+    """An exclusive request for a resource the same execution holds only shared.
+
+    Raised at once, before any I/O, by a nested acquire in the thread,
+    greenlet or task that holds ``resources`` in shared mode: waiting for the
+    exclusive lock would wait for itself (a deadlock until the timeout).
+    Release the shared lease first, or take the resource exclusively from
+    the start.
+    """
+
+    def __init__(self, resources: Sequence[str]) -> None:
+        self.resources = tuple(resources)
+        super().__init__(list(self.resources))
 
     def __str__(self) -> str:
         return (
-            f"lease lost (owner {self.owner_id} lost its liveness): "
-            f"{', '.join(self.resources)}; fencing token {self.fencing_token} is stale"
+            f"cannot upgrade to exclusive: this thread/greenlet/task holds "
+            f"{', '.join(self.resources)} shared (waiting would deadlock on itself); "
+            "release the shared lease first or lock exclusively from the start"
         )
 
 

@@ -123,9 +123,24 @@ class Holder:
     description: str | None
     #: Fencing token of the grant (stored with it in the lock hash).
     fence: int | None = None
+    #: The Celery task holding it (name, id) and its worker node, when the
+    #: grant was taken by a task (``{ns}:holder:<token>``); None otherwise.
+    task_name: str | None = None
+    task_id: str | None = None
+    node: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _holder_fields(value: Any) -> tuple[str | None, str | None, str | None]:
+    """``(task name, task id, node)`` of a ``{ns}:holder:<token>`` value."""
+    if value is None or isinstance(value, Exception):
+        return None, None, None
+    parts = _text(value).split("\n")
+    parts += [""] * (3 - len(parts))
+    name, task_id, node = parts[:3]
+    return name or None, task_id or None, node or None
 
 
 @dataclass(frozen=True)
@@ -444,10 +459,12 @@ class Inspector:
                 for token, value in h.items():
                     grants.append((key, _text(token), *_grant_value(_text(value))))
         live = self.liveness(owner_of_token(t) for _, t, _, _ in grants)
+        tasks = self._holder_infos([t for _, t, _, _ in grants])
         holders: dict[str, list[Holder]] = {}
         for key, token, mode, fence in grants:
             owner = owner_of_token(token)
             lv = live[owner]
+            task_name, task_id, node = tasks.get(token, (None, None, None))
             holders.setdefault(key, []).append(
                 Holder(
                     resource=self._resource(key),
@@ -458,6 +475,9 @@ class Inspector:
                     ttl=lv.ttl,
                     description=lv.description,
                     fence=fence,
+                    task_name=task_name,
+                    task_id=task_id,
+                    node=node or describe_fields(lv.description).get("name"),
                 )
             )
         out: list[LockInfo] = []
@@ -472,6 +492,20 @@ class Inspector:
                     odd_type=types.get(key),
                 )
             )
+        return out
+
+    def _holder_infos(
+        self, tokens: Sequence[str]
+    ) -> dict[str, tuple[str | None, str | None, str | None]]:
+        """Task name, id and node of each grant taken by a task (GET, in batches)."""
+        out: dict[str, tuple[str | None, str | None, str | None]] = {}
+        wanted = list(dict.fromkeys(tokens))
+        for batch in self._batches(wanted):
+            pipe = self._pipe()
+            for token in batch:
+                pipe.get(self.keys.holder(token))
+            for token, value in zip(batch, self._run(pipe)):
+                out[token] = _holder_fields(value)
         return out
 
     def _resource(self, lock_key: str) -> str:

@@ -18,7 +18,10 @@ key                            type    holds
 ``{ns}:contended:<resource>``  stream  one entry, added when a holder blocks
                                        a request (read by wait_for_contender)
 ``{ns}:lost:<owner>``          list    pushed when the owner is declared dead
-``{ns}:dead:<owner>``          string  tombstone of a cleaned owner (TTL)
+``{ns}:dead:<owner>``          string  tombstone of a cleaned owner (TTL);
+                                       value = why ('operator', 'dead', '1')
+``{ns}:holder:<token>``        string  ``task name\ntask id\nnode`` of a grant
+                                       taken by a Celery task (none otherwise)
 ``{ns}:fence``                 string  last fencing token
 ``{ns}:seq``                   string  last arrival sequence number
 =============================  ======  =========================================
@@ -147,6 +150,9 @@ class Keyspace:
 
     def dead(self, owner_id: str) -> str:
         return f"{self.prefix}dead:{owner_id}"
+
+    def holder(self, token: str) -> str:
+        return f"{self.prefix}holder:{token}"
 
     def resource_of(self, lock_key: str) -> str:
         """The resource name of a ``{ns}:lock:<resource>`` key."""

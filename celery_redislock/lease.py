@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,16 @@ class Lease:
         owner_id: the owner (process) the locks are registered to.
         token: the holder token stored in every lock (``owner|request id``).
         exclusive, shared: the resource names held in each mode.
+
+    A lease returned by a nested acquire of resources the same thread,
+    greenlet or task already holds is *reentrant*: it is granted at once
+    without a round trip and counts on the outer lease(s) (like
+    :class:`threading.RLock`). Its fencing token is the outer one, its
+    :attr:`lost` and :meth:`check` reflect the outer lease(s), and the locks
+    are released in Redis only when the last of the leases sharing them is
+    released (normally the outermost). A request that holds some of its
+    resources and not others takes the rest (a grant of its own) and counts
+    on the outer lease(s) for the held ones.
     """
 
     def __init__(
@@ -34,6 +45,8 @@ class Lease:
         token: str,
         fencing_token: int,
         depth: _Depth,
+        *,
+        own: bool = True,
     ) -> None:
         self._manager = manager
         self._request = request
@@ -47,7 +60,22 @@ class Lease:
         self.pid = os.getpid()
         self._depth = depth
         self._lost = False
+        #: Why the lease was lost (one of ``exceptions.LOST_CAUSES``), once known.
+        self._lost_cause: str | None = None
+        #: Called once, with the lease and the cause, when it is marked lost
+        #: (from whichever thread found out: heartbeat, watcher, node tick).
+        self._lost_hooks: list[Callable[[Lease, str | None], None]] = []
+        #: The grant of ``request`` is released in Redis (or was never ours).
         self._released = False
+        #: :meth:`release` was called on this lease.
+        self._handle_released = False
+        #: Whether this lease has a grant of its own (False: purely reentrant).
+        self._own = own
+        #: Leases counting on this lease's grant, itself included; the grant
+        #: is released in Redis when it drops to 0.
+        self._holds = 1
+        #: Outer leases this one counts on (reentrant resources).
+        self._parents: tuple[Lease, ...] = ()
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -62,10 +90,36 @@ class Lease:
         deadline passed (:attr:`deadline`): a holder resumed from a pause
         longer than ``owner_ttl`` sees it at once.
         """
+        if self._parents and any(p.lost for p in self._parents):
+            return True
+        if not self._own:
+            return self._lost
         if not self._lost and not self._released and time.monotonic() > self._ident.valid_until:
             self._manager._deadline_passed(self._ident)
-            self._lost = True
+            self._mark_lost("deadline")
         return self._lost
+
+    @property
+    def lost_cause(self) -> str | None:
+        """Why the lease (or an outer lease it counts on) was lost, or None.
+
+        One of ``"released by operator via CLI"``, ``"owner declared dead"``,
+        ``"liveness expired"``, ``"Redis lost the lock"`` (see
+        ``celery_redislock.exceptions.LOST_CAUSES``); None while not lost.
+        """
+        if not self.lost:
+            return None
+        if self._lost_cause is not None:
+            return self._lost_cause
+        for p in self._parents:
+            if p.lost:
+                return p.lost_cause
+        return None
+
+    @property
+    def reentrant(self) -> bool:
+        """True when some resources are held through an outer lease (nested)."""
+        return bool(self._parents)
 
     @property
     def deadline(self) -> float:
@@ -79,8 +133,12 @@ class Lease:
 
     @property
     def released(self) -> bool:
-        """True once :meth:`release` ran."""
-        return self._released
+        """True once :meth:`release` ran on this lease.
+
+        A lease whose locks an inner reentrant lease still counts on keeps
+        them in Redis until that one is released too.
+        """
+        return self._handle_released
 
     def check(self) -> None:
         """Raise :class:`LockLost` if the lease is lost; no Redis round trip.
@@ -89,7 +147,7 @@ class Lease:
         node heartbeat, a partial release), or the local deadline passed.
         """
         if self.lost:
-            raise LockLost(self.resources, self.owner_id, self.fencing_token)
+            raise LockLost(self.resources, self.owner_id, self.fencing_token, self.lost_cause)
 
     def release(self) -> None:
         """Release every lock of the lease (owner-checked, one round trip).
@@ -97,6 +155,8 @@ class Lease:
         Idempotent. Only this lease's own token is deleted, so another lease
         of the same owner on a shared resource is untouched. Called in a
         forked child on a lease inherited from the parent, it does nothing.
+        A reentrant lease (or an outer lease a reentrant one still counts on)
+        only drops its count: no round trip until the last one is released.
         """
         self._manager._release(self)
 
@@ -116,8 +176,35 @@ class Lease:
         """
         return self._manager._wait_for_contender(self, timeout)
 
-    def _mark_lost(self) -> None:
+    def _add_lost_hook(self, hook: Callable[[Lease, str | None], None]) -> None:
+        """Call ``hook(lease, cause)`` once this lease (or an outer one) is marked lost.
+
+        Called at once if it already is. For a reentrant lease the hook is
+        attached to the outer lease(s) too, whose loss is this one's.
+        """
+        self._lost_hooks.append(hook)
+        for p in self._parents:
+            p._add_lost_hook(lambda _lease, cause: hook(self, cause))
+        if self._lost:
+            hook(self, self._lost_cause)
+
+    def _mark_lost(self, cause: str | None = None) -> None:
+        """Mark the lease lost (once; ``cause`` is an engine cause, see manager)."""
+        if self._lost:
+            if self._lost_cause is None and cause is not None:
+                self._lost_cause = self._manager._cause_text(cause)
+            return
+        self._lost_cause = self._manager._cause_text(cause) if cause is not None else None
         self._lost = True
+        for hook in list(self._lost_hooks):
+            try:
+                hook(self, self._lost_cause)
+            except Exception:  # a hook must never break the thread that found the loss
+                import logging
+
+                logging.getLogger("celery_redislock.heartbeat").exception(
+                    "heartbeat.lost-hook-error token=%s", self.token
+                )
 
     def __enter__(self) -> Lease:
         return self
@@ -131,7 +218,9 @@ class Lease:
         self.release()
 
     def __repr__(self) -> str:
-        state = "lost" if self._lost else "released" if self._released else "held"
+        state = "lost" if self._lost else "released" if self._handle_released else "held"
+        if self._parents:
+            state += " reentrant"
         return (
             f"<Lease {state} exclusive={list(self.exclusive)} shared={list(self.shared)} "
             f"fence={self.fencing_token} owner={self.owner_id}>"

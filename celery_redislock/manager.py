@@ -38,10 +38,16 @@ from .connect import (
     redact,
 )
 from .exceptions import (
+    CAUSE_DECLARED_DEAD,
+    CAUSE_EXPIRED,
+    CAUSE_OPERATOR,
+    CAUSE_REDIS_LOST,
+    LOST_CAUSES,
     ConfigurationError,
     InvalidResource,
     LockError,
     LockTimeout,
+    LockUpgradeError,
     PermissionDenied,
     RedisUnavailable,
     ReplicationTimeout,
@@ -142,6 +148,44 @@ _LOSS_CAUSES = {
     "node-state-lost": "Redis lost the worker's node record or group (restart without "
     "persistence, FLUSHALL, failover, eviction)",
 }
+#: What each cause means for the operator reading the heartbeat.lost line.
+_LOSS_DETAIL = {
+    CAUSE_OPERATOR: "an operator freed this owner's locks (`redislock release --force`); "
+    "its liveness key was deleted",
+    CAUSE_DECLARED_DEAD: "a cleanup declared this owner dead (its worker, reconcile or a "
+    "successor node's eviction) and freed its locks",
+    CAUSE_EXPIRED: "no confirmed refresh for owner_ttl: this process was paused, starved "
+    "or partitioned from Redis longer than that (or Redis evicted the liveness key)",
+    CAUSE_REDIS_LOST: "Redis lost its data (restart without persistence, FLUSHALL, "
+    "failover to a replica that missed it) or evicted the lock",
+}
+
+
+#: Reason codes a cleanup leaves in the owner's tombstone ``{ns}:dead:<owner>``
+#: and pushes to its lost list (``cleanup_owner(reason=...)``), and what
+#: each means. Any other value (node_evict.lua writes '1') reads as declared dead.
+CLEANUP_REASONS = {
+    "operator": CAUSE_OPERATOR,
+    "dead": CAUSE_DECLARED_DEAD,
+}
+#: The cause (``Lease.lost_cause``) of each engine loss code.
+_CAUSES = {
+    "operator": CAUSE_OPERATOR,
+    "declared-dead": CAUSE_DECLARED_DEAD,
+    "dead": CAUSE_DECLARED_DEAD,
+    "deadline": CAUSE_EXPIRED,
+    "expired": CAUSE_EXPIRED,
+    "redis-lost": CAUSE_REDIS_LOST,
+    "node-state-lost": CAUSE_REDIS_LOST,
+    "grant-gone": CAUSE_REDIS_LOST,
+}
+
+
+def cause_text(code: str | None) -> str | None:
+    """The operator-facing cause of an engine loss code (or a cause itself)."""
+    if code is None or code in LOST_CAUSES:
+        return code
+    return _CAUSES.get(code, CAUSE_DECLARED_DEAD if code in ("1", "lost") else CAUSE_EXPIRED)
 
 
 def _text(value: Any) -> str:
@@ -223,12 +267,18 @@ class _OrphanRetry:
 
 
 class _Depth:
-    """Leases held by one thread or greenlet (to recognise nested acquires)."""
+    """Leases held by one thread or greenlet (to recognise nested acquires).
 
-    __slots__ = ("count",)
+    ``count``: leases held (reentrant ones included); ``leases``: the leases
+    with a grant of their own, which a nested acquire of the same thread or
+    greenlet may re-enter.
+    """
+
+    __slots__ = ("count", "leases")
 
     def __init__(self) -> None:
         self.count = 0
+        self.leases: list[Lease] = []
 
 
 def _names(value: str | Iterable[str] | None, kind: str) -> tuple[str, ...]:
@@ -477,7 +527,7 @@ class LockManager:
     def _after_fork_in_child(self) -> None:
         self._state_lock = threading.Lock()
         for lease in self._leases.values():
-            lease._mark_lost()  # the parent's, not ours: never released from here
+            lease._lost = True  # the parent's, not ours: never released from here
         self._leases = {}
         self._orphans = {}
         self._orphan_retry = {}
@@ -578,6 +628,19 @@ class LockManager:
                 the same thread or greenlet. Nested requests wait only for
                 holders, never behind queued requests (otherwise two tasks
                 would deadlock), and need a finite timeout. ``None``: detect.
+                ``False`` also turns reentrancy off: the request is a grant
+                of its own that queues like any other (a thread holding a
+                resource exclusively would then wait for itself).
+
+        Reentrancy: resources this thread or greenlet already holds (through
+        a lease not yet released) are granted again at once, without a round
+        trip, and counted like :class:`threading.RLock`: the lease returned
+        counts on the outer one, whose fencing token it carries, and the
+        locks are released in Redis when the last of them is released. An
+        exclusive hold covers a shared request. A request holding only some
+        of its resources takes the others as a nested acquire (finite
+        timeout) and counts on the outer lease for the rest. Other threads
+        of the process are not reentrant: they queue like everyone else.
 
         Raises:
             LockTimeout: not granted in time; nothing is left behind.
@@ -585,6 +648,8 @@ class LockManager:
             ConfigurationError: (a ValueError) a timeout that is not None or a
                 number >= 0, or a ``nested`` that is not None/True/False.
             ValueError: a nested request without a finite timeout.
+            LockUpgradeError: (a ValueError) an exclusive request for a
+                resource this thread or greenlet holds only shared.
             RedisUnavailable: Redis could not be reached for longer than the
                 outage bound: ``timeout``, and at most ``owner_ttl`` after
                 the first failure (``timeout=0``: at once). Shorter
@@ -604,6 +669,10 @@ class LockManager:
             timeout = None
         nested = _v.optional_flag("nested", nested)
         depth = self._depth()
+        if depth.leases and nested is not False:
+            reentry = self._reentry(depth, req)
+            if reentry is not None:
+                return self._reenter(depth, req, reentry, timeout, nested)
         if nested is None:
             nested = depth.count > 0
         if nested and timeout is None:
@@ -673,6 +742,7 @@ class LockManager:
                             # Counted last: an interrupt before this must not leave
                             # the thread looking nested (it would skip the queue).
                             self._leases[token] = lease
+                            depth.leases.append(lease)
                             depth.count += 1
                     if current:
                         if log_acquire.isEnabledFor(logging.DEBUG):
@@ -736,13 +806,98 @@ class LockManager:
                 reply = None if fence is None else (1, fence)
         except BaseException as exc:
             with self._state_lock:
-                if self._leases.pop(token, None) is not None:  # interrupted at the return
+                gone = self._leases.pop(token, None)
+                if gone is not None:  # interrupted at the return
                     depth.count = max(0, depth.count - 1)
+                    if gone in depth.leases:
+                        depth.leases.remove(gone)
             self._end_request(ident.owner_id, token, req)
             if self._closed and isinstance(exc, Exception) and not isinstance(exc, LockError):
                 # close() shut the connection under a waiting thread
                 raise LockError(f"this LockManager ({self.url}) was closed") from exc
             raise
+
+    def _reentry(
+        self, depth: _Depth, req: _Request
+    ) -> tuple[tuple[Lease, ...], tuple[str, ...], tuple[str, ...]] | None:
+        """Which of ``req``'s resources this thread/greenlet already holds.
+
+        Returns None when it holds none of them, else (the outer leases that
+        hold some, the exclusive and the shared resources still to acquire).
+        No I/O. Raises LockUpgradeError for an exclusive request of a
+        resource held only shared. A lost outer lease is not re-entered.
+        """
+        pid = os.getpid()
+        with self._state_lock:
+            leases = [x for x in depth.leases if not x._released and x.pid == pid]
+        # A lost lease holds nothing any more (its identity is retired): the
+        # request is a fresh one for those resources, not a reentry.
+        leases = [x for x in leases if not x.lost]
+        held: dict[str, tuple[Lease, str]] = {}
+        for lease in leases:
+            for name in lease._request.exclusive:
+                held[name] = (lease, "x")
+            for name in lease._request.shared:
+                held.setdefault(name, (lease, "s"))
+        upgrade = [n for n in req.exclusive if n in held and held[n][1] == "s"]
+        if upgrade:
+            raise LockUpgradeError(upgrade)
+        parents = tuple(dict.fromkeys(held[n][0] for n in req.resources if n in held))
+        if not parents:
+            return None
+        rest_ex = tuple(n for n in req.exclusive if n not in held)
+        rest_sh = tuple(n for n in req.shared if n not in held)
+        return parents, rest_ex, rest_sh
+
+    def _reenter(
+        self,
+        depth: _Depth,
+        req: _Request,
+        reentry: tuple[tuple[Lease, ...], tuple[str, ...], tuple[str, ...]],
+        timeout: float | None,
+        nested: bool | None,
+    ) -> Lease:
+        """A nested acquire re-entering outer leases (see :meth:`acquire`)."""
+        parents, rest_ex, rest_sh = reentry
+        if rest_ex or rest_sh:
+            # The resources not held yet: a nested acquire of their own
+            # (waits only for holders; a finite timeout is required).
+            lease = self.acquire(rest_ex, rest_sh, timeout=timeout, nested=nested)
+            try:
+                with self._state_lock:
+                    for p in parents:
+                        p._holds += 1
+                    lease._parents = parents
+                lease.exclusive = req.exclusive
+                lease.shared = req.shared
+            except BaseException:
+                lease.release()
+                raise
+            return lease
+        first = parents[0]
+        lease = Lease(
+            self,
+            req,
+            first._ident,
+            first.token,
+            max(p.fencing_token for p in parents),
+            depth,
+            own=False,
+        )
+        lease._released = True  # no grant of its own
+        with self._state_lock:
+            for p in parents:
+                p._holds += 1
+            lease._parents = parents
+            depth.count += 1
+        if log_acquire.isEnabledFor(logging.DEBUG):
+            log_acquire.debug(
+                "acquire.reentrant owner=%s resources=%s fence=%s",
+                lease.owner_id,
+                ",".join(req.resources),
+                lease.fencing_token,
+            )
+        return lease
 
     def _riding_out(self, outage: _Outage, token: str, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)``, or None after a Redis failure the waiter rides out.
@@ -804,6 +959,8 @@ class LockManager:
             self._req_ttl_arg,
             self._limit_arg,
             ident.tag if group is not None else "",
+            # Who holds it, only when a Celery task acquires (@locked sets it).
+            getattr(self._local, "holder", None) or "",
         ]
         if self.wait_replicas:
             return self._call_and_wait("acquire", keys, args)
@@ -1022,18 +1179,37 @@ class LockManager:
                 raise
 
     def _release(self, lease: Lease) -> None:
-        if lease._released:
+        if lease._handle_released:
             return
         if lease.pid != os.getpid():
             log_release.warning(
                 "release.skipped token=%s reason=inherited-across-fork", lease.token
             )
+            lease._handle_released = True
             lease._released = True
             return
-        lease._released = True
-        lease._depth.count = max(0, lease._depth.count - 1)
         with self._state_lock:
+            if lease._handle_released:
+                return
+            lease._handle_released = True
+            lease._depth.count = max(0, lease._depth.count - 1)
+        try:
+            if lease._own:
+                self._drop_hold(lease)
+        finally:
+            for parent in lease._parents:
+                self._drop_hold(parent)
+
+    def _drop_hold(self, lease: Lease, *, force: bool = False) -> None:
+        """One fewer lease counts on ``lease``'s grant; at 0, release it in Redis."""
+        with self._state_lock:
+            lease._holds = 0 if force else lease._holds - 1
+            if lease._holds > 0 or lease._released:
+                return
+            lease._released = True
             self._leases.pop(lease.token, None)
+            if lease in lease._depth.leases:
+                lease._depth.leases.remove(lease)
         req = lease._request
         try:
             reply = self._run_release(lease.owner_id, lease.token, req, lease=True)
@@ -1043,7 +1219,7 @@ class LockManager:
             raise
         released = int(reply[0])
         if released < len(req.modes) and not lease.lost:
-            lease._mark_lost()
+            lease._mark_lost("declared-dead")
             log_release.warning(
                 "release.partial owner=%s released=%d of=%d (locks were reclaimed: "
                 "the owner's liveness lapsed)",
@@ -1093,10 +1269,48 @@ class LockManager:
         """A lease of ``ident`` found the local deadline passed (no I/O here)."""
         self._owner_lost(ident, "deadline")
 
-    def _owner_lost(self, ident: OwnerIdentity, where: str) -> None:
-        """Retire ``ident`` and mark its leases lost; logs once per identity."""
+    def _cause_text(self, code: str | None) -> str | None:
+        return cause_text(code)
+
+    def _loss_reason(self, owner_id: str) -> str:
+        """Why ``owner_id``'s liveness key is gone: a loss code (one round trip).
+
+        Read only on the loss path: the owner's tombstone names the cleanup
+        that declared it dead (an operator's ``release``, or a worker,
+        reconcile or node eviction); without one, a missing fencing counter
+        (never deleted once written) means Redis lost its data; otherwise
+        the liveness expired (a pause or partition longer than owner_ttl,
+        or the key was evicted).
+        """
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(self.keys.dead(owner_id))
+            pipe.exists(self.keys.fence)
+            tomb, fence = pipe.execute()
+        except Exception as exc:  # the cause is a courtesy: never fail the loss on it
+            log_heartbeat.debug("heartbeat.lost-reason-error owner=%s error=%r", owner_id, exc)
+            return "expired"
+        if tomb is not None:
+            return "operator" if _text(tomb) == "operator" else "declared-dead"
+        if not int(fence):
+            return "redis-lost"
+        return "expired"
+
+    def _owner_lost(self, ident: OwnerIdentity, where: str, cause: str | None = None) -> None:
+        """Retire ``ident`` and mark its leases lost; logs once per identity.
+
+        ``where``: what found it (heartbeat, acquire, watch, node-heartbeat,
+        declared-dead, deadline, ...); ``cause``: why, when the finder knows
+        (a cleanup's reason code); otherwise a missing liveness key is
+        explained by :meth:`_loss_reason`.
+        """
         if not self._identity.retire(ident):
             return
+        if cause is None:
+            if where in ("heartbeat", "acquire", "watch", "node-heartbeat"):
+                cause = self._loss_reason(ident.owner_id)
+            else:
+                cause = where
         with self._state_lock:
             lost = [x for x in self._leases.values() if x.owner_id == ident.owner_id]
             if where == "deadline" and ident.registered:
@@ -1104,15 +1318,18 @@ class LockManager:
                 # or another process refreshes it): put it to death in Redis too.
                 self._doomed.add(ident.owner_id)
         for lease in lost:
-            lease._mark_lost()
+            lease._mark_lost(cause)
         if where == "deadline":
             self._heartbeat.wake()
+        text = cause_text(cause)
         log_heartbeat.error(
-            "heartbeat.lost owner=%s leases=%d where=%s: %s; continuing under a new identity",
+            'heartbeat.lost owner=%s leases=%d where=%s cause="%s": %s; continuing under a '
+            "new identity",
             ident.owner_id,
             len(lost),
             where,
-            _LOSS_CAUSES.get(where, _LOSS_CAUSES["heartbeat"]),
+            text,
+            _LOSS_DETAIL.get(text or "", _LOSS_CAUSES.get(where, _GONE)),
         )
 
     def _holds(self, ident: OwnerIdentity) -> bool:
@@ -1169,7 +1386,10 @@ class LockManager:
                     outage = False
                     log_heartbeat.info("heartbeat.watch-resumed url=%s", self.url)
                 if got is not None:
-                    self._owner_lost(ident, "declared-dead")
+                    reason = _text(got[1])
+                    self._owner_lost(
+                        ident, "declared-dead", "operator" if reason == "operator" else "dead"
+                    )
                 self._bury_doomed(client)
                 self._retry_orphans(client)
             except REDIS_DOWN_ERRORS as exc:  # an outage: one line, not a traceback a second
@@ -1244,7 +1464,7 @@ class LockManager:
         """Mark lost the leases whose grant Redis no longer records (evicted)."""
         for (lease, key), ok in zip(grants, found):
             if int(ok) == 0 and not lease._lost and not lease._released:
-                lease._mark_lost()
+                lease._mark_lost("grant-gone")
                 log_heartbeat.error(
                     "heartbeat.grant-gone owner=%s token=%s lock=%s fence=%d: Redis no longer "
                     "records this grant (the lock was evicted: maxmemory-policy is not "
@@ -1365,11 +1585,12 @@ class LockManager:
         for lease in leases:
             if unreachable is None:
                 try:
-                    lease.release()
+                    lease._handle_released = True
+                    self._drop_hold(lease, force=True)
                     continue
                 except Exception as exc:
                     unreachable = exc
-            lease._mark_lost()
+            lease._mark_lost("expired")
         ident = self._identity.peek()
         if ident is None:
             return
@@ -1377,7 +1598,7 @@ class LockManager:
         with self._state_lock:
             rest = [x for x in self._leases.values() if x.owner_id == ident.owner_id]
         for lease in rest:  # granted to another thread meanwhile: not returned
-            lease._mark_lost()
+            lease._mark_lost("expired")
         if unreachable is not None:
             log_release.warning(
                 "release.close-unreachable owner=%s leases_lost=%d error=%r",
@@ -1437,7 +1658,9 @@ class LockManager:
 
     # -- cleanup ----------------------------------------------------------
 
-    def cleanup_owner(self, owner_id: str, *, force: bool = False) -> CleanupReport:
+    def cleanup_owner(
+        self, owner_id: str, *, force: bool = False, reason: str = "dead"
+    ) -> CleanupReport:
         """Free every lock ``owner_id`` holds, if it is dead (or ``force``).
 
         Walks only the owner's registry: O(its locks), no SCAN. A live owner
@@ -1450,13 +1673,28 @@ class LockManager:
         A cleaned owner is tombstoned (``{ns}:dead:<owner>``, for 3 x
         owner_ttl): it can never register again, so a request of it still in
         flight cannot bring it back to life.
+
+        ``reason`` is kept as the tombstone's value and pushed to the owner's
+        lost list, so that the owner, if it still runs, reports who freed its
+        locks (``Lease.lost_cause``, ``LockLost.cause``): ``"operator"``
+        (the CLI's ``release``) or ``"dead"`` (default).
         """
         validate_owner_id(owner_id)
         force = _v.flag("force", force)
-        return self._cleanup(owner_id, force=force)
+        if reason not in CLEANUP_REASONS:
+            raise ConfigurationError(
+                "reason", f"must be one of {', '.join(CLEANUP_REASONS)}, not {reason!r}"
+            )
+        return self._cleanup(owner_id, force=force, reason=reason)
 
     def _cleanup(
-        self, owner_id: str, *, force: bool, client: Any = None, closing: bool = False
+        self,
+        owner_id: str,
+        *,
+        force: bool,
+        client: Any = None,
+        closing: bool = False,
+        reason: str = "dead",
     ) -> CleanupReport:
         reply = self._call(
             "cleanup_owner",
@@ -1468,6 +1706,7 @@ class LockManager:
                 str(self._req_ttl_ms),
                 str(self.queue_scan_limit),
                 "1" if closing else "0",
+                reason,
             ],
             client=client,
         )

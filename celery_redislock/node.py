@@ -625,9 +625,9 @@ class Node:
         old = self.incarnation
         mgr = self.manager
         with mgr._state_lock:
-            leases = [x for x in mgr._leases.values() if not x.released]
+            leases = [x for x in mgr._leases.values() if not x._released]
         for lease in leases:
-            lease._mark_lost()
+            lease._mark_lost("node-state-lost")
         ident = mgr._identity.peek()
         if ident is not None:
             mgr._identity.retire(ident)
@@ -693,7 +693,7 @@ class Node:
         leases = 0
         with self.manager._state_lock:
             for lease in self.manager._leases.values():
-                lease._mark_lost()
+                lease._mark_lost("declared-dead")
                 leases += 1
         if ident is not None:
             self.manager._identity.retire(ident)
@@ -816,7 +816,7 @@ class Node:
             self.state = "stopped"
         with self.manager._state_lock:
             for lease in self.manager._leases.values():
-                lease._mark_lost()
+                lease._mark_lost("declared-dead")
         ident = self.manager._identity.peek()
         if ident is not None:
             self.manager._identity.retire(ident)

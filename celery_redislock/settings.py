@@ -34,6 +34,8 @@ MIN_RECONCILE_INTERVAL = 1.0
 MAX_RECONCILE_INTERVAL = 7 * 86400.0
 #: Values of ``locked(on_busy=...)``.
 ON_BUSY_MODES = ("wait", "retry", "raise", "skip")
+#: Values of ``redislock_on_lost`` and ``locked(on_lost=...)``.
+ON_LOST_MODES = ("fail", "terminate", "ignore")
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,16 @@ SETTINGS: tuple[Setting, ...] = (
         "'warn'",
         "At worker start, what to do when Redis may evict keys "
         "(maxmemory-policy other than noeviction).",
+    ),
+    Setting(
+        "redislock_on_lost",
+        "'fail' | 'terminate' | 'ignore'",
+        "'fail'",
+        "What a @locked task whose lock was lost while its body ran does (the "
+        "decorator's on_lost= overrides it): 'fail' raises LockLost (naming the "
+        "cause) once the body returns; 'terminate' kills the prefork pool child "
+        "at once, like a hard time limit (other pools: as 'fail'); 'ignore' only "
+        "logs locked.lost.",
     ),
     Setting(
         "redislock_wait_replicas",
@@ -200,6 +212,7 @@ class Config:
     default_timeout: float | None = None
     fast_restart_cleanup: bool = True
     eviction_check: str = "warn"
+    on_lost: str = "fail"
     wait_replicas: int = 0
     wait_timeout: float = 1.0
     wait_policy: str = "fail"
@@ -374,6 +387,12 @@ def load_config(conf: Mapping[str, Any]) -> Config:
             "redislock_eviction_check", f"must be one of {', '.join(EVICTION_MODES)}, not {mode!r}"
         )
 
+    on_lost = get("redislock_on_lost", None) or "fail"
+    if not isinstance(on_lost, str) or on_lost not in ON_LOST_MODES:
+        raise ConfigurationError(
+            "redislock_on_lost", f"must be one of {', '.join(ON_LOST_MODES)}, not {on_lost!r}"
+        )
+
     wait_replicas, wait_timeout, wait_policy = _wait_settings(get)
 
     return Config(
@@ -385,6 +404,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         default_timeout=timeout,
         fast_restart_cleanup=fast_b,
         eviction_check=mode,
+        on_lost=on_lost,
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
         wait_policy=wait_policy,

@@ -20,15 +20,17 @@ import functools
 import inspect
 import logging
 import math
+import os
 import random
+import signal
 import string
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _validate as _v
-from .exceptions import ConfigurationError, LockError, LockTimeout, ShuttingDown
+from .exceptions import ConfigurationError, LockError, LockLost, LockTimeout, ShuttingDown
 from .lease import Lease
-from .settings import ON_BUSY_MODES
+from .settings import ON_BUSY_MODES, ON_LOST_MODES
 
 if TYPE_CHECKING:
     from .app import RedisLock
@@ -321,6 +323,93 @@ def _hand_back(task: Any, label: str, exc: ShuttingDown) -> None:
     raise task.retry(countdown=0, exc=exc) from exc
 
 
+def holder_info(task: Any, label: str) -> str:
+    """What the lock records about a task holder: ``name\nid\nnode``.
+
+    Stored beside the grant (``{ns}:holder:<token>``) only when the locks are
+    taken from a task, and shown by ``redislock locks`` and the Inspector.
+    """
+    request = getattr(task, "request", None) if task is not None else None
+    name = getattr(task, "name", None) or label
+    task_id = getattr(request, "id", None) or ""
+    node = getattr(request, "hostname", None) or ""
+    return "\n".join(str(x).replace("\n", " ") for x in (name, task_id, node))
+
+
+class _LossWatch:
+    """What ``@locked`` does when its lease is marked lost while the body runs.
+
+    ``on_lost="terminate"`` in a prefork pool child: log ``locked.lost`` and
+    SIGKILL the child at once (as a hard time limit does); the pool reports
+    WorkerLostError and, with ``acks_late`` and
+    ``task_reject_on_worker_lost``, the broker redelivers the task. In any
+    other process (threads, solo, gevent, eventlet pools: the body runs in
+    the worker's main process) nothing is killed: the task fails as with
+    ``"fail"`` once the body returns.
+    """
+
+    def __init__(self, label: str, task_id: str, mode: str, child_pid: int) -> None:
+        self.label = label
+        self.task_id = task_id
+        self.mode = mode
+        self.child_pid = child_pid
+        self.active = True
+        self.reported = False
+
+    def __call__(self, lease: Lease, cause: str | None) -> None:
+        if not self.active or self.mode != "terminate" or os.getpid() != self.child_pid:
+            return
+        self.reported = True
+        log.error(
+            'locked.lost task=%s id=%s resources=%s fence=%d cause="%s" on_lost=terminate: '
+            "killing this pool child (pid %d) now; with acks_late and "
+            "task_reject_on_worker_lost the broker redelivers the task",
+            self.label,
+            self.task_id,
+            ",".join(lease.resources),
+            lease.fencing_token,
+            cause or "unknown",
+            os.getpid(),
+        )
+        for handler in logging.getLogger().handlers + log.handlers:
+            try:
+                handler.flush()
+            except Exception:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _lost_after_body(lease: Lease, label: str, task_id: str, mode: str) -> None:
+    """The body returned under a lost lease: fail the task, or only log."""
+    cause = lease.lost_cause or "unknown"
+    if mode == "ignore":
+        log.warning(
+            'locked.lost task=%s id=%s resources=%s fence=%d cause="%s" on_lost=ignore: '
+            "the lock was lost while the body ran; its result stands",
+            label,
+            task_id,
+            ",".join(lease.resources),
+            lease.fencing_token,
+            cause,
+        )
+        return
+    fallback = ""
+    if mode == "terminate":
+        fallback = " (terminate: no pool child to kill in this pool; failing instead)"
+    log.error(
+        'locked.lost task=%s id=%s resources=%s fence=%d cause="%s" on_lost=%s: the lock was '
+        "lost while the body ran; failing the task with LockLost%s",
+        label,
+        task_id,
+        ",".join(lease.resources),
+        lease.fencing_token,
+        cause,
+        mode,
+        fallback,
+    )
+    raise LockLost(lease.resources, lease.owner_id, lease.fencing_token, lease.lost_cause)
+
+
 def locked(
     *exclusive: str,
     shared: str | Iterable[str] = (),
@@ -331,6 +420,7 @@ def locked(
     retry_backoff_max: float = _DEFAULT,
     retry_jitter: bool = _DEFAULT,
     max_retries: int | None = _DEFAULT,
+    on_lost: str = _DEFAULT,
 ) -> Callable[[F], F]:
     """Hold locks on the formatted resource names while the task body runs.
 
@@ -365,6 +455,18 @@ def locked(
             [50%, 100%] when ``retry_jitter`` (default True).
         max_retries: passed to :meth:`~celery.app.task.Task.retry` (default: the task's own;
             ``on_busy="retry"`` only).
+        on_lost: what happens when the lock is lost while the body runs
+            (an operator's ``redislock release --force``, the owner declared
+            dead, its liveness expired in a pause, Redis lost the lock);
+            default: the app's ``redislock_on_lost`` (``"fail"``).
+            ``"fail"``: once the body returns, the task fails with
+            :class:`LockLost` whose ``cause`` says why (an exception of
+            the body's own wins). ``"terminate"``: a prefork pool child is
+            killed at once (SIGKILL, as a hard time limit does; with
+            ``acks_late`` and ``task_reject_on_worker_lost`` the broker
+            redelivers the task); in threads, solo, gevent or eventlet pools
+            there is no child to kill and it acts as ``"fail"``.
+            ``"ignore"``: the result stands; ``locked.lost`` is logged.
 
     Raises:
         TypeError: (these are raised when decorating, so at import time) not applied to a plain function (see above).
@@ -391,6 +493,10 @@ def locked(
             "locked",
             f"templates {both} are both exclusive and shared; an exclusive lock "
             "already covers reading: drop them from shared=",
+        )
+    if on_lost is not _DEFAULT and (not isinstance(on_lost, str) or on_lost not in ON_LOST_MODES):
+        raise ConfigurationError(
+            "locked(on_lost=)", f"must be one of {', '.join(ON_LOST_MODES)}, not {on_lost!r}"
         )
     if not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES:
         raise ConfigurationError(
@@ -475,6 +581,16 @@ def locked(
             mgr = locks.manager
             if mgr._orphans and not mgr._own_heartbeat:
                 _retry_deferred(mgr)
+            lost_mode = locks.config.on_lost if on_lost is _DEFAULT else on_lost
+            request = getattr(task, "request", None) if task is not None else None
+            in_task = request is not None and not getattr(request, "called_directly", True)
+            task_id = str(getattr(request, "id", None) or "-") if in_task else "-"
+            # Who holds the locks, for operators (`redislock locks`): recorded
+            # beside the grant only when a task takes them; every acquire the
+            # body makes in this thread is labelled the same way.
+            outer_holder = getattr(mgr._local, "holder", None)
+            if in_task and outer_holder is None:
+                mgr._local.holder = holder_info(task, label)
             try:
                 # The body has not started: this wait may give way to a
                 # warm shutdown (ShuttingDown, below).
@@ -483,6 +599,8 @@ def locked(
                     lease = mgr.acquire(exclusive_names, shared_names, timeout=wait)
                 finally:
                     mgr._local.halt_ok = False
+                    if outer_holder is None and in_task:
+                        mgr._local.holder = None
             except ShuttingDown as exc:
                 _hand_back(task, label, exc)
                 raise
@@ -526,9 +644,35 @@ def locked(
                     raise task.retry(**opts) from exc
                 raise
             token = _leases.set(_leases.get() + (lease,))
+            watch = _LossWatch(label, task_id, lost_mode, locks._pool_child_pid)
+            if lost_mode == "terminate" and in_task:
+                lease._add_lost_hook(watch)
+            if in_task and outer_holder is None:
+                mgr._local.holder = holder_info(task, label)
+            lost_after = False
             try:
-                return fun(*args, **kwargs)
+                try:
+                    result = fun(*args, **kwargs)
+                except BaseException:
+                    watch.active = False
+                    if lease.lost:
+                        log.error(
+                            'locked.lost task=%s id=%s resources=%s cause="%s": the lock was '
+                            "lost while the body ran (the body raised as well)",
+                            label,
+                            task_id,
+                            ",".join(lease.resources),
+                            lease.lost_cause or "unknown",
+                        )
+                    raise
+                watch.active = False
+                # Read before the release: a loss seen only by the local
+                # deadline (a long pause) is not looked for once released.
+                lost_after = lease.lost
             finally:
+                watch.active = False
+                if in_task and outer_holder is None:
+                    mgr._local.holder = None
                 _leases.reset(token)
                 try:
                     lease.release()
@@ -539,12 +683,16 @@ def locked(
                         ",".join(lease.resources),
                         exc,
                     )
+            if lost_after:
+                _lost_after_body(lease, label, task_id, lost_mode)
+            return result
 
         wrapper.__signature__ = sig  # type: ignore[attr-defined]
         wrapper.__redislock__ = {  # type: ignore[attr-defined]
             "exclusive": ex,
             "shared": sh,
             "on_busy": on_busy,
+            "on_lost": None if on_lost is _DEFAULT else on_lost,
         }
         return wrapper  # type: ignore[return-value]
 

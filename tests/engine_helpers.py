@@ -456,11 +456,15 @@ def run_scenario(script: str, redis_url: str, scenario: str) -> dict[str, Any]:
     """Run ``tests/scripts/<script>`` (a monkey-patching engine scenario) in a
     fresh interpreter and return the JSON object it prints last."""
     path = Path(__file__).parent / "scripts" / script
+    # This checkout's package first (not whichever one the venv installed).
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(path), redis_url, scenario],
         capture_output=True,
         text=True,
         timeout=90,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -99,6 +99,8 @@ def test_locks_table_shows_resource_mode_owner_state_and_waiters(
     wait_until(lambda: json.loads(cli("waiters", "repo:1", "--json").stdout), what="queued")
     lines = ok(cli("locks")).output.splitlines()
     assert lines[0].split() == ["RESOURCE", "MODE", "OWNER", "OWNER", "STATE", "WAITING"] + [
+        "TASK",
+        "NODE",
         "OWNER",
         "INFO",
     ]

@@ -184,7 +184,8 @@ def exclusive_try_against_shared_holders(
     rc.flushall()
     many = managers(owner_ttl=OWNER_TTL)
     for _ in range(holders):
-        many.acquire(shared="R", timeout=0)
+        # nested=False: separate grants, not a reentry of the first lease
+        many.acquire(shared="R", timeout=0, nested=False)
     writer = managers(owner_ttl=OWNER_TTL)
     with pytest.raises(LockTimeout):
         writer.acquire("R", timeout=0)  # registers the owner, loads the script

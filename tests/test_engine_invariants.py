@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import redis
@@ -23,6 +24,8 @@ from engine_helpers import (
     registries,
     wait_until,
 )
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -130,13 +133,25 @@ def test_release_of_an_old_lease_after_reclaim_keeps_the_new_holder(
     assert_registry_truth(r)
 
 
+def in_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a thread of its own (not reentrant with this one's leases)."""
+    out: list[T] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(30)
+    assert out, "the thread failed"
+    return out[0]
+
+
 def test_old_lease_of_a_reborn_owner_does_not_free_its_newer_lease(
     managers: Managers, r: redis.Redis
 ) -> None:
     mgr = managers()
     old = mgr.acquire(exclusive=["a"], timeout=0)
     kill_liveness(r, mgr)
-    new = mgr.acquire(exclusive=["a"], timeout=0)  # continues under a new identity
+    # Another thread (the same thread would re-enter its own lease, which it
+    # does not know to be lost yet): it continues under a new identity.
+    new = in_thread(lambda: mgr.acquire(exclusive=["a"], timeout=0))
     assert new.owner_id != old.owner_id
     assert old.lost
 
@@ -153,7 +168,7 @@ def test_releasing_one_of_two_shared_leases_of_one_owner_keeps_the_other(
 ) -> None:
     mgr = managers()
     one = mgr.acquire(shared=["a"], timeout=0)
-    two = mgr.acquire(shared=["a"], timeout=1)  # e.g. a second thread's lease
+    two = in_thread(lambda: mgr.acquire(shared=["a"], timeout=1))  # a second thread's lease
     assert one.token != two.token
 
     one.release()
@@ -179,7 +194,8 @@ def test_registry_equals_held_lock_keys_after_every_operation(
 
     la = a.acquire(exclusive=["x1"], shared=["s1"], timeout=0)
     check({a.owner_id: {lock("x1"), lock("s1")}})
-    la2 = a.acquire(shared=["s1", "s2"], timeout=1)  # shared twice by one owner
+    # shared twice by one owner (another thread: this one would re-enter la)
+    la2 = in_thread(lambda: a.acquire(shared=["s1", "s2"], timeout=1))
     check({a.owner_id: {lock("x1"), lock("s1"), lock("s2")}})
     lb = b.acquire(shared=["s1"], exclusive=["y"], timeout=0)
     check({a.owner_id: {lock("x1"), lock("s1"), lock("s2")}, b.owner_id: {lock("s1"), lock("y")}})

@@ -9,6 +9,7 @@ every release Redis keeps no lock, queue, request or wake key.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import redis
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from celery_redislock import InvalidResource, Lease, LockTimeout
+from celery_redislock import InvalidResource, Lease, LockManager, LockTimeout
 from celery_redislock.keys import MAX_RESOURCE_BYTES
 from engine_helpers import (
     Managers,
@@ -174,6 +175,13 @@ def model_grants(held: list[tuple[Lease, dict[str, str]]], want: dict[str, str])
     return True
 
 
+def take(got: list[Any], mgr: LockManager, exclusive: list[str], shared: list[str]) -> None:
+    try:
+        got.append(mgr.acquire(exclusive=exclusive, shared=shared, timeout=0))
+    except BaseException as exc:
+        got.append(exc)
+
+
 @SETTINGS
 @given(plan=steps)
 def test_grants_match_a_reader_writer_model_and_release_leaves_no_lock_keys(
@@ -189,8 +197,16 @@ def test_grants_match_a_reader_writer_model_and_release_leaves_no_lock_keys(
             exclusive = [res for res, m in want.items() if m == "x"]
             shared = [res for res, m in want.items() if m == "s"]
             expect = model_grants(held, want)
+            # Each acquire from a thread of its own: one thread would
+            # re-enter the leases it holds (reentrancy has tests of its own).
+            got: list[Lease | BaseException] = []
+            t = threading.Thread(target=take, args=(got, mgrs[who], exclusive, shared))
+            t.start()
+            t.join(30)
             try:
-                lease = mgrs[who].acquire(exclusive=exclusive, shared=shared, timeout=0)
+                if isinstance(got[0], BaseException):
+                    raise got[0]
+                lease = got[0]
             except LockTimeout:
                 assert not expect, f"refused {want} while holding {[m for _, m in held]}"
             else:

@@ -38,3 +38,14 @@ def test_heartbeat_keeps_liveness_while_the_hub_is_blocked(redis_url: str) -> No
     assert out["ticks"] >= 2
     assert out["lost"] is False
     assert out["held"] is True
+
+
+def test_reentrancy_is_per_greenlet_and_a_kill_inside_the_inner_block_is_safe(
+    redis_url: str,
+) -> None:
+    out = run(redis_url, "reentrant")
+    assert out["same_fence"] is True
+    assert out["sibling"] == "timeout"  # another greenlet queues, it does not re-enter
+    assert out["g4_held"] == 1
+    assert out["g4_after"] == 0
+    assert out["g5_after_kill"] == 0

@@ -278,6 +278,8 @@ def test_decoration_template_error_survives_pickling() -> None:
         ({"timeout": "30"}, "timeout"),
         ({"on_busy": "later"}, "on_busy"),
         ({"on_busy": None}, "on_busy"),
+        ({"on_lost": "kill"}, "on_lost"),
+        ({"on_lost": None}, "on_lost"),
         ({"shared": None}, "shared"),
         ({"shared": b"remote:1"}, "shared"),
         ({"shared": [""]}, "shared"),

@@ -385,6 +385,8 @@ def test_locked_accepts_an_infinite_timeout_as_none() -> None:
         ("redislock_default_timeout", -1),
         ("redislock_fast_restart_cleanup", 2),
         ("redislock_eviction_check", ["warn"]),
+        ("redislock_on_lost", "kill"),
+        ("redislock_on_lost", ["fail"]),
         ("redislock_namespace", 5),
     ],
 )

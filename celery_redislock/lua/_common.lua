@@ -197,7 +197,7 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
           break
         end
         if redis.call('HDEL', lock, t) == 1 then
-          redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
+          redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
           dead_owners[o] = true
           freed = freed + 1
           if freed >= budget then
@@ -272,6 +272,9 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
   redis.call('HDEL', prefix .. 'waits:' .. owner, token)
+  -- A task's request carries who it is: kept beside the grant for operators.
+  local holder = redis.call('HGET', prefix .. 'req:' .. token, 'holder')
+  if holder then redis.call('SET', prefix .. 'holder:' .. token, holder) end
   -- LPUSH puts the grant at the head, where BLPOP pops first; a stale plain
   -- wake behind it is deleted with the request's other keys at release.
   redis.call('LPUSH', prefix .. 'wake:' .. token, 'g' .. fence)

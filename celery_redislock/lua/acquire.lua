@@ -35,6 +35,8 @@
 --  11 process tag recorded in the group hash: '<pid>.<starttime>' (field 22
 --     of /proc/<pid>/stat, so a reused pid does not match), or '<pid>' where
 --     /proc is unavailable (only read when KEYS[8+2n] is given)
+--  12 holder info 'task name\ntask id\nnode' when a Celery task acquires,
+--     '' otherwise (a plain engine lock stores nothing more)
 --
 -- Atomic steps:
 --   1. Liveness. Registering (ARGV[7] not ''): an owner with a tombstone
@@ -64,10 +66,12 @@
 --   5. Not blocked: grant every lock (token -> mode and fence), add the keys
 --      to the registry, leave the queues and the owner's waits hash, wake
 --      whoever can follow (wake_front: this also carries on a wake-up that a
---      release's budget stopped).
+--      release's budget stopped); with holder info (ARGV[12]), SET
+--      {ns}:holder:<token> to it (deleted with the grant).
 --   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token,
---      record the request (modes, resource names, nested) in its state so a
---      release can hand it the locks (_common.lua try_handoff), and in the
+--      record the request (modes, resource names, nested, holder info when
+--      given) in its state so a release can hand it the locks (_common.lua
+--      try_handoff, which copies the holder info to {ns}:holder:<token>), and in the
 --      owner's waits hash so its cleanup finds every entry.
 --
 -- Reply:
@@ -211,6 +215,9 @@ if not blocked then
   if queued then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
   redis.call('SADD', KEYS[3], owner)
   redis.call('DEL', wake_key)
+  if ARGV[12] and ARGV[12] ~= '' then
+    redis.call('SET', prefix .. 'holder:' .. token, ARGV[12])
+  end
   for i, _ in pairs(rewake) do
     wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
   end
@@ -234,6 +241,9 @@ if want_queue then
     local res = table.concat(names, '\n')
     redis.call('HSET', req_key, 'state', 'q', 'seq', int(seq),
       'modes', modes, 'res', res, 'nested', ARGV[5])
+    if ARGV[12] and ARGV[12] ~= '' then
+      redis.call('HSET', req_key, 'holder', ARGV[12])
+    end
     redis.call('HSET', prefix .. 'waits:' .. owner, token, modes .. '\n' .. res)
     redis.call('SADD', KEYS[3], owner)
   end

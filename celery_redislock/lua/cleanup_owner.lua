@@ -21,6 +21,9 @@
 --   5 queue scan limit
 --   6 (optional) '1' when the owner cleans itself up (LockManager.close: it
 --     holds nothing and its identity is retired): no tombstone, no lost push
+--   7 (optional) why, stored as the tombstone's value and pushed to the lost
+--     list so the owner can say who freed its locks: 'operator' (the CLI's
+--     release) or 'dead' (default: its worker, reconcile)
 --
 -- Atomic steps: refuse a live owner unless forced; tombstone the owner
 -- ({ns}:dead:<owner>, TTL ARGV[4]: acquire.lua refuses to register it again,
@@ -31,8 +34,8 @@
 -- joined, with its request state and wake list, then delete the waits hash;
 -- for each registry member:
 -- a missing key is dropped from the registry (nothing held); a hash has
--- every field of this owner deleted, the request state, wake list and
--- its contended stream deleted when no holder is left, its waiters woken,
+-- every field of this owner deleted with its request state, wake list and
+-- holder info ({ns}:holder:<token>), its contended stream deleted when no holder is left, its waiters woken,
 -- then the key leaves the registry; a key of any other type is kept and
 -- reported. A failing key is reported and kept; the others go on. Last, the
 -- waiters of every other queue that lost an entry of the owner are woken.
@@ -63,9 +66,11 @@ end
 -- whose liveness someone else refreshes), that it is dead: a watcher thread
 -- of that process BLPOPs this list and marks its leases lost.
 if ARGV[6] ~= '1' then
-  redis.call('SET', prefix .. 'dead:' .. owner, '1', 'PX', req_ttl)
+  local why = ARGV[7] or 'dead'
+  if why == '' then why = 'dead' end
+  redis.call('SET', prefix .. 'dead:' .. owner, why, 'PX', req_ttl)
   local lost = prefix .. 'lost:' .. owner
-  redis.call('LPUSH', lost, 'lost')
+  redis.call('LPUSH', lost, why)
   redis.call('LTRIM', lost, '0', '0')
   redis.call('PEXPIRE', lost, req_ttl)
 end
@@ -113,7 +118,7 @@ local function clean_one(lock)
   for _, f in ipairs(redis.call('HKEYS', lock)) do
     if string.sub(f, 1, #p) == p then
       redis.call('HDEL', lock, f)
-      redis.call('DEL', prefix .. 'req:' .. f, prefix .. 'wake:' .. f)
+      redis.call('DEL', prefix .. 'req:' .. f, prefix .. 'wake:' .. f, prefix .. 'holder:' .. f)
       released = released + 1
     end
   end

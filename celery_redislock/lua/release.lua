@@ -32,8 +32,8 @@
 -- queue (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake
 -- it, every shared waiter it unblocked included (wake_front); when the lock
 -- is left with no holder, delete its contended stream. Then delete the
--- request's state and wake list, and (not for a lease) its line in the
--- owner's waits hash.
+-- request's state, wake list and holder info ({ns}:holder:<token>), and
+-- (not for a lease) its line in the owner's waits hash.
 --
 -- Reply: {released, dequeued}: how many locks this token still held and how
 -- many queue entries it still had. released < n on a granted lease means
@@ -66,6 +66,6 @@ for i = 1, n do
     wake_front(prefix, q, lock, limit, req_ttl, false, holders)
   end
 end
-redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[2], KEYS[3], prefix .. 'holder:' .. token)
 if not granted then redis.call('HDEL', KEYS[4], token) end
 return {released, dequeued}

@@ -90,10 +90,52 @@ def blocked_hub(mgr: LockManager) -> dict[str, object]:
     return result
 
 
+def reentrant(mgr: LockManager) -> dict[str, object]:
+    """Greenlet-local reentrancy: the holder re-enters, a sibling greenlet
+    queues (and times out), and a greenlet killed inside its inner block
+    leaves the outer lock held."""
+    out: dict[str, object] = {}
+    outer = mgr.acquire(exclusive="g:4", timeout=5)
+    inner = mgr.acquire(exclusive="g:4")  # same greenlet: at once, no timeout needed
+    out["same_fence"] = inner.fencing_token == outer.fencing_token
+    inner.release()
+
+    def sibling() -> str:
+        try:
+            mgr.acquire(exclusive="g:4", timeout=0.3).release()
+            return "granted"
+        except LockTimeout:
+            return "timeout"
+
+    out["sibling"] = gevent.spawn(sibling).get(timeout=10)
+
+    def holder_killed_inside() -> None:
+        with mgr.lock(exclusive="g:5", timeout=5):
+            with mgr.lock(exclusive="g:5"):
+                gevent.sleep(30)  # killed here, inside the inner block
+
+    g = gevent.spawn(holder_killed_inside)
+    deadline = time.monotonic() + 10
+    while not mgr.client.exists(mgr.keys.lock("g:5")):
+        if time.monotonic() > deadline:
+            raise RuntimeError("holder never took g:5")
+        gevent.sleep(0.005)
+    g.kill(block=True, timeout=10)
+    # Both with-blocks exited: the inner dropped its count, the outer released.
+    out["g5_after_kill"] = mgr.client.exists(mgr.keys.lock("g:5"))
+    out["g4_held"] = mgr.client.hexists(mgr.keys.lock("g:4"), outer.token)
+    outer.release()
+    out["g4_after"] = mgr.client.exists(mgr.keys.lock("g:4"))
+    return out
+
+
 if __name__ == "__main__":
     url, scenario = sys.argv[1], sys.argv[2]
     mgr = LockManager(url, owner_ttl=1.0, heartbeat_interval=0.2)
-    out = {"contention": contention, "kill_waiter": kill_waiter, "blocked_hub": blocked_hub}[
-        scenario
-    ](mgr)
+    out = {
+        "contention": contention,
+        "kill_waiter": kill_waiter,
+        "blocked_hub": blocked_hub,
+        "reentrant": reentrant,
+    }[scenario](mgr)
     print(json.dumps(out))
