@@ -323,16 +323,18 @@ def _hand_back(task: Any, label: str, exc: ShuttingDown) -> None:
     raise task.retry(countdown=0, exc=exc) from exc
 
 
-def holder_info(task: Any, label: str) -> str:
+def holder_info(task: Any, label: str, nodename: str | None = None) -> str:
     """What the lock records about a task holder: ``name\nid\nnode``.
 
     Stored beside the grant (``{ns}:holder:<token>``) only when the locks are
     taken from a task, and shown by ``redislock locks`` and the Inspector.
+    The node is the worker's node name (``celery@host``), else the request's
+    hostname.
     """
     request = getattr(task, "request", None) if task is not None else None
     name = getattr(task, "name", None) or label
     task_id = getattr(request, "id", None) or ""
-    node = getattr(request, "hostname", None) or ""
+    node = nodename or getattr(request, "hostname", None) or ""
     return "\n".join(str(x).replace("\n", " ") for x in (name, task_id, node))
 
 
@@ -590,7 +592,7 @@ def locked(
             # body makes in this thread is labelled the same way.
             outer_holder = getattr(mgr._local, "holder", None)
             if in_task and outer_holder is None:
-                mgr._local.holder = holder_info(task, label)
+                mgr._local.holder = holder_info(task, label, locks.nodename)
             try:
                 # The body has not started: this wait may give way to a
                 # warm shutdown (ShuttingDown, below).
@@ -648,7 +650,7 @@ def locked(
             if lost_mode == "terminate" and in_task:
                 lease._add_lost_hook(watch)
             if in_task and outer_holder is None:
-                mgr._local.holder = holder_info(task, label)
+                mgr._local.holder = holder_info(task, label, locks.nodename)
             lost_after = False
             try:
                 try:

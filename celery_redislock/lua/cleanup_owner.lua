@@ -23,7 +23,9 @@
 --     holds nothing and its identity is retired): no tombstone, no lost push
 --   7 (optional) why, stored as the tombstone's value and pushed to the lost
 --     list so the owner can say who freed its locks: 'operator' (the CLI's
---     release) or 'dead' (default: its worker, reconcile)
+--     release) or 'dead' (default: its worker, reconcile). A tombstone that
+--     exists already keeps its value (the first cleanup's reason), which is
+--     what is pushed
 --
 -- Atomic steps: refuse a live owner unless forced; tombstone the owner
 -- ({ns}:dead:<owner>, TTL ARGV[4]: acquire.lua refuses to register it again,
@@ -68,7 +70,13 @@ end
 if ARGV[6] ~= '1' then
   local why = ARGV[7] or 'dead'
   if why == '' then why = 'dead' end
-  redis.call('SET', prefix .. 'dead:' .. owner, why, 'PX', req_ttl)
+  local tomb = prefix .. 'dead:' .. owner
+  if not redis.call('SET', tomb, why, 'NX', 'PX', req_ttl) then
+    -- cleaned before (e.g. an operator's release, then its worker's tick):
+    -- the first reason stands, so the owner is told who really freed it
+    why = redis.call('GET', tomb) or why
+    redis.call('PEXPIRE', tomb, req_ttl)
+  end
   local lost = prefix .. 'lost:' .. owner
   redis.call('LPUSH', lost, why)
   redis.call('LTRIM', lost, '0', '0')

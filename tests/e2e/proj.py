@@ -167,12 +167,47 @@ def hold(self: Any, res: str, tag: str, block: int = 1000) -> dict[str, Any]:
     Writes ``e2e:held:<tag>`` (JSON: pid, owner, token, fence) once the
     lock is held, and ``e2e:done:<tag>`` when it finishes (with ``lost``:
     whether the lease was marked lost by then); sets ``e2e:lost:<tag>`` as
-    soon as it sees its lease marked lost while it waits.
+    soon as it sees its lease marked lost while it waits. A lost lease
+    fails the task with LockLost once it returns (``on_lost="fail"``).
     """
+    return _hold(self, res, tag, block)
+
+
+@app.task(name="e2e.hold_ignore", bind=True, acks_late=True)
+@locked("res:{res}", timeout=120, on_busy="wait", on_lost="ignore")
+def hold_ignore(self: Any, res: str, tag: str, block: int = 1000) -> dict[str, Any]:
+    """:func:`hold` with ``on_lost="ignore"``: a lost lease only logs."""
+    return _hold(self, res, tag, block)
+
+
+@app.task(name="e2e.hold_terminate", bind=True, acks_late=True)
+@locked("res:{res}", timeout=120, on_busy="wait", on_lost="terminate")
+def hold_terminate(self: Any, res: str, tag: str, block: int = 1000) -> dict[str, Any]:
+    """:func:`hold` with ``on_lost="terminate"``: a lost lease kills the child."""
+    return _hold(self, res, tag, block)
+
+
+@app.task(name="e2e.reenter", bind=True, acks_late=True)
+@locked("res:{res}", timeout=120, on_busy="wait")
+def reenter(self: Any, res: str) -> dict[str, Any]:
+    """Calls another @locked function on the same resource from its body."""
+    outer = current_lease()
+    inner = _inner_locked(res)
+    return {"outer_fence": outer.fencing_token if outer else None, **inner}
+
+
+@locked("res:{res}")
+def _inner_locked(res: str) -> dict[str, Any]:
+    lease = current_lease()
+    return {"inner_fence": lease.fencing_token if lease else None}
+
+
+def _hold(task: Any, res: str, tag: str, block: int) -> dict[str, Any]:
     r = data()
     attempt = int(r.incr(f"e2e:attempts:{tag}"))
     info = _lease_info()
     info["attempt"] = attempt
+    info["task_id"] = task.request.id
     r.set(f"e2e:held:{tag}", json.dumps(info))
     r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
     lease = current_lease()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from celery_redislock import LockLost
 from redis_server import RedisServer
 
 from .harness import Cluster, wait_for
@@ -47,7 +48,10 @@ def test_lock_redis_restart_tells_the_running_task_and_the_worker_goes_on(
     )
     wait_for(lambda: w.log_lines("node.state-lost"), 30, "node.state-lost", on_timeout=w.tail)
     c.go("t1")
-    assert result.get(timeout=30)["lost"] is True
+    # on_lost="fail" (the default): the task fails and says why.
+    with pytest.raises(LockLost) as info:
+        result.get(timeout=30)
+    assert info.value.cause == "Redis lost the lock", info.value
 
     # The worker goes on as a fresh incarnation: the same resource is granted
     # to a new task, whose owner is in the new incarnation's group.

@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import pytest
 
-from celery_redislock import LockManager
+from celery_redislock import LockLost, LockManager
+from celery_redislock.exceptions import CAUSE_DECLARED_DEAD, CAUSE_EXPIRED
 from redis_server import RedisServer
 
 from .harness import Cluster, wait_for
@@ -187,7 +188,10 @@ def test_pool_child_is_told_its_lease_is_lost_when_its_liveness_lapses(
         wait_for(lambda: c.data.exists("e2e:lost:t1"), 6, "the lease to be marked lost")
     finally:
         c.go("t1")
+    # on_lost="fail" (the default): the task fails with LockLost naming the cause
+    with pytest.raises(LockLost) as info:
         result.get(timeout=30)
+    assert info.value.cause in (CAUSE_EXPIRED, CAUSE_DECLARED_DEAD), info.value
 
 
 def test_warm_shutdown_keeps_running_task_lock_until_it_finishes_then_releases_all(
