@@ -587,6 +587,8 @@ def locked(
             request = getattr(task, "request", None) if task is not None else None
             in_task = request is not None and not getattr(request, "called_directly", True)
             task_id = str(getattr(request, "id", None) or "-") if in_task else "-"
+            # Log lines name the registered task (e.g. proj.sync) when there is one.
+            task_label = str(getattr(task, "name", None) or label) if in_task else label
             # Who holds the locks, for operators (`redislock locks`): recorded
             # beside the grant only when a task takes them; every acquire the
             # body makes in this thread is labelled the same way.
@@ -646,7 +648,7 @@ def locked(
                     raise task.retry(**opts) from exc
                 raise
             token = _leases.set(_leases.get() + (lease,))
-            watch = _LossWatch(label, task_id, lost_mode, locks._pool_child_pid)
+            watch = _LossWatch(task_label, task_id, lost_mode, locks._pool_child_pid)
             if lost_mode == "terminate" and in_task:
                 lease._add_lost_hook(watch)
             if in_task and outer_holder is None:
@@ -661,7 +663,7 @@ def locked(
                         log.error(
                             'locked.lost task=%s id=%s resources=%s cause="%s": the lock was '
                             "lost while the body ran (the body raised as well)",
-                            label,
+                            task_label,
                             task_id,
                             ",".join(lease.resources),
                             lease.lost_cause or "unknown",
@@ -686,7 +688,7 @@ def locked(
                         exc,
                     )
             if lost_after:
-                _lost_after_body(lease, label, task_id, lost_mode)
+                _lost_after_body(lease, task_label, task_id, lost_mode)
             return result
 
         wrapper.__signature__ = sig  # type: ignore[attr-defined]
