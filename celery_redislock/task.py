@@ -381,7 +381,7 @@ class _LossWatch:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _lost_after_body(lease: Lease, label: str, task_id: str, mode: str) -> None:
+def _lost_after_body(lease: Lease, label: str, task_id: str, mode: str, pool_child: bool) -> None:
     """The body returned under a lost lease: fail the task, or only log."""
     cause = lease.lost_cause or "unknown"
     if mode == "ignore":
@@ -396,7 +396,9 @@ def _lost_after_body(lease: Lease, label: str, task_id: str, mode: str) -> None:
         )
         return
     fallback = ""
-    if mode == "terminate":
+    if mode == "terminate" and pool_child:
+        fallback = " (terminate: the loss was found only as the body returned; failing instead)"
+    elif mode == "terminate":
         fallback = " (terminate: no pool child to kill in this pool; failing instead)"
     log.error(
         'locked.lost task=%s id=%s resources=%s fence=%d cause="%s" on_lost=%s: the lock was '
@@ -688,7 +690,9 @@ def locked(
                         exc,
                     )
             if lost_after:
-                _lost_after_body(lease, task_label, task_id, lost_mode)
+                _lost_after_body(
+                    lease, task_label, task_id, lost_mode, locks._pool_child_pid == os.getpid()
+                )
             return result
 
         wrapper.__signature__ = sig  # type: ignore[attr-defined]

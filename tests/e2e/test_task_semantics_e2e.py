@@ -15,6 +15,7 @@ One worker serves every test of this module (started once):
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from click.testing import CliRunner
 
 from celery_redislock import Inspector, LockLost, LockManager
 from celery_redislock.cli import redislock
-from celery_redislock.exceptions import CAUSE_OPERATOR
+from celery_redislock.exceptions import CAUSE_DECLARED_DEAD, CAUSE_EXPIRED, CAUSE_OPERATOR
 from redis_server import RedisServer
 
 from .harness import CELERY, REPO_ROOT, Cluster, Worker, wait_for
@@ -173,3 +174,32 @@ def test_a_task_calling_a_locked_function_on_its_own_resource_reenters(
     out = c.send("reenter", "re1").get(timeout=60)
     assert out["inner_fence"] == out["outer_fence"] is not None
     assert c.lock_holders("res:re1") == {}
+
+
+def test_a_worker_paused_past_owner_ttl_fails_its_task_with_lock_lost(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # SIGSTOP the whole worker (main process and child) for longer than
+    # owner_ttl: nothing refreshes the child's liveness, its lock may pass to
+    # another. Resumed, the task learns it and, on_lost="fail", fails.
+    c = Cluster(redis_server.url, tmp_path_factory.mktemp("paused"), owner_ttl=3, heartbeat=0.5)
+    try:
+        w = c.start_worker("paused", concurrency=1)
+        result = c.send("hold", "ps1", "ps1")
+        owner = c.wait_held("ps1")["owner"]
+        w.kill_group(signal.SIGSTOP)
+        try:
+            wait_for(lambda: c.alive_pttl(owner) == -2, 30, "the child's liveness to expire")
+        finally:
+            w.kill_group(signal.SIGCONT)
+        wait_for(lambda: c.data.exists("e2e:lost:ps1"), 30, "the body to see its lease lost")
+        c.go("ps1")
+        with pytest.raises(LockLost) as info:
+            result.get(timeout=30)
+        assert info.value.cause in (CAUSE_EXPIRED, CAUSE_DECLARED_DEAD), info.value
+        assert w.log_lines("locked.lost", result.id, "on_lost=fail"), w.tail()
+    except BaseException:
+        print(c.report())
+        raise
+    finally:
+        c.close()
