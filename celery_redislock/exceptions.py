@@ -104,8 +104,8 @@ class LockLost(LockError):
 
     Stop writing to what the lock protects; use the fencing token to let the
     store refuse late writes. ``cause`` says why, when it is known: one of
-    :data:`LOST_CAUSES` (released by an operator, owner declared dead,
-    liveness expired, Redis lost the lock), or None.
+    ``celery_redislock.exceptions.LOST_CAUSES`` (released by an operator,
+    owner declared dead, liveness expired, Redis lost the lock), or None.
     """
 
     def __init__(

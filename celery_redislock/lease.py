@@ -29,7 +29,7 @@ class Lease:
     A lease returned by a nested acquire of resources the same thread,
     greenlet or task already holds is *reentrant*: it is granted at once
     without a round trip and counts on the outer lease(s) (like
-    :class:`threading.RLock`). Its fencing token is the outer one, its
+    ``threading.RLock``). Its fencing token is the outer one, its
     :attr:`lost` and :meth:`check` reflect the outer lease(s), and the locks
     are released in Redis only when the last of the leases sharing them is
     released (normally the outermost). A request that holds some of its

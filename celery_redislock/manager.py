@@ -634,7 +634,7 @@ class LockManager:
 
         Reentrancy: resources this thread or greenlet already holds (through
         a lease not yet released) are granted again at once, without a round
-        trip, and counted like :class:`threading.RLock`: the lease returned
+        trip, and counted like ``threading.RLock``: the lease returned
         counts on the outer one, whose fencing token it carries, and the
         locks are released in Redis when the last of them is released. An
         exclusive hold covers a shared request. A request holding only some
