@@ -1317,11 +1317,9 @@ class LockManager:
                 # Its key may still live (the pause was shorter in Redis's eyes,
                 # or another process refreshes it): put it to death in Redis too.
                 self._doomed.add(ident.owner_id)
-        for lease in lost:
-            lease._mark_lost(cause)
-        if where == "deadline":
-            self._heartbeat.wake()
         text = cause_text(cause)
+        # Logged before the leases are marked: whatever the loss sets off
+        # (a task failing, a child killed by on_lost="terminate") comes after.
         log_heartbeat.error(
             'heartbeat.lost owner=%s leases=%d where=%s cause="%s": %s; continuing under a '
             "new identity",
@@ -1331,6 +1329,10 @@ class LockManager:
             text,
             _LOSS_DETAIL.get(text or "", _LOSS_CAUSES.get(where, _GONE)),
         )
+        for lease in lost:
+            lease._mark_lost(cause)
+        if where == "deadline":
+            self._heartbeat.wake()
 
     def _holds(self, ident: OwnerIdentity) -> bool:
         with self._state_lock:
