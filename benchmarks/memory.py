@@ -222,7 +222,7 @@ def _held_ours(n: int, kinds: list[KeyKind]) -> Work:
         kinds.extend(
             [
                 _kind(admin, "lock hash (one exclusive holder)", k.lock(resource(0)), True),
-                _kind(admin, f"held registry set ({n} locks)", k.held(owner)),
+                _kind(admin, f"held registry hash ({n} locks)", k.held(owner)),
                 _kind(admin, "liveness key (per owner)", k.alive(owner)),
                 _kind(admin, "owners set (1 owner)", k.owners),
                 _kind(admin, "fence counter (per namespace)", k.fence),
@@ -295,7 +295,7 @@ def _owners(owners: int, per_owner: int, kinds: list[KeyKind]) -> Work:
             ]
         k = mgrs[0].keys
         kinds.append(
-            _kind(admin, f"held registry set ({per_owner} locks)", k.held(mgrs[0].owner_id))
+            _kind(admin, f"held registry hash ({per_owner} locks)", k.held(mgrs[0].owner_id))
         )
         kinds.append(_kind(admin, f"owners set ({owners} owners)", k.owners))
 

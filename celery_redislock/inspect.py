@@ -5,8 +5,8 @@ it imports nothing from Celery and never writes to Redis.
 
 Everything is found from the data structures the scripts keep, never from
 the keyspace: owners come from the active-owners set ``{ns}:owners`` (SSCAN
-in batches), an owner's locks from its registry ``{ns}:held:<owner>`` (SSCAN
-in batches), a resource's holders from its lock hash and its waiters from
+in batches), an owner's locks from its registry ``{ns}:held:<owner>`` (a hash
+of resource names, HSCAN in batches), a resource's holders from its lock hash and its waiters from
 its queue. No SCAN, no KEYS: the cost of every call is
 O(owners + their locks), in round trips of at most ``batch_size`` commands
 (one pipeline per batch), whatever else the Redis holds.
@@ -366,33 +366,53 @@ class Inspector:
             if int(cursor) == 0:
                 return
 
+    def _hscan_keys(self, key: str) -> Iterator[list[str]]:
+        """Field names of a hash, one HSCAN batch at a time (deduplicated)."""
+        seen: set[str] = set()
+        cursor: int = 0
+        while True:
+            cursor, fields = self._call(
+                "HSCAN", functools.partial(self.client.hscan, key, cursor, count=self.batch_size)
+            )
+            batch = [f for f in (_text(x) for x in fields) if f not in seen]
+            seen.update(batch)
+            if batch:
+                yield batch
+            if int(cursor) == 0:
+                return
+
     def owner_ids(self) -> Iterator[list[str]]:
         """Batches of the ids in the active-owners set (SSCAN, never SCAN)."""
         return self._sscan(self.keys.owners)
 
     def registry(self, owner_id: str) -> list[str]:
-        """The lock keys in one owner's registry (SSCAN in batches)."""
+        """The lock keys of one owner's registry (HSCAN in batches).
+
+        The registry holds resource names; they are returned as the lock keys
+        ``{ns}:lock:<resource>``.
+        """
         validate_owner_id(owner_id)
         out: list[str] = []
-        for batch in self._sscan(self.keys.held(owner_id)):
-            out.extend(batch)
+        for batch in self._hscan_keys(self.keys.held(owner_id)):
+            out.extend(self.keys.lock(name) for name in batch)
         return out
 
     def _registries(self, owners: Sequence[str]) -> dict[str, list[str]]:
-        """Registries of many owners: one pipelined SSCAN per batch of owners,
-        then further SSCANs only for the (large) registries not done yet."""
+        """Registries of many owners (as lock keys): one pipelined HSCAN per
+        batch of owners, then further HSCANs only for the (large) registries
+        not done yet."""
         out: dict[str, list[str]] = {}
         for batch in self._batches(owners):
             pipe = self._pipe()
             for owner in batch:
-                pipe.sscan(self.keys.held(owner), 0, count=self.batch_size)
+                pipe.hscan(self.keys.held(owner), 0, count=self.batch_size)
             for owner, reply in zip(batch, self._run(pipe)):
                 if isinstance(reply, Exception):
                     out[owner] = []
                     continue
-                cursor, members = reply
+                cursor, fields = reply
                 if int(cursor) == 0:
-                    out[owner] = sorted({_text(m) for m in members})
+                    out[owner] = sorted({self.keys.lock(_text(f)) for f in fields})
                 else:
                     out[owner] = sorted(set(self.registry(owner)))
         return out
@@ -568,7 +588,7 @@ class Inspector:
     def owners(self, nodes: Sequence[str] = ()) -> list[OwnerInfo]:
         """Every owner in the active-owners set: liveness, registry size, node.
 
-        Per batch of owners: one pipeline (PTTL, GET, SCARD each), plus one
+        Per batch of owners: one pipeline (PTTL, GET, HLEN each), plus one
         for group/tombstone lookups when owners name an incarnation. With
         ``nodes`` (Celery node names), the owners of each node's current
         incarnation are labelled with it (two round trips per node, see
@@ -636,7 +656,7 @@ class Inspector:
         for batch in self._batches(owners):
             pipe = self._pipe()
             for owner in batch:
-                pipe.scard(self.keys.held(owner))
+                pipe.hlen(self.keys.held(owner))
             for owner, n in zip(batch, self._run(pipe)):
                 sizes[owner] = 0 if isinstance(n, Exception) else int(n)
         fields = {o: describe_fields(live[o].description) for o in owners}
@@ -691,10 +711,10 @@ class Inspector:
     def locks(self, resources: Sequence[str] | None = None) -> list[LockInfo]:
         """Held locks: of the named ``resources``, or every lock in any registry.
 
-        Without names, walks the active-owners set and each owner's registry
-        (SSCAN; never SCAN/KEYS), so it finds every lock an owner registered.
-        A named resource is listed even when free (no holders). Sorted by
-        resource name.
+        Without names, walks the active-owners set (SSCAN) and each owner's
+        registry (HSCAN; never SCAN/KEYS), so it finds every lock an owner
+        registered. A named resource is listed even when free (no holders).
+        Sorted by resource name.
         """
         if isinstance(resources, str):
             raise ConfigurationError(
@@ -729,7 +749,7 @@ class Inspector:
             pipe = self._pipe()
             for owner in batch:
                 pipe.exists(self.keys.alive(owner))
-                pipe.scard(self.keys.held(owner))
+                pipe.hlen(self.keys.held(owner))
             replies = self._run(pipe)
             for j in range(len(batch)):
                 is_alive, n = replies[2 * j], replies[2 * j + 1]

@@ -8,7 +8,7 @@ key                            type    holds
 =============================  ======  =========================================
 ``{ns}:lock:<resource>``       hash    holder token -> ``x`` | ``s``
 ``{ns}:q:<resource>``          zset    ``<mode><token>`` scored by arrival
-``{ns}:held:<owner>``          set     the owner's registry: lock keys it holds
+``{ns}:held:<owner>``          hash    the owner's registry: resource -> ``''``
 ``{ns}:alive:<owner>``         string  the owner's liveness (TTL); value = who
 ``{ns}:owners``                set     owners that may hold or wait for locks
 ``{ns}:req:<token>``           hash    one request's state (queued / granted)

@@ -142,13 +142,20 @@ def lock_fences(r: redis.Redis, lock_key: str) -> dict[str, int]:
 
 
 def registries(r: redis.Redis, namespace: str = "t") -> dict[str, set[str]]:
-    """owner id -> members of its registry set, for every registry in Redis."""
+    """owner id -> lock keys in its registry, for every registry in Redis.
+
+    A registry is a hash of resource names (each with the value ``''``);
+    they are returned as lock keys ``{ns}:lock:<resource>``.
+    """
     head = "{" + namespace + "}:held:"
-    return {
-        key[len(head) :]: {_s(m) for m in r.smembers(key)}
-        for key in namespace_keys(r, namespace)
-        if key.startswith(head)
-    }
+    lock = "{" + namespace + "}:lock:"
+    out: dict[str, set[str]] = {}
+    for key in namespace_keys(r, namespace):
+        if key.startswith(head):
+            fields = {_s(f): _s(v) for f, v in r.hgetall(key).items()}
+            assert set(fields.values()) <= {""}, f"{key}: {fields}"
+            out[key[len(head) :]] = {lock + name for name in fields}
+    return out
 
 
 def held_by_owner(r: redis.Redis, namespace: str = "t") -> dict[str, set[str]]:

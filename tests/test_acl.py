@@ -324,7 +324,7 @@ def test_reconcile_without_a_permission_raises_permission_denied(
         mgr.close()
 
 
-@pytest.mark.parametrize("drop", ["info", "get", "sscan", "exists", "scard"])
+@pytest.mark.parametrize("drop", ["info", "get", "sscan", "exists", "hlen"])
 def test_inspector_status_without_a_permission_raises_permission_denied(
     drop: str, restricted: Callable[..., str], redis_server_url: str
 ) -> None:
@@ -348,7 +348,7 @@ def redis_server_url(server: RedisServer, admin: redis.Redis) -> str:
 INSPECTION_COMMANDS = [
     "pttl",
     "get",
-    "scard",
+    "hlen",
     "hgetall",
     "zcard",
     "zrange",
@@ -356,6 +356,7 @@ INSPECTION_COMMANDS = [
     "hexists",
     "type",
     "sscan",
+    "hscan",
     "exists",
     "info",
 ]

@@ -135,7 +135,7 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
     kinds = {k.kind.split(" (")[0] for k in report.kinds if k.key}
     assert {
         "lock hash",
-        "held registry set",
+        "held registry hash",
         "liveness key",
         "owners set",
         "wait queue zset",

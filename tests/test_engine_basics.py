@@ -114,6 +114,21 @@ def test_holder_tokens_are_the_owner_id_and_a_short_request_number_never_reused(
         lease.release()
 
 
+def test_an_owners_registry_of_a_few_locks_is_one_compact_hash_of_resource_names(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # Before: a set of lock keys, a hash table at any size (about 76 B per
+    # lock). A hash of up to 128 short fields is one listpack (ziplist on 6.2).
+    mgr = managers()
+    leases = [mgr.acquire(f"repo:{i}", timeout=0) for i in range(5)]
+    held = "{t}:held:" + mgr.owner_id
+    assert r.hgetall(held) == {f"repo:{i}".encode(): b"" for i in range(5)}
+    assert r.object("encoding", held) in (b"listpack", b"ziplist")
+    for lease in leases:
+        lease.release()
+    assert not r.exists(held)
+
+
 def test_fencing_tokens_strictly_increase_across_managers(managers: Managers) -> None:
     one, two = managers(), managers()
     tokens = []

@@ -58,7 +58,7 @@ def populate(r: redis.Redis, count: int) -> None:
     pipe = r.pipeline(transaction=False)
     for i in range(lookalike // 3):
         pipe.hset(f"{{other}}:lock:r{i}", f"ghost-{i}|x", "x")
-        pipe.sadd(f"{{other}}:held:ghost-{i}", f"{{other}}:lock:r{i}")
+        pipe.hset(f"{{other}}:held:ghost-{i}", f"r{i}", "")
         pipe.sadd("{other}:owners", f"ghost-{i}")
     pipe.execute()
     rest = count - r.dbsize()

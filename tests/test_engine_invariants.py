@@ -255,18 +255,18 @@ def test_cleanup_keeps_and_reports_registry_keys_of_unexpected_type(
     owner_mgr.acquire(exclusive=["good"], timeout=0)
     owner = kill_liveness(r, owner_mgr)
     r.set(lock("odd"), "not a hash")
-    r.sadd("{t}:held:" + owner, lock("odd"), "{t}:elsewhere")
+    r.hset("{t}:held:" + owner, "odd", "")
 
     with caplog.at_level(logging.WARNING, logger="celery_redislock.cleanup"):
         report = cleaner.cleanup_owner(owner)
 
     assert report.status == "partial"
     assert report.released == 1
-    assert sorted(report.skipped) == [("{t}:elsewhere", "foreign-key"), (lock("odd"), "string")]
+    assert sorted(report.skipped) == [(lock("odd"), "string")]
     assert report.errors == ()
-    assert report.remaining == 2
-    # kept, not silently orphaned: the registry still names them, the key is intact
-    assert registries(r) == {owner: {lock("odd"), "{t}:elsewhere"}}
+    assert report.remaining == 1
+    # kept, not silently orphaned: the registry still names it, the key is intact
+    assert registries(r) == {owner: {lock("odd")}}
     assert r.get(lock("odd")) == b"not a hash"
     assert not r.exists(lock("good"))
     assert owner in {m.decode() for m in r.smembers("{t}:owners")}  # retried next pass
@@ -311,7 +311,7 @@ def test_reconcile_isolates_an_owner_whose_cleanup_fails(
     good_mgr.acquire(exclusive=["good"], timeout=0)
     bad, good = kill_liveness(r, bad_mgr), kill_liveness(r, good_mgr)
     r.delete("{t}:held:" + bad)
-    r.set("{t}:held:" + bad, "registry of the wrong type")  # SMEMBERS fails
+    r.set("{t}:held:" + bad, "registry of the wrong type")  # HKEYS fails
 
     rec = cleaner.reconcile()
 

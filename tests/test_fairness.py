@@ -660,7 +660,7 @@ def test_grant_landing_as_the_waiter_gives_up_is_released_not_leaked(
     procs.join_ok(after)  # served: the grant was passed on
     assert logged(rs, "after")
     assert _lock_holders(rs, "R") == {}
-    assert rs.smembers(f"{PREFIX}held:{quitter.owner_id}") == set()
+    assert rs.hgetall(f"{PREFIX}held:{quitter.owner_id}") == {}
     _assert_no_request_state(rs, quitter.owner_id)
 
 

@@ -73,11 +73,15 @@ def dead_owner(
 
 
 def registries(client: redis.Redis, namespace: str = NS) -> dict[str, set[str]]:
-    """owner -> lock keys in its registry, read via the owners set (test-side)."""
+    """owner -> lock keys in its registry, read via the owners set (test-side).
+
+    The registry is a hash of resource names; they are returned as lock keys.
+    """
     out = {}
     for owner in client.smembers(f"{{{namespace}}}:owners"):
         o = owner.decode()
-        out[o] = {k.decode() for k in client.smembers(f"{{{namespace}}}:held:{o}")}
+        names = client.hkeys(f"{{{namespace}}}:held:{o}")
+        out[o] = {f"{{{namespace}}}:lock:{k.decode()}" for k in names}
     return out
 
 
@@ -229,7 +233,7 @@ def test_odd_typed_registry_member_is_reported_not_dropped(
     m = managers()
     m.acquire(exclusive=["ok"], timeout=5)
     r.set("{t}:lock:weird", "not a hash")
-    r.sadd(f"{{t}}:held:{m.owner_id}", "{t}:lock:weird")
+    r.hset(f"{{t}}:held:{m.owner_id}", "weird", "")
     infos = {i.resource: i for i in insp.locks()}
     assert infos["weird"].odd_type == "string" and infos["weird"].holders == ()
     assert infos["ok"].odd_type is None
@@ -275,7 +279,8 @@ def test_empty_namespace_has_zero_counts_and_no_fence(insp: Inspector) -> None:
 _READ_ONLY = {
     "sscan",
     "smembers",
-    "scard",
+    "hscan",
+    "hlen",
     "pttl",
     "get",
     "exists",

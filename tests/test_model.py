@@ -31,7 +31,7 @@ Checked after every step:
   count); ``-1`` for a dead owner; a retried grant returns its own fence;
 * exclusion: no lock hash records incompatible holders; every holder is a
   grant of the model, with its mode and fence; every live grant is there;
-* registry truth (``held:<owner>`` is exactly the lock keys it holds) and
+* registry truth (``held:<owner>`` is exactly the resources it holds) and
   the active-owners set covers every owner that holds or waits;
 * every queue entry is a queued request of the model (live, or dead and
   removable), with its mode and score; every live queued request is in all
@@ -369,10 +369,11 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def expected_cleanup(self, owner_id: str) -> int:
         """Grants ``owner_id`` still has in the locks of its registry."""
-        held = self.view.raw.get(PREFIX + "held:" + owner_id) or set()
+        held = self.view.raw.get(PREFIX + "held:" + owner_id) or {}
         n = 0
-        for key in held:
-            n += sum(1 for t in (self.view.raw.get(key) or {}) if t.split("|", 1)[0] == owner_id)
+        for name in held:
+            lock = self.view.raw.get(PREFIX + "lock:" + name) or {}
+            n += sum(1 for t in lock if t.split("|", 1)[0] == owner_id)
         return n
 
     # -- rules: owners ---------------------------------------------------
@@ -869,12 +870,14 @@ class ProtocolMachine(RuleBasedStateMachine):
                 q = model.requests.get(token)
                 assert q is not None and q.state == "granted", f"{res}: {token} is no grant ({q})"
                 assert value == f"{q.modes.get(res)}{q.fence}", (res, token, value, q)
-                holds.setdefault(q.owner, set()).add(PREFIX + "lock:" + res)
+                holds.setdefault(q.owner, set()).add(res)
         for q in model.live_grants():
             for res in q.modes:
                 assert q.token in view.lock(res), f"live grant {q.token} lost {res} in Redis"
         held = {o: set(v) for o, v in view.of_kind("held")}
         assert held == holds, f"registry {held} != locks held {holds}"
+        for o, v in view.of_kind("held"):
+            assert set(v.values()) == {""}, f"registry of {o}: {v}"
         members = set(view.raw.get(PREFIX + "owners") or ())
         waiting = {q.owner for q in model.live_queued()}
         assert set(held) | waiting <= members, f"owners set {members} lacks {set(held) | waiting}"

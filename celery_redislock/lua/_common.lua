@@ -10,6 +10,10 @@
 --   lock hash    field token -> '<mode><fence>': 'x' (exclusive) or 's'
 --                (shared), then the grant's fencing token in decimal,
 --                e.g. 'x1764456000123456'; mode_of() reads the mode
+--   registry     {ns}:held:<owner>: a hash, field = resource name (not the
+--                lock key) -> '' for every lock the owner holds a token in
+--                (a hash of up to 128 short fields is a compact listpack or
+--                ziplist; before Redis 7.2 a set of strings never is)
 --   queue zset   member '<mode><token>', score = arrival sequence
 --                (nested requests: sequence - 1e15, so they sort first)
 --   waits hash   {ns}:waits:<owner>: token -> '<modes>\n<res 1>\n<res 2>...'
@@ -210,7 +214,7 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
   until ms ~= nil or cursor == '0'
   for o, _ in pairs(dead_owners) do
     if not owner_holds(lock, o) then
-      redis.call('SREM', prefix .. 'held:' .. o, lock)
+      redis.call('HDEL', prefix .. 'held:' .. o, name_of(prefix, lock))
     end
   end
   return ms, freed
@@ -268,7 +272,7 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   for i = 1, n do
     local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
     redis.call('HSET', lock, token, mode .. fence)
-    redis.call('SADD', held, lock)
+    redis.call('HSET', held, names[i], '')
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
   redis.call('HDEL', prefix .. 'waits:' .. owner, token)

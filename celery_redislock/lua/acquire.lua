@@ -4,7 +4,7 @@
 --   1        {ns}:fence          fencing counter (string)
 --   2        {ns}:seq            arrival sequence counter (string)
 --   3        {ns}:owners         set of owners that may hold or wait for locks
---   4        {ns}:held:<owner>   this owner's registry: set of lock keys held
+--   4        {ns}:held:<owner>   this owner's registry: hash, resource name -> ''
 --   5        {ns}:alive:<owner>  this owner's liveness key (string, TTL)
 --   6        {ns}:req:<token>    this request's state hash while it queues
 --                                 (state 'q', seq, modes, res, nested: what a
@@ -51,9 +51,10 @@
 --   3. Holders (_common.lua reclaim_holders): conflicting holders are read
 --      until the first live one; one whose owner is dead is reclaimed (token
 --      removed from the lock, its request state and wake list deleted, and,
---      if it was the owner's last token there, the key removed from that
---      owner's registry); the live one blocks, and the resource's contended
---      stream gets an entry (the holders' wait_for_contender wakes).
+--      if it was the owner's last token there, the resource removed from
+--      that owner's registry); the live one blocks, and the resource's
+--      contended stream gets an entry (the holders' wait_for_contender
+--      wakes).
 --   4. Queue (not for nested requests): earlier entries are read in pages.
 --      One that conflicts blocks, unless its owner is dead or its state has
 --      expired, in which case the request is removed from every queue
@@ -63,11 +64,11 @@
 --      against ARGV[10], which bounds the live entries looked at (past it:
 --      blocked, conservatively); at most 4 x ARGV[10] are removed per queue
 --      (past it: blocked with wait_ms 0, to run again at once).
---   5. Not blocked: grant every lock (token -> mode and fence), add the keys
---      to the registry, leave the queues and the owner's waits hash, wake
---      whoever can follow (wake_front: this also carries on a wake-up that a
---      release's budget stopped); with holder info (ARGV[12]), SET
---      {ns}:holder:<token> to it (deleted with the grant).
+--   5. Not blocked: grant every lock (token -> mode and fence), add the
+--      resource names to the registry, leave the queues and the owner's
+--      waits hash, wake whoever can follow (wake_front: this also carries on
+--      a wake-up that a release's budget stopped); with holder info
+--      (ARGV[12]), SET {ns}:holder:<token> to it (deleted with the grant).
 --   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token,
 --      record the request (modes, resource names, nested, holder info when
 --      given) in its state so a release can hand it the locks (_common.lua
@@ -206,7 +207,7 @@ if not blocked then
   for i = 1, n do
     local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
     redis.call('HSET', lock, token, mode .. fence)
-    redis.call('SADD', KEYS[4], lock)
+    redis.call('HSET', KEYS[4], name_of(prefix, lock), '')
     if queued then
       redis.call('ZREM', KEYS[7 + n + i], mode .. token)
       rewake[i] = true

@@ -2,14 +2,13 @@
 -- that owner's registry (never the keyspace).
 --
 -- KEYS (all in {ns}):
---   1 {ns}:held:<owner>   the owner's registry (set of lock keys)
+--   1 {ns}:held:<owner>   the owner's registry (hash: resource name -> '')
 --   2 {ns}:alive:<owner>  the owner's liveness key
 --   3 {ns}:owners         the active-owners set
--- Lock keys come from the registry; queue, request, waits
--- ({ns}:waits:<owner>), contended keys and the owner's tombstone
--- {ns}:dead:<owner> are built from ARGV[2]. Only registry members of the
--- form '{ns}:lock:<res>' are touched: any other member is reported as
--- skipped and kept.
+-- Lock keys {ns}:lock:<res> are built from ARGV[2] and the resource names
+-- in the registry, as are queue, request, waits ({ns}:waits:<owner>),
+-- contended keys and the owner's tombstone {ns}:dead:<owner>: a name is
+-- only ever a key's suffix, so every key stays in {ns}.
 --
 -- ARGV:
 --   1 owner id
@@ -34,12 +33,14 @@
 -- is dead (neither when ARGV[6] = '1'); remove every queued request of the
 -- owner (its waits hash names each one's resources) from every queue it
 -- joined, with its request state and wake list, then delete the waits hash;
--- for each registry member:
--- a missing key is dropped from the registry (nothing held); a hash has
+-- for each resource in the registry:
+-- a missing lock key is dropped from the registry (nothing held); a hash has
 -- every field of this owner deleted with its request state, wake list and
--- holder info ({ns}:holder:<token>), its contended stream deleted when no holder is left, its waiters woken,
+-- holder info ({ns}:holder:<token>), its contended stream deleted when no
+-- holder is left, its waiters woken,
 -- then the key leaves the registry; a key of any other type is kept and
--- reported. A failing key is reported and kept; the others go on. Last, the
+-- reported (by its lock key). A failing key is reported and kept; the
+-- others go on. Last, the
 -- waiters of every other queue that lost an entry of the owner are woken.
 -- An owner with an empty registry and no queued request left leaves the
 -- owners set.
@@ -59,7 +60,7 @@ local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
 
 if redis.call('EXISTS', KEYS[2]) == 1 then
   if not force then
-    return {'alive', 0, {}, {}, redis.call('SCARD', KEYS[1])}
+    return {'alive', 0, {}, {}, redis.call('HLEN', KEYS[1])}
   end
   redis.call('DEL', KEYS[2])
 end
@@ -111,13 +112,11 @@ for _, t in ipairs(queued) do
 end
 if #errors == 0 then redis.call('DEL', waits) end
 
-local function clean_one(lock)
-  if string.sub(lock, 1, #lock_prefix) ~= lock_prefix then
-    return 'skip', 'foreign-key'
-  end
+local function clean_one(name)
+  local lock = lock_prefix .. name
   local t = redis.call('TYPE', lock)['ok']
   if t == 'none' then
-    redis.call('SREM', KEYS[1], lock)
+    redis.call('HDEL', KEYS[1], name)
     return 'ok'
   end
   if t ~= 'hash' then
@@ -130,25 +129,24 @@ local function clean_one(lock)
       released = released + 1
     end
   end
-  local name = string.sub(lock, #lock_prefix + 1)
   if redis.call('HLEN', lock) == 0 then
     redis.call('DEL', prefix .. 'contended:' .. name)
   end
   local q = prefix .. 'q:' .. name
   woken[q] = true
   wake_front(prefix, q, lock, limit, req_ttl)
-  redis.call('SREM', KEYS[1], lock)
+  redis.call('HDEL', KEYS[1], name)
   return 'ok'
 end
 
-for _, lock in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local ok, res, detail = pcall(clean_one, lock)
+for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local ok, res, detail = pcall(clean_one, name)
   if not ok then
     if type(res) == 'table' then res = res.err or res['err'] end
-    errors[#errors + 1] = lock
+    errors[#errors + 1] = lock_prefix .. name
     errors[#errors + 1] = tostring(res)
   elseif res == 'skip' then
-    skipped[#skipped + 1] = lock
+    skipped[#skipped + 1] = lock_prefix .. name
     skipped[#skipped + 1] = detail
   end
 end
@@ -165,7 +163,7 @@ for _, q in ipairs(wake_order) do
   end
 end
 
-local remaining = redis.call('SCARD', KEYS[1])
+local remaining = redis.call('HLEN', KEYS[1])
 local status = 'partial'
 if remaining == 0 and redis.call('EXISTS', waits) == 0 then
   redis.call('SREM', KEYS[3], owner)

@@ -4,7 +4,7 @@
 -- so it is safe to call twice and never touches another acquisition's locks.
 --
 -- KEYS (all in {ns}):
---   1        {ns}:held:<owner>   this owner's registry
+--   1        {ns}:held:<owner>   this owner's registry (hash: resource name -> '')
 --   2        {ns}:req:<token>    the request's state hash
 --   3        {ns}:wake:<token>   the request's wake list
 --   4        {ns}:waits:<owner>  this owner's queued requests (hash)
@@ -25,9 +25,9 @@
 --     it may still be queued
 --
 -- Atomic steps, per resource: HDEL the token (delete-if-holder: only this
--- token's field goes); drop the key from the registry once the owner holds
--- no other token there (at once when the hash is left empty; HKEYS only
--- when other holders remain); ZREM the request's queue entry (not for a
+-- token's field goes); drop the resource from the registry once the owner
+-- holds no other token there (at once when the hash is left empty; HKEYS
+-- only when other holders remain); ZREM the request's queue entry (not for a
 -- lease, ARGV[6]); if anything changed, hand the locks to the head of the
 -- queue (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake
 -- it, every shared waiter it unblocked included (wake_front); when the lock
@@ -52,11 +52,12 @@ for i = 1, n do
   if r == 1 then
     released = released + 1
     holders = redis.call('HLEN', lock)
+    local name = name_of(prefix, lock)
     if holders == 0 or not owner_holds(lock, owner) then
-      redis.call('SREM', KEYS[1], lock)
+      redis.call('HDEL', KEYS[1], name)
     end
     if holders == 0 then
-      redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, lock))
+      redis.call('DEL', prefix .. 'contended:' .. name)
     end
   end
   local d = 0

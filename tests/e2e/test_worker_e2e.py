@@ -210,7 +210,7 @@ def test_warm_shutdown_keeps_running_task_lock_until_it_finishes_then_releases_a
     c.wait_beats(owner, 3)
     assert w.alive
     assert owner in c.owners_holding("res:w1")
-    assert c.lock_redis.sismember(c.key("held", owner), c.key("lock", "res:w1"))
+    assert c.lock_redis.hexists(c.key("held", owner), "res:w1")
 
     c.go("t1")
     assert w.wait(60) == 0, w.tail()
