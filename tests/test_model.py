@@ -932,7 +932,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         Blocking here: any conflicting holder or earlier conflicting entry
         recorded in Redis, dead or alive (a death pushes nothing: the waiter
         runs again by the dead owner's liveness deadline), ``limit`` earlier
-        live entries, or more dead entries than one scan removes. A request
+        live entries, or more dead entries than one scan removes. An earlier
+        entry with a plain wake-up carries the wake-up on (wake_front's scan
+        stopped by its budget inside a run of shared entries wakes the last
+        one it read, whose own script, granting it, serves the rest). A request
         that a dead owner's entry or grant blocked before the step may be
         left to its liveness deadline (a dead multi-resource waiter removed
         from one queue leaves the others without waking them).
@@ -946,6 +949,8 @@ class ProtocolMachine(RuleBasedStateMachine):
                     blocked = True
                 if any(conflicts(mode, m[0]) for m, _ in ahead):
                     blocked = True
+                if any(view.wake(m[1:]) for m, _ in ahead):
+                    blocked = True  # carried on by that entry's own run
                 if any(t != q.token and conflicts(mode, v[0]) for t, v in view.lock(res).items()):
                     blocked = True
             if blocked or view.wake(q.token):
