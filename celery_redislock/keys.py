@@ -16,7 +16,8 @@ key                            type    holds
 ``{ns}:waits:<owner>``         hash    the owner's queued requests: token ->
                                        modes and resource names
 ``{ns}:contended:<resource>``  stream  one entry, added when a holder blocks
-                                       a request (read by wait_for_contender)
+                                       a request; exists only while a holder
+                                       waits in wait_for_contender (TTL)
 ``{ns}:lost:<owner>``          list    pushed when the owner is declared dead
 ``{ns}:dead:<owner>``          string  tombstone of a cleaned owner (TTL);
                                        value = why ('operator', 'dead', '1')

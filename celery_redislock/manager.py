@@ -1616,13 +1616,19 @@ class LockManager:
 
     # -- contention -------------------------------------------------------
 
-    def _contention(self, lease: Lease) -> tuple[int, dict[str, str]]:
-        """contenders.lua: the count, and each contended stream's last entry id."""
+    def _contention(self, lease: Lease, watch: bool = False) -> tuple[int, dict[str, str]]:
+        """contenders.lua: the count, and each contended stream's last entry id.
+
+        ``watch``: when nobody waits, the streams are created (or kept) for
+        3 x owner_ttl, so that acquire.lua signals the next request a holder
+        blocks on them. A stream exists only while a holder watches it.
+        """
         req = lease._request
         streams = [self.keys.contended(r) for r in req.resources]
-        reply = self._call(
-            "contenders", [*req.queue_keys, *streams], [lease.token, self._limit_arg]
-        )
+        args = [lease.token, self._limit_arg]
+        if watch:
+            args.append(str(self._req_ttl_ms))
+        reply = self._call("contenders", [*req.queue_keys, *streams], args)
         return int(reply[0]), dict(zip(streams, (_text(x) for x in reply[1:])))
 
     def _contenders(self, lease: Lease) -> int:
@@ -1632,30 +1638,29 @@ class LockManager:
         limit = _v.seconds("timeout", timeout, allow_inf=True)
         assert limit is not None
         timeout = limit
-        count, streams = self._contention(lease)
-        if count:
-            return True
         deadline = time.monotonic() + timeout
         while True:
+            # Counted with watch=True: the streams exist (TTL 3 x owner_ttl,
+            # renewed here at least every owner_ttl) while we read them.
+            count, streams = self._contention(lease, watch=True)
+            if count:
+                return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             # Every holder of a resource reads its one contended stream
             # (XREAD wakes every reader, where a list would wake only one),
             # from the ids read with the count: no signal in between is lost.
-            block_ms = max(1, int(min(remaining, self._block_cap) * 1000))
+            # A signal may be stale (a request that only tried, or has given
+            # up since): the loop counts again, and waits on while nobody does.
+            block = min(remaining, self._block_cap, self.owner_ttl)
+            block_ms = max(1, int(block * 1000))
             try:
-                got = self.client.xread(streams, block=block_ms)  # type: ignore[arg-type]
+                self.client.xread(streams, block=block_ms)  # type: ignore[arg-type]
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
             except redis.ResponseError as exc:
                 raise (permission_denied(exc, self.url, "XREAD") or exc) from exc
-            # The signal may be stale (a request that only tried, or has
-            # given up since): count again, and keep waiting if nobody waits.
-            if got:
-                count, streams = self._contention(lease)
-                if count:
-                    return True
 
     # -- cleanup ----------------------------------------------------------
 

@@ -66,7 +66,8 @@ def test_try_once_on_partial_conflict_leaves_only_the_holders_keys(
         lock("b"),
         "{t}:held:" + holder.owner_id,
         "{t}:alive:" + holder.owner_id,
-        "{t}:contended:b",  # the holders of b were told someone wanted it
+        # no {t}:contended:b: that stream exists only while a holder of b
+        # waits in wait_for_contender
         "{t}:alive:" + other.owner_id,  # liveness expires by itself
     }
     assert lock_holders(r) == {lock("b"): {held.token: "x"}}
@@ -101,7 +102,6 @@ def test_timed_out_wait_on_partial_conflict_leaves_no_lock_queue_or_request(
         lock("b"),
         "{t}:held:" + holder.owner_id,
         "{t}:alive:" + holder.owner_id,
-        "{t}:contended:b",
         "{t}:alive:" + other.owner_id,
     }
     assert lock_holders(r) == {lock("b"): {held.token: "x"}}

@@ -606,6 +606,32 @@ def test_wait_for_contender_wakes_every_shared_holder_of_the_resource(
     assert writer.error is None
 
 
+def test_a_contended_stream_exists_only_while_a_holder_waits_for_a_contender(
+    rs: redis.Redis, make
+) -> None:
+    # Before: every request blocked by a live holder wrote the resource's
+    # contended stream (about 4.7 KB: one stream node) for 90 s, watched or
+    # not. Now it is written only while a holder waits in wait_for_contender.
+    stream = f"{PREFIX}contended:R"
+    holder = make()
+    lease = holder.acquire("R")
+    with pytest.raises(LockTimeout):
+        make().acquire("R", timeout=0)  # blocked by a live holder nobody watches
+    assert not rs.exists(stream)
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(lease.wait_for_contender(60)), daemon=True)
+    t.start()
+    wait_until(lambda: blocked_in_blpop(rs, command="xread"), what="holder blocked")
+    assert rs.type(stream) == "stream" and rs.pttl(stream) > 0  # expires if left
+    writer = ThreadWaiter(make(), "R", release=True)
+    t.join(20)
+    assert result == [True]
+    lease.release()  # no holder left: the stream goes with the grant
+    writer.join()
+    assert writer.error is None
+    assert not rs.exists(stream)
+
+
 def test_wait_for_contender_is_false_on_timeout_when_nobody_waits(rs: redis.Redis, make) -> None:
     # Naive: any signal ever pushed to the holder counts, so a request that
     # only tried (timeout=0) or already gave up still reads as a contender.

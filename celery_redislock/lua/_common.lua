@@ -19,9 +19,13 @@
 --   waits hash   {ns}:waits:<owner>: token -> '<modes>\n<res 1>\n<res 2>...'
 --                for each queued request of the owner (what cleanup_owner
 --                needs to find its entries in every queue)
---   contended    {ns}:contended:<res>: a stream of at most one entry, added
---                to when a live holder of <res> blocks a request; every
---                holder waiting in lease.wait_for_contender() reads it
+--   contended    {ns}:contended:<res>: a stream of at most one entry that
+--                exists only while a holder of <res> waits in
+--                lease.wait_for_contender() (contenders.lua creates it, with
+--                a TTL); added to when a live holder of <res> blocks a
+--                request, which wakes every holder reading it. A contended
+--                resource that no holder watches costs no memory (a stream
+--                node is about 4.7 KB)
 --
 -- Budgets: a scan of a queue (or of a lock's holders) looks at no more than
 -- LIMIT live entries (queue_scan_limit) and removes no more than
@@ -84,12 +88,14 @@ local function name_of(prefix, lock)
   return string.sub(lock, #prefix + 6)
 end
 
--- Tell every holder of the resource of LOCK that a request waits for it:
--- one entry on the resource's contended stream (XREAD wakes every reader).
-local function contended(prefix, lock, ttl_ms)
+-- Tell the holders of the resource of LOCK that watch for contenders that a
+-- request waits for it: one entry on the resource's contended stream (XREAD
+-- wakes every reader), if it exists (a holder watches: it keeps the TTL).
+local function contended(prefix, lock)
   local k = prefix .. 'contended:' .. name_of(prefix, lock)
-  redis.call('XADD', k, 'MAXLEN', '1', '*', 'c', '1')
-  redis.call('PEXPIRE', k, ttl_ms)
+  if redis.call('EXISTS', k) == 1 then
+    redis.call('XADD', k, 'MAXLEN', '1', '*', 'c', '1')
+  end
 end
 
 -- Does OWNER still hold any token in LOCK?

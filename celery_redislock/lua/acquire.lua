@@ -53,8 +53,8 @@
 --      removed from the lock, its request state and wake list deleted, and,
 --      if it was the owner's last token there, the resource removed from
 --      that owner's registry); the live one blocks, and the resource's
---      contended stream gets an entry (the holders' wait_for_contender
---      wakes).
+--      contended stream, if a holder watches it (wait_for_contender), gets
+--      an entry.
 --   4. Queue (not for nested requests): earlier entries are read in pages.
 --      One that conflicts blocks, unless its owner is dead or its state has
 --      expired, in which case the request is removed from every queue
@@ -125,7 +125,7 @@ for i = 1, n do
   if ms ~= nil then
     blocked = true
     note_wait(ms)
-    contended(prefix, lock, req_ttl)
+    contended(prefix, lock)
   end
 end
 
