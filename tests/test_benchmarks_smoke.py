@@ -120,7 +120,7 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
     from benchmarks import memory
     from redis_server import resolve_binary
 
-    report = memory.run(resolve_binary(), locks=4, owners=2, per_owner=2, waiters=3)
+    report = memory.run(resolve_binary(), locks=4, owners=2, per_owner=2, waiters=3, few=3)
 
     assert [(r.scenario, r.lib) for r in report.rows] == [
         ("held", memory.OURS),
@@ -128,10 +128,11 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
         ("held", memory.PRL_EXPIRE),
         ("held", memory.REDIS_PY),
         ("owners", memory.OURS),
+        ("few", memory.OURS),
         ("waiters", memory.OURS + " (one owner)"),
         ("waiters", memory.OURS + " (distinct owners)"),
     ]
-    assert [r.items for r in report.rows] == [3, 3, 3, 3, 2, 2, 2]
+    assert [r.items for r in report.rows] == [3, 3, 3, 3, 2, 4, 2, 2]
     kinds = {k.kind.split(" (")[0] for k in report.kinds if k.key}
     assert {
         "lock hash",
