@@ -21,6 +21,7 @@ from engine_helpers import (
     assert_registry_truth,
     lock_holders,
     namespace_keys,
+    queue_requests,
     registries,
     wait_until,
 )
@@ -275,6 +276,28 @@ def test_cleanup_keeps_and_reports_registry_keys_of_unexpected_type(
     rec = cleaner.reconcile()
     assert rec.partial == 1
     assert [owner, lock("odd"), "string"] in rec.as_dict()["skipped"]  # type: ignore[operator]
+
+
+def test_cleanup_frees_every_lock_of_the_owner_before_serving_a_waiter(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # Before: each lock's waiters were served as soon as that lock was freed.
+    # Here the waiter queued for b and a is handed both once b is freed
+    # (a is held shared by the same dead owner), and the hand-off's wake-up
+    # of a's queue reclaimed the owner's grant on a as a dead holder's: the
+    # report said 1 lock released for an owner that held 2.
+    owner_mgr, waiter, cleaner = managers(), managers(), managers()
+    owner_mgr.acquire(exclusive=["b"], timeout=0)
+    owner_mgr.acquire(shared=["a"], timeout=0)
+    [both] = queue_requests(waiter, 1, exclusive="b", shared="a")
+    queue_requests(waiter, 1, exclusive="a")
+    owner = owner_mgr.owner_id
+
+    report = cleaner.cleanup_owner(owner, force=True)
+
+    assert (report.status, report.released, report.errors) == ("cleaned", 2, ())
+    assert lock_holders(r) == {lock("b"): {both: "x"}, lock("a"): {both: "s"}}
+    assert_registry_truth(r)
 
 
 def test_cleanup_failure_of_one_key_does_not_stop_the_others(

@@ -33,15 +33,17 @@
 -- is dead (neither when ARGV[6] = '1'); remove every queued request of the
 -- owner (its waits hash names each one's resources) from every queue it
 -- joined, with its request state and wake list, then delete the waits hash;
--- for each resource in the registry:
--- a missing lock key is dropped from the registry (nothing held); a hash has
+-- then, in two passes over the resources in the registry: first, a
+-- missing lock key is dropped from the registry (nothing held), a hash has
 -- every field of this owner deleted with its request state, wake list and
--- holder info ({ns}:holder:<token>), its contended stream deleted when no
--- holder is left, its waiters woken,
--- then the key leaves the registry; a key of any other type is kept and
--- reported (by its lock key). A failing key is reported and kept; the
--- others go on. Last, the
--- waiters of every other queue that lost an entry of the owner are woken.
+-- holder info ({ns}:holder:<token>), and its contended stream deleted when
+-- no holder is left, and a key of any other type is kept and reported (by
+-- its lock key); second, the waiters of each freed lock are woken
+-- (wake_front) and the resource leaves the registry. Every lock of the
+-- owner is free before any waiter is served, so a hand-off never meets
+-- (and reclaims) the owner's other grants, and 'released' counts them all.
+-- A failing key is reported and kept; the others go on. Last, the waiters
+-- of every other queue that lost an entry of the owner are woken.
 -- An owner with an empty registry and no queued request left leaves the
 -- owners set.
 --
@@ -112,12 +114,13 @@ for _, t in ipairs(queued) do
 end
 if #errors == 0 then redis.call('DEL', waits) end
 
-local function clean_one(name)
+-- Pass 1: free the owner's grants in one lock ('freed'), or say why not.
+local function free_one(name)
   local lock = lock_prefix .. name
   local t = redis.call('TYPE', lock)['ok']
   if t == 'none' then
     redis.call('HDEL', KEYS[1], name)
-    return 'ok'
+    return 'gone'
   end
   if t ~= 'hash' then
     return 'skip', t
@@ -132,23 +135,39 @@ local function clean_one(name)
   if redis.call('HLEN', lock) == 0 then
     redis.call('DEL', prefix .. 'contended:' .. name)
   end
-  local q = prefix .. 'q:' .. name
-  woken[q] = true
-  wake_front(prefix, q, lock, limit, req_ttl)
-  redis.call('HDEL', KEYS[1], name)
-  return 'ok'
+  return 'freed'
 end
 
+-- Pass 2: serve the waiters of a freed lock; only then does it leave the
+-- registry.
+local function serve_one(name)
+  local q = prefix .. 'q:' .. name
+  woken[q] = true
+  wake_front(prefix, q, lock_prefix .. name, limit, req_ttl)
+  redis.call('HDEL', KEYS[1], name)
+end
+
+local function failed(key, res)
+  if type(res) == 'table' then res = res.err or res['err'] end
+  errors[#errors + 1] = key
+  errors[#errors + 1] = tostring(res)
+end
+
+local freed = {}
 for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
-  local ok, res, detail = pcall(clean_one, name)
+  local ok, res, detail = pcall(free_one, name)
   if not ok then
-    if type(res) == 'table' then res = res.err or res['err'] end
-    errors[#errors + 1] = lock_prefix .. name
-    errors[#errors + 1] = tostring(res)
+    failed(lock_prefix .. name, res)
   elseif res == 'skip' then
     skipped[#skipped + 1] = lock_prefix .. name
     skipped[#skipped + 1] = detail
+  elseif res == 'freed' then
+    freed[#freed + 1] = name
   end
+end
+for _, name in ipairs(freed) do
+  local ok, res = pcall(serve_one, name)
+  if not ok then failed(lock_prefix .. name, res) end
 end
 
 -- Queues that lost an entry of the owner but whose lock it did not hold.
