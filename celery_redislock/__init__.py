@@ -11,6 +11,7 @@ from .app import RedisLock
 from .checks import EvictionCheck, check_eviction
 from .exceptions import (
     ConfigurationError,
+    FormatMismatch,
     InvalidResource,
     LockError,
     LockLost,
@@ -22,6 +23,7 @@ from .exceptions import (
     ShuttingDown,
 )
 from .inspect import Inspector
+from .keys import FORMAT_VERSION
 from .lease import Lease
 from .manager import LockManager
 from .reports import CleanupReport, ReconcileReport
@@ -30,9 +32,11 @@ from .task import TemplateError, current_lease, locked
 __version__ = "0.1.0"
 
 __all__ = [
+    "FORMAT_VERSION",
     "CleanupReport",
     "ConfigurationError",
     "EvictionCheck",
+    "FormatMismatch",
     "Inspector",
     "InvalidResource",
     "Lease",

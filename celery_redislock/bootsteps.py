@@ -14,8 +14,8 @@ from typing import Any
 
 from celery import bootsteps, signals
 
-from .app import RedisLock
-from .exceptions import ConfigurationError, RedisUnavailable
+from .app import EX_CONFIG, RedisLock
+from .exceptions import ConfigurationError, FormatMismatch, RedisUnavailable
 from .node import Node, new_incarnation
 
 log = logging.getLogger("celery_redislock.worker")
@@ -61,8 +61,9 @@ class RedisLockNode(bootsteps.StartStopStep):
         * redislock_node: the :class:`celery_redislock.node.Node`
 
     ``create`` (no I/O, before the pool forks): a new incarnation, the app's
-    manager switched to worker mode. ``start``: the eviction check, the node
-    record claim, the heartbeat thread. ``stop``/``terminate`` do nothing:
+    manager switched to worker mode. ``start``: the eviction check, the
+    data-format check and the node record claim (a namespace of another
+    format stops the worker with EX_CONFIG), the heartbeat thread. ``stop``/``terminate`` do nothing:
     the release runs after the pool drained or was terminated, from the
     blueprint's ``on_stopped`` (``worker_shutdown`` as a fallback).
     """
@@ -141,6 +142,15 @@ class RedisLockNode(bootsteps.StartStopStep):
                 self._check_eviction(node, cfg.eviction_check)
                 checked = True
             node.start()
+        except FormatMismatch as exc:  # one line and EX_CONFIG, not a traceback
+            # Nothing was written: nothing to release at shutdown either.
+            node.state = "stopped"
+            log.critical(
+                "worker.format-mismatch node=%s %s (the worker refuses to start)",
+                node.nodename,
+                exc,
+            )
+            raise SystemExit(EX_CONFIG) from exc
         except RedisUnavailable as exc:
             if cfg.eviction_check == "raise":
                 raise

@@ -13,13 +13,20 @@ Commands (each takes ``--json`` for machine-readable output)::
     release --owner ID     free every lock of one owner (dead; live only with --force)
     release --resource R   free R by cleaning up its holders' owners
     reconcile              free the locks of every dead owner now (what beat does)
+    format [--switch]      the namespace's data-format version; switch it after a drain
 
 Connection: ``--url`` / ``--namespace`` (on the group or any command, or
 ``REDISLOCK_URL`` / ``REDISLOCK_NAMESPACE``) override the app's settings
 ``redislock_url`` (default: the broker URL when it is Redis) and
 ``redislock_namespace`` (default ``redislock``).
 
-Exit codes: 0 done; 1 refused (a live owner without ``--force``), partial
+Every command but ``format`` first checks (one round trip) that the
+namespace was ever used and holds data of this release's format; if not it
+exits 1 saying so (a mistyped ``--namespace`` is never shown as an empty,
+healthy namespace).
+
+Exit codes: 0 done; 1 refused (a live owner without ``--force``), an owner
+or namespace that does not exist, a namespace of another data format, partial
 cleanup, Redis unavailable, or permission denied (the Redis user's ACL lacks
 a command or key: the message names it; a refused read is never shown as
 "nobody waits" or a DEAD owner); 2 usage error; an unconfirmed prompt aborts
@@ -38,6 +45,7 @@ import redis
 
 from .exceptions import ConfigurationError, LockError
 from .inspect import Holder, Inspector, LockInfo, OwnerInfo, ReleasePlan, redact_url
+from .keys import FORMAT_VERSION, UNVERSIONED_FORMAT
 from .manager import DEFAULT_OWNER_TTL, LockManager
 from .reports import CleanupReport
 from .settings import default_url, load_config, reveal
@@ -49,9 +57,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_NAMESPACE = "redislock"
 
 ERR_NO_URL = (
-    "no Redis URL for the locks: set `redislock_url` in the app's configuration, "
-    "use a Redis broker, or pass --url redis://host:port/db "
+    "no Redis URL for the locks: pass -A proj (`celery -A proj redislock ...` reads "
+    "the app's redislock_url, else its Redis broker URL) or --url redis://host:port/db "
     "(or sentinel://host:26379[,host2:26379]/service_name[/db])"
+)
+ERR_UNUSED = (
+    "namespace {ns!r} at {url} has never been used: no format key, no fencing counter, "
+    "no owners (or Redis lost its data since). The workers use another one: check "
+    "--namespace / redislock_namespace / REDISLOCK_NAMESPACE and --url"
 )
 
 
@@ -69,6 +82,11 @@ def resolve_connection(app: Any, url: str | None, namespace: str | None) -> tupl
     Raises:
         click.UsageError: no usable URL, or a refused url/namespace setting.
     """
+    if namespace == "":
+        raise click.UsageError(
+            "--namespace is empty: give the namespace's name (1-64 of [A-Za-z0-9_.-]), "
+            "or leave the option out to use redislock_namespace (default 'redislock')"
+        )
     conf = getattr(app, "conf", None) if app is not None else None
     if conf is None:
         if not url:
@@ -77,14 +95,19 @@ def resolve_connection(app: Any, url: str | None, namespace: str | None) -> tupl
     overrides: dict[str, Any] = {}
     if url:
         overrides["redislock_url"] = url
-    if namespace:
+    if namespace is not None:
         overrides["redislock_namespace"] = namespace
     view = _ConfView(conf, overrides)
     try:
         cfg = load_config(view)
     except ConfigurationError as exc:
-        if exc.setting in ("redislock_url", "redislock_namespace"):
-            raise click.UsageError(f"{exc} (or pass --url / --namespace)") from exc
+        if exc.setting == "redislock_url":
+            raise click.UsageError(
+                f"{exc}; or pass -A proj (an app with redislock_url or a Redis broker) "
+                "or --url redis://host:port/db"
+            ) from exc
+        if exc.setting == "redislock_namespace":
+            raise click.UsageError(f"{exc} (or pass --namespace)") from exc
         # Another setting is refused: an incident tool still runs, on defaults.
         click.echo(f"warning: {exc}; using the default owner TTL", err=True)
         final_url = (
@@ -156,11 +179,11 @@ def _state(ctx: click.Context) -> dict[str, Any]:
     return state
 
 
-def _inspector(ctx: click.Context, url: str | None, namespace: str | None) -> Inspector:
+def _manager(ctx: click.Context, url: str | None, namespace: str | None) -> LockManager:
     state = _state(ctx)
     app = state.get("app")
     url = url or state.get("url")
-    namespace = namespace or state.get("namespace")
+    namespace = namespace if namespace is not None else state.get("namespace")
     try:
         final_url, ns, owner_ttl = resolve_connection(app, url, namespace)
         mgr = LockManager(
@@ -169,7 +192,24 @@ def _inspector(ctx: click.Context, url: str | None, namespace: str | None) -> In
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
     ctx.call_on_close(mgr.close)
-    return Inspector(mgr)
+    return mgr
+
+
+def _inspector(ctx: click.Context, url: str | None, namespace: str | None) -> Inspector:
+    """An inspector of a namespace that is in use and of this release's data format.
+
+    One round trip first (:meth:`Inspector.usage`): a namespace nothing ever
+    used, or one of another data format, ends the command with exit 1.
+    """
+    mgr = _manager(ctx, url, namespace)
+    insp = Inspector(mgr)
+
+    def check() -> None:
+        if not insp.usage().used:
+            raise click.ClickException(ERR_UNUSED.format(ns=mgr.namespace, url=mgr.url))
+
+    _guard(check)
+    return insp
 
 
 def _emit_json(data: Any) -> None:
@@ -255,6 +295,11 @@ def status(ctx: click.Context, url: str | None, namespace: str | None, as_json: 
         rows = [
             ("namespace", st.namespace),
             ("redis", f"{st.url} (version {st.redis_version or '?'})"),
+            (
+                "format",
+                f"{st.format_version if st.format_version is not None else '-'} "
+                f"(this release: {st.release_format})",
+            ),
             ("eviction", st.eviction_note),
             ("fence", str(st.fence) if st.fence is not None else "- (nothing acquired yet)"),
             ("owners", f"{st.owners} ({st.alive_owners} alive, {st.dead_owners} dead)"),
@@ -461,16 +506,17 @@ def _describe_owner(o: OwnerInfo) -> str:
     return ", ".join(bits)
 
 
-def _plan_text(plan: ReleasePlan, force: bool) -> str:
+def _plan_text(plan: ReleasePlan, force: bool, *, dry_run: bool = False) -> str:
     lines = []
     total = sum(len(v) for v in plan.resources.values())
+    verb = "would free" if dry_run else "will free"
     lines.append(
-        f"This will free {total} lock(s) of {len(plan.owners)} owner(s) "
-        "(every lock each owner holds):"
+        f"This {verb} {total} lock(s) of {len(plan.owners)} owner(s) (every lock each owner holds):"
     )
     for o in plan.owners:
         names = plan.resources.get(o.owner_id, ())
-        lines.append(f"  owner {o.owner_id} ({_describe_owner(o)}): {len(names)} lock(s)")
+        needs = " [LIVE: needs --force]" if o.alive and not force else ""
+        lines.append(f"  owner {o.owner_id} ({_describe_owner(o)}): {len(names)} lock(s){needs}")
         for name in names:
             lines.append(f"    {name}")
     for h in plan.kept:
@@ -484,6 +530,11 @@ def _plan_text(plan: ReleasePlan, force: bool) -> str:
             "running, it keeps working until its next heartbeat finds its liveness gone, "
             "and meanwhile another process may take the same locks. Only the fencing "
             "tokens, if your store checks them, stop its late writes."
+        )
+    elif dry_run and plan.live_owners:
+        lines.append(
+            f"{len(plan.live_owners)} owner(s) above are LIVE: without --force, release "
+            "refuses them (and frees nothing); with --force it frees them too"
         )
     return "\n".join(lines)
 
@@ -524,7 +575,11 @@ def _report_dict(r: CleanupReport) -> dict[str, Any]:
     help="Also free LIVE owners (dangerous: they may still be writing).",
 )
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--dry-run", is_flag=True, help="Only show what would be freed.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Only show what would be freed, live owners included (marked): never refuses.",
+)
 @_command_options
 @click.pass_context
 def release(
@@ -545,7 +600,9 @@ def release(
     Dead owners (liveness key gone) are always safe to free. A live owner
     is refused unless --force: its liveness key is then deleted too, so that
     if it still runs its next heartbeat finds itself dead and marks its
-    leases lost.
+    leases lost. --dry-run prints the whole plan, live owners marked as
+    needing --force, and frees nothing. An --owner Redis knows nothing of
+    is an error (exit 1).
     """
     if bool(owner_ids) == bool(resource):
         raise click.UsageError("give either --owner ID (one or more) or --resource NAME")
@@ -559,27 +616,51 @@ def release(
     def run() -> None:
         if owner_ids:
             plans = [insp.plan_owner(o) for o in dict.fromkeys(owner_ids)]
-            live = [o for p in plans for o in p.owners if o.alive]
-            if live and not force:
-                raise _refuse_live(live, "the locks of a live owner")
+            missing = [m for p in plans for m in p.missing]
+            if missing:
+                raise click.ClickException(
+                    f"no such owner in namespace {insp.keys.namespace!r}: "
+                    f"{', '.join(missing)} (no liveness key, no registered lock, not in the "
+                    "active-owners set; `redislock owners` lists the owners)"
+                )
             plan = ReleasePlan(
                 owners=tuple(o for p in plans for o in p.owners),
                 resources={k: v for p in plans for k, v in p.resources.items()},
             )
+            live = list(plan.live_owners)
+            if live and not force and not dry_run:
+                raise _refuse_live(live, "the locks of a live owner")
         else:
             assert resource is not None
-            plan = insp.plan_resource(resource, force=force)
+            # A dry run plans every holder (the live ones marked): it never refuses.
+            plan = insp.plan_resource(resource, force=force or dry_run)
             if not plan.owners and not plan.kept:
-                _finish(as_json, out, plan, [], f"{resource} has no holders: nothing to free")
+                _finish(
+                    as_json,
+                    out,
+                    plan,
+                    [],
+                    f"{resource} has no holders: nothing to free",
+                    dry_run=dry_run,
+                )
                 return
             if not plan.owners:
                 raise _refuse_live(plan.kept, resource)
-        if not any(plan.resources.values()) and not any(o.alive for o in plan.owners):
-            _finish(as_json, out, plan, [], "nothing to free: the owner(s) hold no locks")
+            if plan.live_owners and not force and not dry_run:
+                raise _refuse_live(plan.live_owners, resource)
+        if not any(plan.resources.values()) and not plan.live_owners:
+            _finish(
+                as_json,
+                out,
+                plan,
+                [],
+                "nothing to free: the owner(s) hold no locks",
+                dry_run=dry_run,
+            )
             return
-        out(_plan_text(plan, force))
+        out(_plan_text(plan, force, dry_run=dry_run))
         if dry_run:
-            _finish(as_json, out, plan, [], "dry run: nothing freed", dry_run=True)
+            _finish(as_json, out, plan, [], "dry run: nothing freed", dry_run=True, force=force)
             return
         if not yes:
             click.confirm("Free these locks?", abort=True, err=True)
@@ -607,12 +688,14 @@ def _finish(
     message: str | None,
     *,
     dry_run: bool = False,
+    force: bool = False,
 ) -> None:
     bad = [r for r in reports if r.status != "cleaned"]
     if as_json:
         _emit_json(
             {
                 "dry_run": dry_run,
+                "needs_force": [] if force else [o.owner_id for o in plan.live_owners],
                 "plan": plan.as_dict(),
                 "results": [_report_dict(r) for r in reports],
                 "released": sum(r.released for r in reports),
@@ -700,6 +783,100 @@ def reconcile(
             raise click.exceptions.Exit(1)
 
     _guard(run)
+
+
+# ---------------------------------------------------------------- format
+
+
+@redislock.command(name="format")
+@click.option(
+    "--switch",
+    is_flag=True,
+    help="Record this release's format (only once no owner of the old one is left).",
+)
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@_command_options
+@click.pass_context
+def format_(
+    ctx: click.Context,
+    switch: bool,
+    yes: bool,
+    url: str | None,
+    namespace: str | None,
+    as_json: bool,
+) -> None:
+    """The namespace's data-format version; --switch moves it to this release's.
+
+    Workers, beat and the CLI refuse a namespace whose lock data has another
+    format than theirs. After draining every process of the old release
+    (its workers stopped, its `redislock reconcile` run: the active-owners
+    set is empty), --switch records this release's format so that its
+    workers may start. It refuses while any owner is left.
+    """
+    mgr = _manager(ctx, url, namespace)
+
+    def run() -> None:
+        pipe = mgr.client.pipeline(transaction=False)
+        pipe.get(mgr.keys.format)
+        pipe.exists(mgr.keys.fence)
+        pipe.scard(mgr.keys.owners)
+        stored, fenced, owners = pipe.execute()
+        found = _text(stored) if stored is not None else None
+        unversioned = found is None and bool(fenced)
+        if unversioned:
+            found = str(UNVERSIONED_FORMAT)
+        info = {
+            "namespace": mgr.namespace,
+            "format": int(found) if found is not None and found.isdigit() else found,
+            "unversioned": unversioned,
+            "release_format": FORMAT_VERSION,
+            "owners": int(owners),
+        }
+        if not switch:
+            if as_json:
+                _emit_json(info)
+                return
+            shown = "- (never used)" if found is None else found
+            if unversioned:
+                shown += " (data from before format versioning)"
+            click.echo(f"namespace       {mgr.namespace}")
+            click.echo(f"format          {shown}")
+            click.echo(f"this release    {FORMAT_VERSION}")
+            if found is not None and found != str(FORMAT_VERSION):
+                click.echo(
+                    "MISMATCH: this release refuses the namespace; see `redislock format "
+                    "--help` and docs/operations.md, 'Upgrading across a data-format change'"
+                )
+            return
+        if found == str(FORMAT_VERSION) and not unversioned:
+            click.echo(f"namespace {mgr.namespace!r} already has format {FORMAT_VERSION}")
+            return
+        if int(owners):
+            raise _Refused(
+                f"refusing to switch namespace {mgr.namespace!r} from format {found} to "
+                f"{FORMAT_VERSION}: {int(owners)} owner(s) of the old release are left. Stop "
+                "its workers (warm shutdown frees their locks), run its `redislock reconcile` "
+                "for the dead ones, wait until `redislock owners` (old release) lists none, "
+                "then retry; or use a new namespace"
+            )
+        if not yes:
+            click.confirm(
+                f"Switch namespace {mgr.namespace!r} from format {found or '-'} to "
+                f"{FORMAT_VERSION}? Workers of the old release will refuse it afterwards",
+                abort=True,
+                err=True,
+            )
+        mgr.client.set(mgr.keys.format, str(FORMAT_VERSION))
+        log.info(
+            "cli.format-switch namespace=%s from=%s to=%d", mgr.namespace, found, FORMAT_VERSION
+        )
+        click.echo(f"namespace {mgr.namespace!r} now has format {FORMAT_VERSION}")
+
+    _guard(run)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

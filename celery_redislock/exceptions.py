@@ -16,6 +16,8 @@ Every error the library raises on purpose derives from :class:`LockError`::
      │                      (also a ValueError)
      ├── ConfigurationError a setting or argument was refused (also a ValueError)
      ├── RedisUnavailable   Redis could not be reached (names the URL)
+ ├── FormatMismatch     the namespace holds lock data of another format
+ │                      version (a process of another release uses it)
      ├── ShuttingDown       the worker began a warm shutdown while the request
      │                      waited; it left the queue (``@locked`` hands the
      │                      task back to the broker)
@@ -195,6 +197,56 @@ class RedisUnavailable(LockError):
 
     def __str__(self) -> str:
         return f"Redis at {self.url} is unavailable: {self.cause}"
+
+
+#: Where the upgrade procedure is documented (named in every FormatMismatch).
+UPGRADE_DOC = "docs/operations.md, 'Upgrading across a data-format change'"
+
+
+class FormatMismatch(LockError):
+    """The namespace holds lock data of another format version than this release.
+
+    Processes of two releases whose lock data differ in shape must never
+    share a namespace: each would misread the other's locks. Nothing was
+    written. Attributes: ``namespace``, ``url`` (password masked),
+    ``found`` (the namespace's format, an int) and ``expected`` (this
+    release's), ``unversioned`` (True when ``found`` was inferred from data
+    written before format versioning, not read from ``{ns}:format``).
+    """
+
+    def __init__(
+        self, namespace: str, url: str, found: int, expected: int, unversioned: bool = False
+    ) -> None:
+        self.namespace = namespace
+        self.url = redact_url(url)
+        self.found = found
+        self.expected = expected
+        self.unversioned = unversioned
+        super().__init__(namespace, self.url, found, expected, unversioned)
+
+    def __str__(self) -> str:
+        what = (
+            f"lock data written before format versioning (format {self.found})"
+            if self.unversioned
+            else f"lock data of format {self.found}"
+        )
+        if self.found > self.expected:
+            fix = (
+                "a newer celery-redislock uses it: upgrade this process to that release, "
+                "or give it another redislock_namespace"
+            )
+        else:
+            fix = (
+                "processes of an older celery-redislock may still use it: drain them "
+                "(stop every worker of the old release, run its `redislock reconcile`), "
+                "then run `celery -A proj redislock format --switch`; or give this "
+                "release a new redislock_namespace"
+            )
+        return (
+            f"namespace {self.namespace!r} at {self.url} holds {what}, but this "
+            f"celery-redislock uses format {self.expected}; processes of two formats must "
+            f"never share a namespace. Fix: {fix} (see {UPGRADE_DOC})."
+        )
 
 
 class ShuttingDown(LockError):

@@ -39,8 +39,14 @@ from . import _validate as _v
 from .checks import check_eviction
 from .exceptions import ConfigurationError, RedisUnavailable, permission_denied
 from .identity import pid_of_tag
-from .keys import validate_node_name, validate_owner_id, validate_resource
-from .manager import REDIS_DOWN_ERRORS, LockManager
+from .keys import (
+    FORMAT_VERSION,
+    UNVERSIONED_FORMAT,
+    validate_node_name,
+    validate_owner_id,
+    validate_resource,
+)
+from .manager import REDIS_DOWN_ERRORS, LockManager, format_verdict
 from .redact import redact_url as redact_url  # old name, kept importable
 
 #: Default number of commands per round trip (SSCAN COUNT, pipeline size).
@@ -252,9 +258,30 @@ class Status:
     #: Registry entries of dead owners (what ``reconcile`` would free).
     dead_owner_locks: int
     warnings: list[str] = field(default_factory=list)
+    #: The namespace's data-format version (``{ns}:format``; None before
+    #: any process used it) and this release's.
+    format_version: int | None = None
+    release_format: int = FORMAT_VERSION
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Whether anything ever used a namespace (one round trip, see :meth:`Inspector.usage`)."""
+
+    #: The format in ``{ns}:format`` (or inferred from older data), None if unset.
+    format_version: int | None
+    #: True when the fencing counter exists (something acquired a lock here).
+    fenced: bool
+    #: How many owners the active-owners set has.
+    owners: int
+
+    @property
+    def used(self) -> bool:
+        """False for a namespace no process ever used (or whose data Redis lost)."""
+        return self.format_version is not None or self.fenced or self.owners > 0
 
 
 @dataclass(frozen=True)
@@ -271,6 +298,9 @@ class ReleasePlan:
     #: owner id -> resources in its registry (every one would be freed).
     resources: dict[str, tuple[str, ...]]
     kept: tuple[Holder, ...] = ()
+    #: Owner ids asked for that Redis knows nothing of (no liveness key, no
+    #: registered lock, not in the active-owners set).
+    missing: tuple[str, ...] = ()
 
     @property
     def live_owners(self) -> tuple[OwnerInfo, ...]:
@@ -283,6 +313,7 @@ class ReleasePlan:
                 for o in self.owners
             ],
             "kept": [h.as_dict() for h in self.kept],
+            "missing": list(self.missing),
         }
 
 
@@ -313,6 +344,43 @@ class Inspector:
         self.client = manager.client
         self.keys = manager.keys
         self.batch_size = batch_size
+        self._usage: Usage | None = None
+
+    # -- format -------------------------------------------------------------
+
+    def usage(self) -> Usage:
+        """The namespace's format and whether it was ever used (one round trip).
+
+        GET ``{ns}:format``, EXISTS ``{ns}:fence``, SCARD ``{ns}:owners``;
+        read once per inspector, before its first other read. Never writes.
+        Raises :class:`~celery_redislock.exceptions.FormatMismatch` when the
+        namespace holds lock data of another format than this release reads.
+        """
+        if self._usage is None:
+            pipe = self._pipe()
+            pipe.get(self.keys.format)
+            pipe.exists(self.keys.fence)
+            pipe.scard(self.keys.owners)
+            self._usage = Usage(None, False, 0)  # _run below must not recurse here
+            try:
+                stored, fenced, owners = self._run(pipe)
+            except BaseException:
+                self._usage = None
+                raise
+            fenced = bool(fenced) and not isinstance(fenced, Exception)
+            how = "stored"
+            found = None if isinstance(stored, Exception) else _opt_text(stored)
+            if found is None and fenced:
+                found, how = str(UNVERSIONED_FORMAT), "unversioned"
+            try:
+                version = format_verdict(self.keys.namespace, self.manager.url, found, how)
+            except BaseException:
+                self._usage = None
+                raise
+            self._usage = Usage(
+                version, fenced, 0 if isinstance(owners, Exception) else int(owners)
+            )
+        return self._usage
 
     # -- plumbing ---------------------------------------------------------
 
@@ -320,6 +388,8 @@ class Inspector:
         """Execute a pipeline; replies that are errors stay in the list, but a
         refusal by the ACL raises :class:`PermissionDenied` (an unreadable
         key must never read as an absent one: a live owner as DEAD)."""
+        if self._usage is None:
+            self.usage()
         sent = [_command_name(c) for c in pipe.command_stack]
         try:
             replies = list(pipe.execute(raise_on_error=False))
@@ -334,6 +404,8 @@ class Inspector:
 
     def _call(self, command: str, fn: Callable[[], Any]) -> Any:
         """One command: Redis down -> RedisUnavailable; refused -> PermissionDenied."""
+        if self._usage is None:
+            self.usage()
         try:
             return fn()
         except REDIS_DOWN_ERRORS as exc:
@@ -783,6 +855,7 @@ class Inspector:
             registered_locks=registered,
             dead_owner_locks=dead_locks,
             warnings=warnings,
+            format_version=self.usage().format_version,
         )
 
     # -- release planning ------------------------------------------------
@@ -792,6 +865,12 @@ class Inspector:
         validate_owner_id(owner_id)
         info = self.owner(owner_id)
         regs = self._registries([owner_id])[owner_id]
+        if not info.alive and not regs:
+            member = self._call(
+                "SISMEMBER", lambda: self.client.sismember(self.keys.owners, owner_id)
+            )
+            if not member:
+                return ReleasePlan(owners=(), resources={}, missing=(owner_id,))
         return ReleasePlan(
             owners=(info,),
             resources={owner_id: tuple(self._resource(k) for k in regs)},

@@ -25,6 +25,8 @@ key                            type    holds
                                        taken by a Celery task (none otherwise)
 ``{ns}:fence``                 string  last fencing token
 ``{ns}:seq``                   string  last arrival sequence number
+``{ns}:format``                string  data-format version of the namespace
+                                       (:data:`FORMAT_VERSION`)
 =============================  ======  =========================================
 """
 
@@ -33,6 +35,17 @@ from __future__ import annotations
 import re
 
 from .exceptions import ConfigurationError, InvalidResource
+
+#: Version of the shape of the lock data in Redis (the keys above, their
+#: values, the scripts' encodings). Bump it with any change that a process of
+#: the previous release would misread: processes of two formats refuse to
+#: share a namespace (:class:`~celery_redislock.exceptions.FormatMismatch`;
+#: docs/operations.md, "Upgrading across a data-format change"). Stored in
+#: ``{ns}:format`` by the first process that uses the namespace.
+FORMAT_VERSION = 1
+#: The format of data written by releases from before format versioning (a
+#: namespace with a fencing counter and no ``{ns}:format`` key).
+UNVERSIONED_FORMAT = 1
 
 #: Longest resource name accepted, in UTF-8 bytes.
 MAX_RESOURCE_BYTES = 512
@@ -121,6 +134,7 @@ class Keyspace:
         self.owners = self.prefix + "owners"
         self.fence = self.prefix + "fence"
         self.seq = self.prefix + "seq"
+        self.format = self.prefix + "format"
 
     def lock(self, resource: str) -> str:
         return f"{self.prefix}lock:{resource}"

@@ -43,6 +43,7 @@ from .exceptions import (
     CAUSE_REDIS_LOST,
     LOST_CAUSES,
     ConfigurationError,
+    FormatMismatch,
     InvalidResource,
     LockError,
     LockTimeout,
@@ -55,7 +56,14 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity, new_request_id
-from .keys import MAX_RESOURCES, Keyspace, validate_owner_id, validate_resource
+from .keys import (
+    FORMAT_VERSION,
+    MAX_RESOURCES,
+    UNVERSIONED_FORMAT,
+    Keyspace,
+    validate_owner_id,
+    validate_resource,
+)
 from .lease import Lease
 from .reports import CleanupReport, ReconcileReport
 from .scripts import Scripts
@@ -189,6 +197,25 @@ def cause_text(code: str | None) -> str | None:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def format_verdict(namespace: str, url: str, found: str | None, how: str) -> int | None:
+    """The namespace's data format, or :class:`FormatMismatch` if not ours.
+
+    ``found``: the format read (None: the namespace holds no lock data);
+    ``how``: ``'stored'`` (read from ``{ns}:format``), ``'created'`` (just
+    written) or ``'unversioned'`` (inferred from data of a release from
+    before format versioning).
+    """
+    if found is None:
+        return None
+    try:
+        version = int(found)
+    except ValueError:
+        version = -1  # not a number: no release of ours wrote it
+    if version != FORMAT_VERSION:
+        raise FormatMismatch(namespace, url, version, FORMAT_VERSION, how == "unversioned")
+    return version
 
 
 @dataclass(frozen=True)
@@ -486,6 +513,11 @@ class LockManager:
         self._doomed: set[str] = set()
         #: Seconds the local liveness deadline keeps from owner_ttl.
         self.liveness_margin = min(LIVENESS_MARGIN_MAX, self.owner_ttl * LIVENESS_MARGIN_FRACTION)
+        #: The data-format check is due: the first script call runs
+        #: format.lua first (once; again after Redis lost this owner's data,
+        #: which may have taken ``{ns}:format`` with it). See check_format().
+        self._format_pending = True
+        self._format_lock = threading.Lock()
 
     # -- identity ---------------------------------------------------------
 
@@ -525,6 +557,7 @@ class LockManager:
 
     def _after_fork_in_child(self) -> None:
         self._state_lock = threading.Lock()
+        self._format_lock = threading.Lock()
         for lease in self._leases.values():
             lease._lost = True  # the parent's, not ours: never released from here
         self._leases = {}
@@ -576,7 +609,9 @@ class LockManager:
         With ``wait`` the answer is ``(script reply, replicas that acknowledged)``.
         """
         if self._eviction_pending or self._eviction_refusal is not None:
-            self._check_eviction_once()
+            self._check_eviction_once()  # first: a refusal must write nothing
+        if self._format_pending:
+            self._check_format_once(client)
         try:
             if wait:
                 return self._scripts.run_and_wait(name, keys, args, wait, self._wait_ms)
@@ -1330,6 +1365,10 @@ class LockManager:
         )
         for lease in lost:
             lease._mark_lost(cause)
+        if where in ("heartbeat", "acquire", "watch", "node-heartbeat"):
+            # The liveness key is gone: Redis may have lost its data, the
+            # format key with it. Check (and re-create) it on the next call.
+            self._format_pending = True
         if where == "deadline":
             self._heartbeat.wake()
 
@@ -1802,6 +1841,52 @@ class LockManager:
         return report
 
     # -- server checks ----------------------------------------------------
+
+    def _check_format_once(self, client: Any = None) -> None:
+        """The data-format check of the first script call (see :meth:`check_format`).
+
+        One round trip per manager (and per process: a forked child inherits
+        the parent's result). A refusal or an unreachable Redis leaves it due,
+        so every later call checks again until the namespace is usable.
+        """
+        with self._format_lock:
+            if self._format_pending:
+                self.check_format(client=client)
+                self._format_pending = False
+
+    def check_format(self, *, client: Any = None) -> int:
+        """Check that the namespace's lock data has this release's format.
+
+        The namespace records its data-format version in ``{ns}:format``
+        (:data:`~celery_redislock.FORMAT_VERSION`); format.lua (one round
+        trip, which every manager's first script call makes) records ours
+        when the key is missing: a namespace used for the first time, or a
+        Redis that lost its data (restart without persistence, FLUSHALL),
+        which simply re-creates it. Data of a release from before format
+        versioning (a fencing counter without the key) counts as
+        ``UNVERSIONED_FORMAT`` (``celery_redislock.keys``).
+
+        Called explicitly, it also counts as the first call's check.
+        Returns the format. Raises :class:`FormatMismatch` (nothing written)
+        when the namespace has another one, :class:`RedisUnavailable`,
+        :class:`PermissionDenied`.
+        """
+        c = self.client if client is None else client
+        try:
+            reply = self._scripts.run(
+                "format",
+                [self.keys.format, self.keys.fence],
+                [str(FORMAT_VERSION), str(UNVERSIONED_FORMAT)],
+                client=c,
+            )
+        except REDIS_DOWN_ERRORS as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+        except redis.ResponseError as exc:
+            raise (permission_denied(exc, self.url, "EVALSHA format") or exc) from exc
+        found = format_verdict(self.namespace, self.url, _text(reply[0]), _text(reply[1]))
+        assert found is not None
+        self._format_pending = False  # checked: the next script call need not
+        return found
 
     def _check_eviction_once(self) -> None:
         """The eviction-policy check of the first round trip (``eviction_check``).

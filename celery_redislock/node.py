@@ -624,6 +624,11 @@ class Node:
         """
         old = self.incarnation
         mgr = self.manager
+        # Redis lost data: the namespace's format key too, perhaps. Every
+        # manager of this process checks (and re-creates) it on its next call.
+        mgr._format_pending = True
+        for ops in list(self._ops_by_thread.values()):
+            ops._format_pending = True
         with mgr._state_lock:
             leases = [x for x in mgr._leases.values() if not x._released]
         for lease in leases:

@@ -32,6 +32,7 @@ SCRIPT_NAMES = (
     "node_heartbeat",
     "node_evict",
     "node_stop",
+    "format",
 )
 
 

@@ -22,7 +22,7 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
-from celery_redislock import LockManager
+from celery_redislock import FORMAT_VERSION, LockManager
 from celery_redislock.cli import redislock
 from engine_helpers import Managers
 from test_inspect import (
@@ -116,7 +116,10 @@ def test_locks_table_shows_resource_mode_owner_state_and_waiters(
     waiter.join(DEADLINE)
 
 
-def test_locks_says_so_when_nothing_is_held(cli: Callable[..., Result]) -> None:
+def test_locks_says_so_when_nothing_is_held(
+    cli: Callable[..., Result], managers: Callable[..., LockManager]
+) -> None:
+    managers().acquire(exclusive=["gone"], timeout=5).release()  # the namespace is in use
     assert ok(cli("locks")).output.strip() == "no locks held"
     assert json.loads(ok(cli("locks", "--json")).stdout) == []
 
@@ -310,8 +313,13 @@ def test_url_defaults_to_a_redis_broker_and_namespace_can_be_overridden(
     broker_app.conf.redislock_namespace = NS
     data = json.loads(ok(cli("locks", "--json", the_app=broker_app)).stdout)
     assert [d["resource"] for d in data] == ["ns-check"]
-    other = json.loads(ok(cli("locks", "--json", "--namespace", "other")).stdout)
-    assert other == []
+    other = cli("locks", "--json", "--namespace", "other")
+    assert other.exit_code == 1 and "'other'" in other.output, other.output
+    used = LockManager(redis_url, "other", heartbeat=False)
+    used.acquire(exclusive=["o"], timeout=5).release()
+    used.close()
+    other_locks = json.loads(ok(cli("locks", "--json", "--namespace", "other")).stdout)
+    assert other_locks == []
     via_group = json.loads(ok(cli("--namespace", "other", "locks", "--json")).stdout)
     assert via_group == []
 
@@ -421,9 +429,10 @@ def test_release_refuses_a_holder_token_and_names_its_owner(cli: Callable[..., R
 
 
 def test_a_refused_unrelated_setting_warns_but_the_cli_still_runs(
-    cli: Callable[..., Result], app: Celery
+    cli: Callable[..., Result], app: Celery, r: redis.Redis
 ) -> None:
     app.conf.redislock_owner_ttl = "soon"
+    r.set("{t}:format", str(FORMAT_VERSION))  # the namespace is in use
     result = ok(cli("owners"))
     assert "redislock_owner_ttl" in result.stderr and "no owners" in result.stdout
 
@@ -438,6 +447,124 @@ def test_owners_node_option_labels_the_owners_of_that_worker(
     assert row[0] == m.owner_id and row[4] == "celery@w9"
     r.set("{t}:tomb:i9", "1")
     assert "celery@w9 (evicted)" in ok(cli("owners", "--node", "celery@w9")).output
+
+
+# -- no surprises ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["status", "locks", "owners", "reconcile", "waiters"])
+def test_a_namespace_never_used_is_reported_not_shown_as_healthy_and_empty(
+    cli: Callable[..., Result], command: str
+) -> None:
+    args = [command, "--namespace", "typo-ns"] + (["r1"] if command == "waiters" else [])
+    result = cli(*args, input="y\n")
+    assert result.exit_code == 1, result.output
+    assert "namespace 'typo-ns'" in result.output and "never been used" in result.output
+    assert "no locks held" not in result.output and "owners 0" not in result.output
+
+
+def test_an_empty_namespace_option_is_a_usage_error_not_the_default(
+    cli: Callable[..., Result], managers: Callable[..., LockManager]
+) -> None:
+    managers().acquire(exclusive=["busy"], timeout=5)
+    for args in (("locks", "--namespace", ""), ("--namespace", "", "locks")):
+        result = cli(*args)
+        assert result.exit_code == 2, result.output
+        assert "--namespace is empty" in result.output
+        assert "busy" not in result.output
+
+
+def test_release_dry_run_shows_live_owners_marked_and_never_refuses(
+    cli: Callable[..., Result], managers: Callable[..., LockManager], redis_url: str, r: redis.Redis
+) -> None:
+    dead = dead_owner(redis_url, [(["shared-res", "d-only"], [])])
+    live = managers(name="celery@busy")
+    live.acquire(exclusive=["live-only"], timeout=5)
+    by_owner = ok(cli("release", "--owner", live.owner_id, "--dry-run"))
+    assert f"owner {live.owner_id}" in by_owner.output and "live-only" in by_owner.output
+    assert "LIVE: needs --force" in by_owner.output and "refusing" not in by_owner.output
+    assert "dry run: nothing freed" in by_owner.output
+    by_resource = ok(cli("release", "--resource", "live-only", "--dry-run"))
+    assert "LIVE: needs --force" in by_resource.output and live.owner_id in by_resource.output
+    both = ok(cli("release", "--owner", dead, "--owner", live.owner_id, "--dry-run", "--json"))
+    data = json.loads(both.stdout)
+    assert data["dry_run"] is True and data["needs_force"] == [live.owner_id]
+    assert {o["owner_id"] for o in data["plan"]["owners"]} == {dead, live.owner_id}
+    forced = ok(cli("release", "--owner", live.owner_id, "--dry-run", "--force"))
+    assert "needs --force" not in forced.output and "WARNING: --force" in forced.output
+    assert r.exists("{t}:lock:live-only") == 1 and r.exists("{t}:lock:d-only") == 1
+    # without --dry-run a live owner is still refused
+    assert cli("release", "--owner", live.owner_id, "--yes").exit_code == 1
+    assert r.exists("{t}:lock:live-only") == 1
+
+
+def test_release_of_an_owner_that_does_not_exist_says_so_and_exits_non_zero(
+    cli: Callable[..., Result], redis_url: str, r: redis.Redis
+) -> None:
+    dead = dead_owner(redis_url, [(["kept"], [])])
+    for extra in ((), ("--dry-run",), ("--owner", dead)):
+        result = cli("release", "--owner", "no-such-owner", *extra, "--yes")
+        assert result.exit_code == 1, result.output
+        assert "no such owner" in result.output and "no-such-owner" in result.output
+    assert r.exists("{t}:lock:kept") == 1  # nothing freed, not even the real one
+
+
+def test_without_an_app_or_url_the_error_says_to_pass_A_proj_or_url(tmp_path: Path) -> None:
+    env = {k: v for k, v in _env().items() if not k.startswith("REDISLOCK_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)  # this tree's package
+    for argv in (["celery", "redislock", "status"], ["celery_redislock", "status"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env=env,
+        )
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert "-A proj" in proc.stderr and "--url" in proc.stderr, (argv, proc.stderr)
+
+
+# -- data format -----------------------------------------------------------------
+
+
+def test_a_namespace_of_another_data_format_is_refused_naming_both_versions(
+    cli: Callable[..., Result], redis_url: str, r: redis.Redis
+) -> None:
+    dead = dead_owner(redis_url, [(["old-format"], [])])
+    r.set("{t}:format", str(FORMAT_VERSION + 1))
+    for args in (
+        ("status",),
+        ("locks",),
+        ("release", "--owner", dead, "--yes"),
+        ("reconcile", "-y"),
+    ):
+        result = cli(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert f"format {FORMAT_VERSION + 1}" in result.output, result.output
+        assert f"uses format {FORMAT_VERSION}" in result.output
+        assert "docs/operations.md" in result.output
+    assert r.exists("{t}:lock:old-format") == 1
+    shown = ok(cli("format"))
+    assert "MISMATCH" in shown.output and f"format          {FORMAT_VERSION + 1}" in shown.output
+
+
+def test_format_switch_refuses_while_owners_are_left_then_switches_after_the_drain(
+    cli: Callable[..., Result], redis_url: str, r: redis.Redis
+) -> None:
+    dead = dead_owner(redis_url, [(["drain-me"], [])])
+    r.set("{t}:format", "0")  # an older release's format
+    refused = cli("format", "--switch", "--yes")
+    assert refused.exit_code == 1 and "1 owner(s) of the old release" in refused.output
+    assert r.get("{t}:format") == b"0"
+    # the old release drains: its reconcile frees the dead owner
+    r.set("{t}:format", str(FORMAT_VERSION))
+    ok(cli("release", "--owner", dead, "--yes"))
+    r.set("{t}:format", "0")
+    ok(cli("format", "--switch", "--yes"))
+    assert r.get("{t}:format") == str(FORMAT_VERSION).encode()
+    data = json.loads(ok(cli("status", "--json")).stdout)
+    assert data["format_version"] == FORMAT_VERSION == data["release_format"]
 
 
 # -- docs -----------------------------------------------------------------------

@@ -16,6 +16,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import redis
+
+from celery_redislock import FORMAT_VERSION
 
 #: EX_CONFIG (sysexits.h), celery_redislock.app.EX_CONFIG
 EX_CONFIG = 78
@@ -88,6 +91,9 @@ def test_worker_refuses_to_start(project: Path) -> None:
 def test_cli_reports_the_setting_in_one_line_and_runs_on_defaults(
     project: Path, redis_url: str
 ) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.set("{bad}:format", str(FORMAT_VERSION))  # a namespace in use
+    client.close()
     proc = run(project, "-m", "celery", "-A", "badproj", "redislock", "owners")
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     found = lines_naming_the_setting(proc)

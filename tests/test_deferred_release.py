@@ -91,7 +91,8 @@ def test_release_refused_by_an_acl_is_reported_once_then_retried_quietly(
     # lock is freed): its release fails with NOPERM until the ACL is fixed.
     keys = (
         " ".join(
-            f"~{PREFIX}{kind}" for kind in ("fence", "seq", "owners", "held:*", "alive:*", "req:*")
+            f"~{PREFIX}{kind}"
+            for kind in ("fence", "format", "seq", "owners", "held:*", "alive:*", "req:*")
         )
         + " "
         + " ".join(f"~{PREFIX}{kind}" for kind in ("wake:*", "lock:*", "q:*", "lost:*", "dead:*"))

@@ -127,6 +127,7 @@ def reconcile_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]
 def first_acquire_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
     fresh = managers(owner_ttl=OWNER_TTL)
     fresh.client.ping()
+    fresh.check_format()  # once per manager, before its first script (test_format.py)
 
     def run() -> None:
         lease = fresh.acquire(exclusive=["a", "b"], shared=["c"], timeout=0)

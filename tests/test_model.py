@@ -852,7 +852,18 @@ class ProtocolMachine(RuleBasedStateMachine):
         for q in model.live_queued():
             lines = view.raw.get(PREFIX + "waits:" + q.owner) or {}
             assert q.token in lines, f"queued {q.token} is missing from waits:{q.owner}"
-        no_ttl_kinds = {"lock", "q", "held", "owners", "fence", "seq", "group", "wake", "waits"}
+        no_ttl_kinds = {
+            "lock",
+            "q",
+            "held",
+            "owners",
+            "fence",
+            "seq",
+            "format",
+            "group",
+            "wake",
+            "waits",
+        }
         for key, ttl in view.pttl.items():
             kind = key[len(PREFIX) :].split(":", 1)[0]
             if ttl < 0:

@@ -42,7 +42,7 @@ each is sound); what cannot be proven from the timelines is not reported:
     clients' socket timeout) must not end a wait early.
 ``leftover_key``
     After every process exited and the final reconcile ran, a key of the
-    lock namespace other than ``fence``/``seq``, or a key of a TTL'd kind
+    lock namespace other than ``fence``/``seq``/``format``, or a key of a TTL'd kind
     (req, wake, contend, lost) without a TTL, is still there.
 """
 
