@@ -52,6 +52,18 @@ def pool_pids(w: Any) -> list[int]:
     return [int(p.pid) for p in list(procs) if getattr(p, "pid", None)]
 
 
+def _worker_metrics(mgr: Any, nodename: str, cfg: Any) -> Any:
+    """The worker's Prometheus metrics (``celery_redislock.prometheus``)."""
+    try:
+        from .prometheus import WorkerMetrics
+    except ImportError as exc:
+        raise ConfigurationError(
+            "redislock_metrics_port",
+            f"needs prometheus_client ({exc}): pip install 'celery-redislock[prometheus]'",
+        ) from exc
+    return WorkerMetrics(mgr, nodename, cfg.metrics_port, cfg.metrics_address)
+
+
 class RedisLockNode(bootsteps.StartStopStep):
     """Runs this worker's incarnation: node record, heartbeat, clean-up.
 
@@ -63,7 +75,9 @@ class RedisLockNode(bootsteps.StartStopStep):
     ``create`` (no I/O, before the pool forks): a new incarnation, the app's
     manager switched to worker mode. ``start``: the eviction check, the
     data-format check and the node record claim (a namespace of another
-    format stops the worker with EX_CONFIG), the heartbeat thread. ``stop``/``terminate`` do nothing:
+    format stops the worker with EX_CONFIG), the heartbeat thread, the
+    metrics endpoint (``redislock_metrics_port``; its hook and multiprocess
+    directory are set up in ``create``, before the pool forks). ``stop``/``terminate`` do nothing:
     the release runs after the pool drained or was terminated, from the
     blueprint's ``on_stopped`` (``worker_shutdown`` as a fallback).
     """
@@ -77,6 +91,8 @@ class RedisLockNode(bootsteps.StartStopStep):
         self.node: Node | None = None
         self._shutdown_done = False
         self._on_shutdown: Callable[..., None] | None = None
+        #: The Prometheus endpoint (``redislock_metrics_port``), or None.
+        self.metrics: Any = None
         super().__init__(w, **kwargs)
 
     def include_if(self, w: Any) -> bool:
@@ -90,6 +106,11 @@ class RedisLockNode(bootsteps.StartStopStep):
             cfg = locks.config
             # may refuse redislock_wait_timeout
             mgr = locks._enter_worker(inc, nodename=w.hostname)
+            if cfg.metrics_port is not None:
+                # Before the pool forks: the children inherit the hook and
+                # write to the multiprocess directory set up here.
+                self.metrics = _worker_metrics(mgr, w.hostname, cfg)
+                mgr._metrics = self.metrics.hook
         except ConfigurationError as exc:  # one line and EX_CONFIG, not a traceback
             locks.refuse_to_start(exc, "the worker")
         self.node = Node(
@@ -162,6 +183,18 @@ class RedisLockNode(bootsteps.StartStopStep):
                 node.on_late_start = lambda: self._check_eviction(node, "warn")
         node.start_heartbeat()
         self._hook_pool(w)
+        if self.metrics is not None:
+            try:
+                self.metrics.serve()
+            except OSError as exc:  # the port is taken, or the address is not ours
+                locks.refuse_to_start(
+                    ConfigurationError(
+                        "redislock_metrics_port",
+                        f"cannot listen on {cfg.metrics_address}:{cfg.metrics_port}: {exc} "
+                        "(give each worker on a host its own port)",
+                    ),
+                    "the worker",
+                )
 
     @staticmethod
     def _check_eviction(node: Node, mode: str) -> None:
@@ -239,6 +272,11 @@ class RedisLockNode(bootsteps.StartStopStep):
         if self._on_shutdown is not None:
             signals.worker_shutdown.disconnect(self._on_shutdown)
         node, locks = self.node, self.locks
+        if self.metrics is not None:
+            try:
+                self.metrics.close()
+            except Exception:  # never break Celery's shutdown
+                log.debug("worker.metrics-close-error", exc_info=True)
         try:
             if node is not None:
                 node.shutdown()

@@ -307,6 +307,7 @@ def status(ctx: click.Context, url: str | None, namespace: str | None, as_json: 
                 "locks",
                 f"{st.registered_locks} registered ({st.dead_owner_locks} by dead owners)",
             ),
+            ("waiting", f"{st.waiting_requests} request(s) queued"),
         ]
         width = max(len(k) for k, _ in rows)
         for k, v in rows:

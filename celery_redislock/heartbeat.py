@@ -30,9 +30,17 @@ _SLICE = 0.05
 class Heartbeat:
     """Calls ``beat`` every ``interval`` seconds from a background OS thread."""
 
-    def __init__(self, interval: float, beat: Callable[[], None], name: str) -> None:
+    def __init__(
+        self,
+        interval: float,
+        beat: Callable[[], None],
+        name: str,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
         self.interval = interval
         self._beat = beat
+        #: Called (never raising into the loop) for every beat that raised.
+        self._on_failure = on_failure
         self._name = name
         self._pid: int | None = None
         self._stopped = False
@@ -89,6 +97,7 @@ class Heartbeat:
                 self._beat()
             except LockError as exc:  # an outage: one line, not one per tick
                 failing += 1
+                self._failed()
                 if failing == 1:
                     logger.warning(
                         "heartbeat.unavailable thread=%s error=%s: retrying every tick",
@@ -97,8 +106,16 @@ class Heartbeat:
                     )
             except Exception:  # a failed beat must not end the heartbeat
                 logger.exception("heartbeat.error thread=%s", self._name)
+                self._failed()
             else:
                 if failing:
                     logger.info("heartbeat.resumed thread=%s failed_beats=%d", self._name, failing)
                     failing = 0
             self.ticks += 1
+
+    def _failed(self) -> None:
+        if self._on_failure is not None:
+            try:
+                self._on_failure()
+            except Exception:  # a metrics hook must not end the heartbeat
+                logger.debug("heartbeat.on-failure-error", exc_info=True)

@@ -262,6 +262,11 @@ class Status:
     #: any process used it) and this release's.
     format_version: int | None = None
     release_format: int = FORMAT_VERSION
+    #: Queued requests (entries of the owners' waits hashes).
+    waiting_requests: int = 0
+    #: True when ``status(max_owners=N)`` stopped after N owners: the counts
+    #: cover those only.
+    truncated: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -807,8 +812,14 @@ class Inspector:
 
     # -- summary -----------------------------------------------------------
 
-    def status(self) -> Status:
-        """Counts of owners and registered locks, eviction policy, fence."""
+    def status(self, *, max_owners: int | None = None) -> Status:
+        """Counts of owners, registered locks and queued requests, eviction policy, fence.
+
+        Per batch of owners one pipeline (EXISTS, HLEN of the registry and of the
+        waits hash, each). With
+        ``max_owners``, stops after that many owners (``truncated``), which
+        bounds the cost of a periodic caller (the metrics endpoint).
+        """
         # INFO refused by the ACL raises PermissionDenied here (an unknown
         # eviction policy must not pass for an answer); the documented ACL
         # grants it.
@@ -816,16 +827,22 @@ class Inspector:
         server: Any = self._call("INFO", lambda: self.client.info("server"))
         fence = self._call("GET", lambda: self.client.get(self.keys.fence))
         version = server.get("redis_version") if isinstance(server, dict) else None
-        owners = alive = dead = registered = dead_locks = 0
+        owners = alive = dead = registered = dead_locks = waiting = 0
+        truncated = False
         for batch in self.owner_ids():
+            if max_owners is not None and owners + len(batch) > max_owners:
+                batch = batch[: max(0, max_owners - owners)]
+                truncated = True
             pipe = self._pipe()
             for owner in batch:
                 pipe.exists(self.keys.alive(owner))
                 pipe.hlen(self.keys.held(owner))
-            replies = self._run(pipe)
+                pipe.hlen(self.keys.waits(owner))
+            replies = self._run(pipe) if batch else []
             for j in range(len(batch)):
-                is_alive, n = replies[2 * j], replies[2 * j + 1]
+                is_alive, n, w = replies[3 * j], replies[3 * j + 1], replies[3 * j + 2]
                 n = 0 if isinstance(n, Exception) else int(n)
+                waiting += 0 if isinstance(w, Exception) else int(w)
                 owners += 1
                 registered += n
                 if is_alive and not isinstance(is_alive, Exception):
@@ -833,6 +850,8 @@ class Inspector:
                 else:
                     dead += 1
                     dead_locks += n
+            if truncated:
+                break
         warnings: list[str] = []
         if ev.may_evict:
             warnings.append(ev.describe())
@@ -856,6 +875,8 @@ class Inspector:
             dead_owner_locks=dead_locks,
             warnings=warnings,
             format_version=self.usage().format_version,
+            waiting_requests=waiting,
+            truncated=truncated,
         )
 
     # -- release planning ------------------------------------------------

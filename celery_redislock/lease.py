@@ -196,6 +196,11 @@ class Lease:
             return
         self._lost_cause = self._manager._cause_text(cause) if cause is not None else None
         self._lost = True
+        metrics = self._manager._metrics
+        if metrics is not None:
+            from .metrics import LOST_CAUSE_LABELS
+
+            metrics.lease_lost(LOST_CAUSE_LABELS.get(self._lost_cause or "", "unknown"))
         for hook in list(self._lost_hooks):
             try:
                 hook(self, self._lost_cause)

@@ -65,6 +65,7 @@ from .keys import (
     validate_resource,
 )
 from .lease import Lease
+from .metrics import MetricsHook
 from .reports import CleanupReport, ReconcileReport
 from .scripts import Scripts
 
@@ -383,6 +384,13 @@ class LockManager:
             ``"ignore"`` skips the check. An evicted liveness key or lock
             frees locks early; the heartbeat tells the holder, but only after
             the fact.
+        metrics: a :class:`~celery_redislock.metrics.MetricsHook` told of
+            every acquire (wait and outcome), release (hold time), lost
+            lease, cleanup and failed heartbeat in this process (and in
+            processes forked from it), e.g.
+            :class:`celery_redislock.prometheus.PrometheusMetrics`. None
+            (default): nothing is recorded, at the cost of one ``is None``
+            test per event.
 
     ``heartbeat=False`` and ``group`` apply to the process that built the
     manager only (the *member* process; a Celery pool child becomes one
@@ -410,6 +418,7 @@ class LockManager:
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         wait_policy: str = "fail",
         eviction_check: str = "warn",
+        metrics: MetricsHook | None = None,
     ) -> None:
         owner_ttl = _v.duration(
             "owner_ttl", owner_ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL
@@ -479,7 +488,10 @@ class LockManager:
         self._local = threading.local()
         self._hb_client: AnyRedis | None = None
         self._hb_client_pid = 0
-        self._heartbeat = Heartbeat(self.heartbeat_interval, self._beat, "redislock-heartbeat")
+        self._metrics = metrics
+        self._heartbeat = Heartbeat(
+            self.heartbeat_interval, self._beat, "redislock-heartbeat", self._heartbeat_failed
+        )
         self._heartbeat_setting = bool(heartbeat)
         self._group_setting = group
         #: The process in which ``heartbeat=False`` and ``group`` apply (see
@@ -720,6 +732,7 @@ class LockManager:
         haltable = not nested and getattr(self._local, "halt_ok", False)
         block_call = functools.partial(self._block, halt=True) if haltable else self._block
         request_id = new_request_id()
+        began = time.monotonic()
         ident = self._identity.current()
         if self._own_heartbeat:
             self._heartbeat.ensure_started()
@@ -779,6 +792,8 @@ class LockManager:
                             depth.leases.append(lease)
                             depth.count += 1
                     if current:
+                        if self._metrics is not None:
+                            self._metrics.acquired(time.monotonic() - began, "granted")
                         if log_acquire.isEnabledFor(logging.DEBUG):
                             log_acquire.debug(
                                 "acquire.granted owner=%s resources=%s fence=%s",
@@ -846,6 +861,9 @@ class LockManager:
                     if gone in depth.leases:
                         depth.leases.remove(gone)
             self._end_request(ident.owner_id, token, req)
+            if self._metrics is not None and isinstance(exc, Exception):
+                outcome = "timeout" if isinstance(exc, LockTimeout) else "error"
+                self._metrics.acquired(time.monotonic() - began, outcome)
             if self._closed and isinstance(exc, Exception) and not isinstance(exc, LockError):
                 # close() shut the connection under a waiting thread
                 raise LockError(f"this LockManager ({self.url}) was closed") from exc
@@ -998,7 +1016,22 @@ class LockManager:
         ]
         if self.wait_replicas:
             return self._call_and_wait("acquire", keys, args)
-        return self._call("acquire", keys, args)
+        reply = self._call("acquire", keys, args)
+        if self._metrics is not None:
+            self._note_reclaimed(reply)
+        return reply
+
+    def _note_reclaimed(self, reply: Any) -> None:
+        """Count the dead holders' grants an acquire reply says it freed."""
+        code = int(reply[0])
+        at = 2 if code == 1 else 3 if code == 0 else None
+        if self._metrics is not None and at is not None and len(reply) > at and int(reply[at]):
+            self._metrics.cleaned("reclaim", int(reply[at]))
+
+    def _heartbeat_failed(self) -> None:
+        """A heartbeat of this process failed (metrics only)."""
+        if self._metrics is not None:
+            self._metrics.heartbeat_failed()
 
     # -- replica acknowledgement (wait_replicas) --------------------------
 
@@ -1043,12 +1076,14 @@ class LockManager:
     def _call_and_wait(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run a script and ``WAIT`` in one round trip; a grant's reply gains the count.
 
-        ``{1, fence}`` becomes ``[1, fence, replicas that acknowledged]``;
+        ``{1, fence, ...}`` becomes ``[1, fence, replicas that acknowledged]``;
         any other reply is returned as it is.
         """
         reply, acked = self._call(name, keys, args, wait=self.wait_replicas)
+        if self._metrics is not None and name == "acquire":
+            self._note_reclaimed(reply)
         if int(reply[0]) == 1:
-            return [*reply, acked]
+            return [reply[0], reply[1], acked]
         return reply
 
     def _wait_now(self) -> int:
@@ -1244,6 +1279,8 @@ class LockManager:
             self._leases.pop(lease.token, None)
             if lease in lease._depth.leases:
                 lease._depth.leases.remove(lease)
+        if self._metrics is not None:
+            self._metrics.held(time.time() - lease.acquired_at)
         req = lease._request
         try:
             reply = self._run_release(lease.owner_id, lease.token, req, lease=True)
@@ -1433,6 +1470,7 @@ class LockManager:
                 self._bury_doomed(client)
                 self._retry_orphans(client)
             except REDIS_DOWN_ERRORS as exc:  # an outage: one line, not a traceback a second
+                self._heartbeat_failed()
                 if not outage and not self._closed:
                     outage = True
                     log_heartbeat.warning(
@@ -1821,7 +1859,10 @@ class LockManager:
                         report.alive += 1
                         continue
                     try:
-                        report.add(self.cleanup_owner(owner))
+                        rep = self.cleanup_owner(owner)
+                        report.add(rep)
+                        if self._metrics is not None and rep.status != "alive":
+                            self._metrics.cleaned("reconcile")
                     except PermissionDenied:
                         raise  # not this owner's failure: every other one would fail too
                     except (redis.RedisError, LockError) as exc:

@@ -502,6 +502,9 @@ class Node:
                     "cleanup.owner-error owner=%s predecessor=%s error=%r", owner, inc, exc
                 )
         result.cleaned.extend(reports)
+        freed = sum(1 for r in reports if r.status != "alive")
+        if self.manager._metrics is not None and freed:
+            self.manager._metrics.cleaned("startup", freed)
         if not failed and all(r.status != "alive" for r in reports):
             ops._command("DEL", group_key(self.prefix, inc))
 
@@ -675,6 +678,8 @@ class Node:
             log_cleanup.error("cleanup.owner-error owner=%s pid=%d error=%r", owner, pid, exc)
             return  # still in the group: retried next tick
         result.cleaned.append(report)
+        if self.manager._metrics is not None and report.status != "alive":
+            self.manager._metrics.cleaned("child")
         try:
             ops._command("HDEL", self.group_key, owner)
         except LockError as exc:
@@ -721,6 +726,7 @@ class Node:
         try:
             self.tick()
         except LockError as exc:
+            self.manager._heartbeat_failed()
             self._tick_failed(exc)
         else:
             if self.failed_ticks:

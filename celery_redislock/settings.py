@@ -141,6 +141,20 @@ SETTINGS: tuple[Setting, ...] = (
         "'fail' raises ReplicationTimeout (a LockTimeout); 'retry' asks again "
         "until the acquire's timeout.",
     ),
+    Setting(
+        "redislock_metrics_port",
+        "int or None",
+        "None",
+        "TCP port of the worker's Prometheus endpoint (needs the prometheus extra: "
+        "pip install celery-redislock[prometheus]); one endpoint per worker, its "
+        "pool children included (docs/metrics.md). None or 0: no metrics. 1..65535.",
+    ),
+    Setting(
+        "redislock_metrics_address",
+        "str",
+        "'0.0.0.0'",
+        "Address the metrics endpoint listens on ('127.0.0.1': this host only).",
+    ),
 )
 
 SETTING_NAMES = frozenset(s.name for s in SETTINGS)
@@ -216,6 +230,8 @@ class Config:
     wait_replicas: int = 0
     wait_timeout: float = 1.0
     wait_policy: str = "fail"
+    metrics_port: int | None = None
+    metrics_address: str = "0.0.0.0"
 
 
 def _number(
@@ -394,6 +410,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         )
 
     wait_replicas, wait_timeout, wait_policy = _wait_settings(get)
+    metrics_port, metrics_address = _metrics_settings(get)
 
     return Config(
         url=url,
@@ -408,7 +425,33 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         wait_replicas=wait_replicas,
         wait_timeout=wait_timeout,
         wait_policy=wait_policy,
+        metrics_port=metrics_port,
+        metrics_address=metrics_address,
     )
+
+
+def _metrics_settings(get: Callable[[str, Any], Any]) -> tuple[int | None, str]:
+    """``redislock_metrics_port`` and ``redislock_metrics_address``, validated."""
+    name = "redislock_metrics_port"
+    raw = get(name, None)
+    port: Any = raw
+    if isinstance(port, str) and port.strip().isdigit():
+        port = int(port)
+    if port is None or (port == 0 and not isinstance(port, bool)):
+        port = None
+    elif isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigurationError(
+            name, f"must be a TCP port 1..65535 (None or 0: no metrics), not {raw!r}"
+        )
+    name = "redislock_metrics_address"
+    address = get(name, None)
+    if address is None:
+        address = "0.0.0.0"
+    if not isinstance(address, str) or not address or any(c.isspace() for c in address):
+        raise ConfigurationError(
+            name, f"must be a host address such as '0.0.0.0' or '127.0.0.1', not {address!r}"
+        )
+    return port, address
 
 
 def _wait_settings(get: Callable[[str, Any], Any]) -> tuple[int, float, str]:

@@ -76,10 +76,13 @@
 --      owner's waits hash so its cleanup finds every entry.
 --
 -- Reply:
---   {1, fence}         granted (or granted earlier: same fence); the fence
---                      is a decimal string
---   {0, wait_ms, why}  blocked; wait_ms = soonest a blocking owner's liveness
+--   {1, fence, reclaimed}
+--                      granted (or granted earlier: same fence, and no
+--                      reclaimed element); the fence is a decimal string
+--   {0, wait_ms, why, reclaimed}
+--                      blocked; wait_ms = soonest a blocking owner's liveness
 --                      runs out (-1 if unknown); why = 'held' | 'queued'
+--   reclaimed = dead holders' grants step 3 freed (for the metrics)
 --   {-1}               this owner's liveness is gone, or it is tombstoned:
 --                      use a new identity
 
@@ -116,12 +119,16 @@ local function note_wait(ms)
   if ms >= 0 and (wait_ms < 0 or ms < wait_ms) then wait_ms = ms end
 end
 local rewake = {}
+local reclaimed = 0
 
 -- 3. holders
 for i = 1, n do
   local lock = KEYS[7 + i]
   local ms, freed = reclaim_holders(prefix, lock, string.sub(modes, i, i), limit)
-  if freed > 0 then rewake[i] = true end
+  if freed > 0 then
+    rewake[i] = true
+    reclaimed = reclaimed + freed
+  end
   if ms ~= nil then
     blocked = true
     note_wait(ms)
@@ -222,7 +229,7 @@ if not blocked then
   for i, _ in pairs(rewake) do
     wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
   end
-  return {1, fence}
+  return {1, fence, reclaimed}
 end
 
 -- 6. blocked
@@ -250,4 +257,4 @@ if want_queue then
   end
   redis.call('PEXPIRE', req_key, req_ttl)
 end
-return {0, wait_ms, why}
+return {0, wait_ms, why, reclaimed}

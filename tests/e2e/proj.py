@@ -18,6 +18,7 @@ test (each test gets its own broker queue, lock namespace and TTLs):
 ``E2E_MAIN_HELPER``     ``"<resource> <tag>"``: at ``worker_ready``, the main
                         process forks a helper (:func:`_helper`) holding it
 ``E2E_WAIT_REPLICAS``   ``redislock_wait_replicas``; ``E2E_WAIT_TIMEOUT``: ``_wait_timeout``
+``E2E_METRICS_PORT``    ``redislock_metrics_port`` (the worker's Prometheus endpoint)
 ======================  =========================================================
 
 Every key the tasks write for the test lives under ``e2e:`` (outside the lock
@@ -75,6 +76,9 @@ def _build() -> Celery:
         conf["redislock_fast_restart_cleanup"] = os.environ["E2E_FAST_RESTART"] == "1"
     if os.environ.get("E2E_EVICTION_CHECK"):
         conf["redislock_eviction_check"] = os.environ["E2E_EVICTION_CHECK"]
+    if os.environ.get("E2E_METRICS_PORT"):
+        conf["redislock_metrics_port"] = int(os.environ["E2E_METRICS_PORT"])
+        conf["redislock_metrics_address"] = "127.0.0.1"
     if os.environ.get("E2E_WAIT_REPLICAS"):
         conf["redislock_wait_replicas"] = int(os.environ["E2E_WAIT_REPLICAS"])
         conf["redislock_wait_timeout"] = _env_float("E2E_WAIT_TIMEOUT") or 1.0

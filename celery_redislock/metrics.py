@@ -1,0 +1,55 @@
+"""The engine's metrics hook: what a lock process reports, and when.
+
+A :class:`LockManager` made with ``metrics=<hook>`` calls the hook in the
+process that does the work (a pool child for its acquires and releases, the
+worker's main process for the cleanups its node heartbeat makes). Without a
+hook (the default) each of these places costs one ``is None`` test; nothing
+here imports a metrics library. :mod:`celery_redislock.prometheus` (the
+``prometheus`` extra) is the implementation the worker uses when
+``redislock_metrics_port`` is set.
+
+Hook methods must be fast, thread-safe and must not raise (a failing hook
+would fail an acquire or a heartbeat: the engine calls it unguarded).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .exceptions import CAUSE_DECLARED_DEAD, CAUSE_EXPIRED, CAUSE_OPERATOR, CAUSE_REDIS_LOST
+
+#: ``acquired(outcome=...)`` values.
+OUTCOMES = ("granted", "timeout", "error")
+#: ``cleaned(path=...)`` values: a dead pool child's owner freed by its worker
+#: (``child``), a same-name predecessor's owners freed at worker start-up
+#: (``startup``), a dead owner freed by reconcile (``reconcile``), and a dead
+#: holder's grant taken back by an acquire that met it (``reclaim``).
+CLEANUP_PATHS = ("child", "startup", "reconcile", "reclaim")
+#: ``lease_lost(cause=...)`` values: a lost lease's cause
+#: (:attr:`Lease.lost_cause <celery_redislock.Lease>`, one of
+#: ``exceptions.LOST_CAUSES``) as a label; ``unknown`` when none is known.
+LOST_CAUSE_LABELS = {
+    CAUSE_OPERATOR: "operator",
+    CAUSE_DECLARED_DEAD: "declared_dead",
+    CAUSE_EXPIRED: "expired",
+    CAUSE_REDIS_LOST: "redis_lost",
+}
+
+
+class MetricsHook(Protocol):
+    """What the engine reports (see the module docstring)."""
+
+    def acquired(self, wait_seconds: float, outcome: str) -> None:
+        """An acquire ended: granted, timed out (LockTimeout) or failed (any other error)."""
+
+    def held(self, seconds: float) -> None:
+        """A lease was released after being held ``seconds``."""
+
+    def lease_lost(self, cause: str, count: int = 1) -> None:
+        """``count`` leases were marked lost (``cause``: a ``LOST_CAUSE_LABELS`` value)."""
+
+    def cleaned(self, path: str, count: int = 1) -> None:
+        """``count`` owners (``reclaim``: dead holders' grants) were freed by ``path``."""
+
+    def heartbeat_failed(self) -> None:
+        """A heartbeat (the manager's, a pool child's watcher, or the node's) failed."""

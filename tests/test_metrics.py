@@ -1,0 +1,191 @@
+"""The metrics hook and its Prometheus implementation, against a real Redis.
+
+The engine tells the hook of every acquire (wait, outcome), release (hold),
+lost lease, cleanup (reclaim, reconcile) and failed heartbeat; the namespace
+collector reads its gauges from Redis at scrape time, bounded. Without the
+hook the engine never imports prometheus_client. (The worker endpoint, its
+pool children included, is tested end to end in e2e/test_metrics_e2e.py.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+
+from celery_redislock import ConfigurationError, LockManager, LockTimeout
+from celery_redislock.prometheus import NamespaceCollector, PrometheusMetrics
+from celery_redislock.settings import load_config
+from engine_helpers import Managers, wait_until
+from redis_server import RedisServer
+from test_inspect import NS, dead_owner, queued_waiter
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def managers(redis_url: str, registry: CollectorRegistry) -> Iterator[Managers]:
+    made = Managers(redis_url, NS, metrics=PrometheusMetrics(registry))
+    yield made
+    made.close_all()
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    got = registry.get_sample_value(name, labels)
+    return 0.0 if got is None else got
+
+
+def test_acquires_releases_and_timeouts_are_counted_with_their_wait_and_hold(
+    managers: Managers, registry: CollectorRegistry
+) -> None:
+    holder, other = managers(), managers()
+    lease = holder.acquire("a", timeout=5)
+    with pytest.raises(LockTimeout):
+        other.acquire("a", timeout=0)
+    with pytest.raises(LockTimeout):
+        other.acquire("a", timeout=0.05)
+    lease.release()
+    other.acquire("a", timeout=5).release()
+    assert value(registry, "redislock_grants_total") == 2
+    assert value(registry, "redislock_timeouts_total") == 2
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="granted") == 2
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="timeout") == 2
+    assert value(registry, "redislock_acquire_wait_seconds_sum", outcome="timeout") >= 0.05
+    assert value(registry, "redislock_hold_seconds_count") == 2
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="error") == 0
+
+
+def test_reclaims_and_reconcile_are_counted_by_path(
+    managers: Managers, registry: CollectorRegistry, redis_url: str
+) -> None:
+    dead_owner(redis_url, [(["r1", "r2"], [])])
+    dead_owner(redis_url, [(["z"], [])])
+    mgr = managers()
+    mgr.acquire(["r1", "r2"], timeout=5).release()  # two dead grants taken back
+    assert value(registry, "redislock_cleanups_total", path="reclaim") == 2
+    report = mgr.reconcile()
+    assert report.cleaned == 2  # both dead owners (one with no lock left)
+    assert value(registry, "redislock_cleanups_total", path="reconcile") == 2
+
+
+def test_a_lease_lost_and_a_failed_heartbeat_are_counted(
+    registry: CollectorRegistry, tmp_path: object
+) -> None:
+    hook = PrometheusMetrics(registry)
+    with RedisServer(workdir=tmp_path) as server:  # type: ignore[arg-type]
+        mgr = LockManager(server.url, NS, owner_ttl=1.0, metrics=hook)
+        try:
+            lease = mgr.acquire("a", timeout=5)
+            server.client().flushall()
+            wait_until(lambda: lease.lost, what="the lease lost")
+            assert value(registry, "redislock_leases_lost_total", cause="redis_lost") == 1
+            mgr.acquire("b", timeout=5)  # a registered owner again: it beats
+            server.stop()
+            wait_until(
+                lambda: value(registry, "redislock_heartbeat_failures_total") >= 1,
+                what="a failed heartbeat",
+            )
+        finally:
+            mgr.close()
+
+
+def test_namespace_gauges_come_from_redis_at_scrape_time(
+    managers: Managers, redis_url: str, r: redis.Redis
+) -> None:
+    dead_owner(redis_url, [(["d1", "d2"], [])])
+    holder = managers()
+    holder.acquire("busy", timeout=5)
+    waiter = queued_waiter(managers(), exclusive=["busy"])
+    wait_until(lambda: r.hlen("{t}:waits:" + next(iter(_waiting_owners(r)), "-")), what="queued")
+    reg = CollectorRegistry()
+    reg.register(NamespaceCollector(LockManager(redis_url, NS, heartbeat=False), min_interval=0))
+    assert value(reg, "redislock_namespace_up") == 1
+    assert value(reg, "redislock_owners", state="alive") == 2
+    assert value(reg, "redislock_owners", state="dead") == 1
+    assert value(reg, "redislock_holders") == 3
+    assert value(reg, "redislock_dead_owner_locks") == 2
+    assert value(reg, "redislock_waiters") == 1
+    assert value(reg, "redislock_namespace_truncated") == 0
+    capped = CollectorRegistry()
+    capped.register(NamespaceCollector(LockManager(redis_url, NS, heartbeat=False), max_owners=1))
+    assert value(capped, "redislock_namespace_truncated") == 1
+    assert (
+        value(capped, "redislock_owners", state="alive")
+        + value(capped, "redislock_owners", state="dead")
+        == 1
+    )
+    text = generate_latest(reg).decode()
+    assert "# TYPE redislock_owners gauge" in text
+    holder.close()
+    waiter.join(20)
+
+
+def _waiting_owners(r: redis.Redis) -> list[str]:
+    return [k.decode().rsplit(":", 1)[1] for k in r.keys("{t}:waits:*")]
+
+
+def test_an_unreachable_redis_scrapes_as_namespace_down(free_port: object) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # type: ignore[operator]
+    reg = CollectorRegistry()
+    reg.register(NamespaceCollector(LockManager(url, NS, heartbeat=False)))
+    assert value(reg, "redislock_namespace_up") == 0
+    assert reg.get_sample_value("redislock_holders") is None
+
+
+def test_the_engine_never_imports_prometheus_client_without_the_hook(redis_url: str) -> None:
+    code = (
+        "import sys, celery_redislock, celery_redislock.bootsteps, celery_redislock.cli\n"
+        "from celery_redislock import LockManager\n"
+        f"m = LockManager({redis_url!r}, 'noprom')\n"
+        "m.acquire('x', timeout=5).release(); m.close()\n"
+        "assert 'prometheus_client' not in sys.modules, 'imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("bad", [-1, 65536, "http", 1.5, True])
+def test_a_bad_metrics_port_is_refused_naming_the_setting(bad: object) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        load_config({"redislock_url": "redis://h:1/0", "redislock_metrics_port": bad})
+    assert info.value.setting == "redislock_metrics_port" and "1..65535" in str(info.value)
+
+
+def test_metrics_port_and_address_settings() -> None:
+    base = {"redislock_url": "redis://h:1/0"}
+    assert load_config(base).metrics_port is None
+    assert load_config({**base, "redislock_metrics_port": 0}).metrics_port is None
+    cfg = load_config(
+        {**base, "redislock_metrics_port": "9808", "redislock_metrics_address": "127.0.0.1"}
+    )
+    assert (cfg.metrics_port, cfg.metrics_address) == (9808, "127.0.0.1")
+    with pytest.raises(ConfigurationError, match="redislock_metrics_address"):
+        load_config({**base, "redislock_metrics_address": ""})
+
+
+def test_the_docs_and_the_sample_dashboard_name_only_metrics_that_exist(
+    redis_url: str, managers: Managers, registry: CollectorRegistry
+) -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    managers().acquire("doc", timeout=5).release()
+    registry.register(NamespaceCollector(LockManager(redis_url, NS, heartbeat=False)))
+    names = {s.name for fam in registry.collect() for s in fam.samples}
+    names |= {fam.name for fam in registry.collect()}
+    names |= {f"{fam.name}_total" for fam in registry.collect() if fam.type == "counter"}
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"redislock_\w+", e)}
+    used |= set(re.findall(r"`(redislock_\w+)`", (docs / "metrics.md").read_text()))
+    used -= {"redislock_metrics_port", "redislock_metrics_address"}
+    assert used and used <= names, sorted(used - names)
