@@ -41,8 +41,11 @@ from .exceptions import ConfigurationError, InvalidResource
 #: the previous release would misread: processes of two formats refuse to
 #: share a namespace (:class:`~celery_redislock.exceptions.FormatMismatch`;
 #: docs/operations.md, "Upgrading across a data-format change"). Stored in
-#: ``{ns}:format`` by the first process that uses the namespace.
-FORMAT_VERSION = 1
+#: ``{ns}:format`` by the first process that uses the namespace. Format 1 is
+#: the layout of the releases from before versioning (uuid owner ids and
+#: tokens, set registries); format 2 has compact owner ids and request ids
+#: and hash registries.
+FORMAT_VERSION = 2
 #: The format of data written by releases from before format versioning (a
 #: namespace with a fencing counter and no ``{ns}:format`` key).
 UNVERSIONED_FORMAT = 1

@@ -1375,6 +1375,13 @@ class LockManager:
         (a cleanup's reason code); otherwise a missing liveness key is
         explained by :meth:`_loss_reason`.
         """
+        if where in ("heartbeat", "acquire", "watch", "node-heartbeat"):
+            # The liveness key is gone: Redis may have lost its data, the
+            # format key with it. Check (and re-create) it on the next call:
+            # armed before the identity is retired, so that no new identity
+            # of this process registers (and re-creates the fencing counter,
+            # which would then read as older data) before the check.
+            self._format_pending = True
         if not self._identity.retire(ident):
             return
         if cause is None:
@@ -1402,10 +1409,6 @@ class LockManager:
         )
         for lease in lost:
             lease._mark_lost(cause)
-        if where in ("heartbeat", "acquire", "watch", "node-heartbeat"):
-            # The liveness key is gone: Redis may have lost its data, the
-            # format key with it. Check (and re-create) it on the next call.
-            self._format_pending = True
         if where == "deadline":
             self._heartbeat.wake()
 

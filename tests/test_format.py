@@ -119,10 +119,23 @@ def test_redis_losing_its_data_simply_re_creates_the_format_key(
         # the running manager goes on (re-checking once), and so does a new one
         mgr.acquire("b", timeout=5).release()
         assert client.get(FORMAT_KEY) == str(FORMAT_VERSION).encode()
-        client.delete(FORMAT_KEY)
+        client.flushall()  # a brand-new process after another loss
         fresh = LockManager(client, "t", heartbeat=False)
         fresh.acquire("c", timeout=5).release()
         assert client.get(FORMAT_KEY) == str(FORMAT_VERSION).encode()
         assert not [rec for rec in caplog.records if "format" in rec.getMessage().lower()]
     finally:
         client.close()
+
+
+def test_data_of_a_release_from_before_format_versioning_is_refused_as_such(
+    managers: Managers, r: redis.Redis
+) -> None:
+    assert UNVERSIONED_FORMAT != FORMAT_VERSION  # the layout changed since
+    r.set("{t}:fence", "1764456000123456")  # used, by a release without a format key
+    with pytest.raises(FormatMismatch) as info:
+        managers().acquire("a", timeout=5)
+    assert info.value.unversioned and info.value.found == UNVERSIONED_FORMAT
+    assert "written before format versioning" in str(info.value)
+    assert "drain them" in str(info.value)
+    assert r.get(FORMAT_KEY) is None  # nothing written

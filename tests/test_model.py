@@ -90,7 +90,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from celery_redislock import LockManager
+from celery_redislock import FORMAT_VERSION, LockManager
 from celery_redislock.identity import OwnerIdentity
 from celery_redislock.node import group_key, node_key, tomb_key
 from lock_model import Model, Owner, Request, conflicts, purge_budget
@@ -630,6 +630,8 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self.clock_fences = self.model.max_fence
             ahead = max(self.model.max_fence, now[0] * 1_000_000 + now[1]) + 10**9
             self.r.set(PREFIX + "fence", str(ahead))
+            # a server that has the namespace's fence has its format key too
+            self.r.set(PREFIX + "format", str(FORMAT_VERSION), nx=True)
             self.model.max_fence = ahead
             self.settle()
         elif kind in ("script-flush", "restart"):
