@@ -25,7 +25,7 @@ from .exceptions import (
 from .inspect import Inspector
 from .keys import FORMAT_VERSION
 from .lease import Lease
-from .manager import LockManager
+from .manager import Adoption, LockManager, TaskGrant
 from .reports import CleanupReport, ReconcileReport
 from .task import TemplateError, current_lease, locked
 
@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "Adoption",
     "CleanupReport",
     "ConfigurationError",
     "EvictionCheck",
@@ -51,6 +52,7 @@ __all__ = [
     "RedisUnavailable",
     "ReplicationTimeout",
     "ShuttingDown",
+    "TaskGrant",
     "TemplateError",
     "check_eviction",
     "current_lease",

@@ -23,6 +23,8 @@ key                            type    holds
                                        value = why ('operator', 'dead', '1')
 ``{ns}:holder:<token>``        string  ``task name\ntask id\nnode`` of a grant
                                        taken by a Celery task (none otherwise)
+``{ns}:adopted:<task owner>``  hash    who adopted a task owner's locks, and
+                                       the grants (TTL; see adopt.lua)
 ``{ns}:fence``                 string  last fencing token
 ``{ns}:seq``                   string  last arrival sequence number
 ``{ns}:format``                string  data-format version of the namespace
@@ -114,6 +116,70 @@ def validate_owner_id(owner_id: object) -> str:
     return owner_id
 
 
+#: Prefix of the owner id of a task owner (locks held on behalf of a task
+#: message, until the process that runs it adopts them).
+TASK_OWNER_PREFIX = "task:"
+
+
+def validate_task_id(task_id: object) -> str:
+    """Return ``task_id`` if it can name a task owner, else raise ValueError.
+
+    Celery task ids are uuids by default, but any ``str`` a caller passes as
+    ``task_id`` is accepted when it is safe as part of a key and a holder
+    token: non-empty, at most :data:`MAX_RESOURCE_BYTES` UTF-8 bytes less the
+    ``task:`` prefix, no ``|`` and no control characters. Whatever it holds,
+    it only ever becomes the suffix of a key inside the namespace.
+    """
+    if not isinstance(task_id, str):
+        raise ValueError(f"a task id must be a str, not {type(task_id).__name__}: {task_id!r}")
+    try:
+        validate_owner_id(TASK_OWNER_PREFIX + task_id)
+    except ValueError:
+        raise ValueError(
+            f"not a usable task id (empty, too long, or has '|' or control characters): {task_id!r}"
+        ) from None
+    if not task_id:
+        raise ValueError("a task id must not be empty")
+    try:
+        task_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"a task id must be valid UTF-8: {task_id!r}") from exc
+    return task_id
+
+
+def task_owner_id(task_id: str, attempt: int = 0) -> str:
+    """The owner id of task ``task_id``'s owner (validated).
+
+    ``task:<task id>`` for a task's first message, ``task+<n>:<task id>``
+    for the message of its n-th retry (the same task id is sent again, and a
+    task owner once adopted is tombstoned, so each attempt has its own).
+    """
+    validate_task_id(task_id)
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+        raise ValueError(f"attempt must be an int >= 0, not {attempt!r}")
+    if attempt == 0:
+        return TASK_OWNER_PREFIX + task_id
+    return f"task+{attempt}:{task_id}"
+
+
+def task_token(owner_id: str, task_id: str) -> str:
+    """The holder token of a task's grant: ``<owner>|task:<task id>``.
+
+    The request id part names the task, so whoever holds the grant (the task
+    owner, or the process that adopted it, which keeps the request id) can
+    be traced back to the task: see :func:`task_id_of_token`.
+    """
+    return f"{owner_id}|{TASK_OWNER_PREFIX}{task_id}"
+
+
+def task_id_of_token(token: str) -> str | None:
+    """The task id a holder token was granted for; None for any other grant."""
+    _, sep, rid = token.partition("|")
+    if sep and rid.startswith(TASK_OWNER_PREFIX):
+        return rid[len(TASK_OWNER_PREFIX) :]
+    return None
+
+
 def validate_node_name(name: object, setting: str = "nodename") -> str:
     """Return a Celery node name (``celery@host``) usable in ``{ns}:node:<name>``.
 
@@ -171,6 +237,9 @@ class Keyspace:
 
     def holder(self, token: str) -> str:
         return f"{self.prefix}holder:{token}"
+
+    def adopted(self, owner_id: str) -> str:
+        return f"{self.prefix}adopted:{owner_id}"
 
     def resource_of(self, lock_key: str) -> str:
         """The resource name of a ``{ns}:lock:<resource>`` key."""

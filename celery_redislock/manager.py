@@ -61,6 +61,9 @@ from .keys import (
     MAX_RESOURCES,
     UNVERSIONED_FORMAT,
     Keyspace,
+    task_id_of_token,
+    task_owner_id,
+    task_token,
     validate_owner_id,
     validate_resource,
 )
@@ -232,6 +235,63 @@ class _Request:
     @property
     def resources(self) -> tuple[str, ...]:
         return self.exclusive + self.shared
+
+
+@dataclass(frozen=True)
+class TaskGrant:
+    """What :meth:`LockManager.acquire_for_task` got.
+
+    Attributes:
+        task_id: the task the request was made for.
+        granted: True when the task owner holds every resource.
+        fencing_token: the grant's fencing token (None when refused).
+        token: the holder token stored in the locks (None when refused).
+        holder: when refused, the holder token of a grant that blocked it
+            (None if it left before it could be read).
+    """
+
+    task_id: str
+    granted: bool
+    fencing_token: int | None
+    token: str | None
+    holder: str | None
+
+    @property
+    def holder_owner(self) -> str | None:
+        """The owner id of the blocking holder (a task owner or a process)."""
+        return None if self.holder is None else self.holder.split("|", 1)[0]
+
+    @property
+    def holder_task_id(self) -> str | None:
+        """The task id the blocking grant was made for, queued or running.
+
+        A task's grant keeps naming its task after a worker process adopted
+        it. None when the blocker is not a task's grant (a plain lock).
+        """
+        return None if self.holder is None else task_id_of_token(self.holder)
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """What :meth:`LockManager.adopt` did.
+
+    Attributes:
+        task_id: the task whose owner was adopted.
+        status: ``"adopted"``, or why nothing was: ``"expired"``,
+            ``"tombstoned"`` or ``"adopted-elsewhere"``.
+        leases: the adopted grants (empty unless ``"adopted"``).
+        by: the owner id that adopted them (this process's, or another's).
+    """
+
+    task_id: str
+    status: str
+    leases: list[Lease]
+    by: str | None
+
+    @property
+    def adopted(self) -> bool:
+        """True when this process now holds the task's locks."""
+        return self.status == "adopted"
 
 
 class _Outage:
@@ -1202,6 +1262,222 @@ class LockManager:
             yield lease
         finally:
             lease.release()
+
+    # -- task owners: locks held by a task id, adopted by its process -----
+
+    def acquire_for_task(
+        self,
+        task_id: str,
+        exclusive: str | Iterable[str] | None = None,
+        shared: str | Iterable[str] | None = None,
+        *,
+        ttl: float,
+        attempt: int = 0,
+    ) -> TaskGrant:
+        """Try once to take the resources on behalf of task ``task_id``.
+
+        The holder is the task owner ``task:<task_id>``, not this process:
+        it is registered like any owner, with a liveness key of its own that
+        expires after ``ttl`` seconds (the time the task may spend in the
+        broker). Nobody refreshes it: the process that runs the task takes
+        the locks over with :meth:`adopt`; if no process does within
+        ``ttl``, the task owner is dead and its locks are reclaimed like
+        those of any dead owner (by the next acquirer of a resource, by
+        :meth:`reconcile`, or by :meth:`release_task`).
+
+        ``attempt``: the retry number of the task's message (Celery sends a
+        retried task again under the same id): each attempt has its own task
+        owner (:func:`keys.task_owner_id`), since an adopted one is retired.
+
+        Never waits and never queues. One round trip: the acquire script and
+        a read of the resources' holders go in one pipeline, so a refusal
+        names who blocked it. The holder token is
+        ``<task owner>|task:<task_id>`` (:func:`keys.task_token`): a repeated
+        call for the same task and attempt is the same request, and answers
+        with the same grant.
+
+        Returns a :class:`TaskGrant`: ``granted``, the fencing token, and
+        when refused the owner id (and task id, for a task owner) of a
+        holder that blocked it (``None`` if it left meanwhile).
+
+        Raises:
+            ValueError: an unusable task id (see :func:`keys.validate_task_id`).
+            InvalidResource, ConfigurationError: bad names or ``ttl``.
+            LockError: the task owner was retired already (its locks were
+                adopted or cleaned up): a task id holds locks at most once.
+            RedisUnavailable, PermissionDenied: as for :meth:`acquire`.
+        """
+        req = self._request(exclusive, shared)
+        if self._closed:
+            raise LockError(f"this LockManager ({self.url}) is closed: make a new one")
+        owner = task_owner_id(task_id, attempt)
+        ttl = _v.duration("ttl", ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL)
+        token = task_token(owner, task_id)
+        keys = [
+            self.keys.fence,
+            self.keys.seq,
+            self.keys.owners,
+            self.keys.held(owner),
+            self.keys.alive(owner),
+            self.keys.req(token),
+            self.keys.wake(token),
+            *req.lock_keys,
+            *req.queue_keys,
+        ]
+        args = [
+            owner,
+            token,
+            req.modes,
+            "0",  # never queue
+            "0",
+            str(int(ttl * 1000)),
+            f"task={task_id}",  # registering: SET NX, or PEXPIRE when it exists
+            self.keys.prefix,
+            self._req_ttl_arg,
+            self._limit_arg,
+            "",
+        ]
+        if self._eviction_pending or self._eviction_refusal is not None:
+            self._check_eviction_once()
+        for _ in range(3):
+            try:
+                reply, holders = self._scripts.run_then_read(
+                    "acquire", keys, args, list(req.lock_keys)
+                )
+            except REDIS_DOWN_ERRORS as exc:
+                raise RedisUnavailable(self.url, exc) from exc
+            except redis.ResponseError as exc:
+                denied = permission_denied(exc, self.url, "EVALSHA acquire + HGETALL")
+                if denied is None:
+                    raise
+                raise denied from exc
+            code = int(reply[0])
+            if code == 1:
+                return TaskGrant(task_id, True, int(reply[1]), token, None)
+            if code == -1:
+                raise LockError(
+                    f"task owner {owner} was retired (its locks were adopted or cleaned up): "
+                    "a task id can hold locks only once"
+                )
+            blocker = None
+            for mode, held in zip(req.modes, holders):
+                for field, value in held.items():
+                    t, v = _text(field), _text(value)
+                    if mode == "x" or v.startswith("x"):
+                        blocker = t
+                        break
+                if blocker is not None:
+                    break
+            if blocker is None:
+                continue  # the holder left between the script and the read
+            return TaskGrant(task_id, False, None, None, blocker)
+        return TaskGrant(task_id, False, None, None, None)
+
+    def release_task(self, task_id: str, attempt: int = 0) -> CleanupReport:
+        """Free every lock task ``task_id``'s owner holds, and retire it.
+
+        For a task whose message was never sent (the producer failed to
+        publish it). The same atomic, O(its locks) cleanup as a dead owner's
+        (forced: the task owner's liveness is deleted first); the task owner
+        is tombstoned, so a later :meth:`acquire_for_task` of the same id
+        raises. A task owner already adopted or gone answers ``"cleaned"``
+        with nothing released.
+        """
+        return self._cleanup(task_owner_id(task_id, attempt), force=True)
+
+    def adopt(self, task_id: str, attempt: int = 0) -> Adoption:
+        """Take over every lock task ``task_id``'s owner holds, in this process.
+
+        Call it in the process that runs the task, before its body. One
+        atomic script moves each grant to this process's owner (same mode,
+        same fencing token, a new holder token), retires the task owner and
+        tombstones it. The grants come back as normal :class:`Lease` objects:
+        they live and die with this process's owner (released by
+        :meth:`Lease.release`, freed with the process when it dies). They do
+        not count as locks the calling thread holds: an ``acquire`` made
+        after ``adopt`` is not treated as nested.
+
+        Idempotent: called again by the same process (say, after a reply lost
+        to a connection drop), it returns the same grants (those not released
+        since). One round trip, O(locks of the task owner).
+
+        Returns an :class:`Adoption`: ``status`` is ``"adopted"`` with
+        ``leases`` (possibly empty: the task owner held nothing), or nothing
+        was adopted: ``"expired"`` (the task owner's liveness ran out: its
+        locks are anyone's to reclaim), ``"tombstoned"`` (it was cleaned up
+        or released) or ``"adopted-elsewhere"`` (another owner, ``by``, took
+        it). The caller decides what to do then (``UniqueTask`` acquires the
+        resources afresh). ``attempt``: as for :meth:`acquire_for_task`.
+        """
+        owner = task_owner_id(task_id, attempt)
+        if self._closed:
+            raise LockError(f"this LockManager ({self.url}) is closed: make a new one")
+        ident = self._identity.current()
+        if self._own_heartbeat:
+            self._heartbeat.ensure_started()
+        else:
+            self._ensure_lost_watch()
+        reply: Any = None
+        for _ in range(3):
+            group = self._group() if (self._group is not None and not ident.registered) else None
+            keys = [
+                self.keys.held(owner),
+                self.keys.alive(owner),
+                self.keys.owners,
+                self.keys.held(ident.owner_id),
+                self.keys.alive(ident.owner_id),
+                self.keys.adopted(owner),
+                self.keys.dead(owner),
+            ]
+            if group is not None:
+                keys.append(group)
+            args = [
+                owner,
+                ident.owner_id,
+                self.keys.prefix,
+                str(int(self.owner_ttl * 1000)),
+                "" if ident.registered else ident.describe(self.name),
+                ident.tag if group is not None else "",
+                self._req_ttl_arg,
+                self._limit_arg,
+            ]
+            started = time.monotonic()
+            reply = self._call("adopt", keys, args)
+            if int(reply[0]) != -1:
+                break
+            self._owner_lost(ident, "acquire")
+            ident = self._identity.current()
+        code = int(reply[0])
+        if code == -1:
+            raise LockError(f"owner {ident.owner_id} was declared dead while adopting {owner}")
+        ident.registered = True
+        if not self._confirm(ident, started, self.owner_ttl):
+            self._owner_lost(ident, "deadline")
+        if code == 0:
+            why = _text(reply[1])
+            by = _text(reply[2]) or None
+            return Adoption(task_id, "adopted-elsewhere" if why == "adopted" else why, [], by)
+        leases: list[Lease] = []
+        for entry in reply[1:]:
+            token, fence, modes, *names = (_text(x) for x in entry)
+            ex = [n for m, n in zip(modes, names) if m == "x"]
+            sh = [n for m, n in zip(modes, names) if m != "x"]
+            req = self._request(ex, sh)
+            # A depth of its own: adopted locks do not make the thread's next
+            # acquire a nested one.
+            leases.append(Lease(self, req, ident, token, int(fence), _Depth()))
+        with self._state_lock:
+            current = self._identity.peek() is ident and not self._closed
+            if current:
+                for lease in leases:
+                    self._leases[lease.token] = lease
+        if not current:
+            for lease in leases:
+                lease._mark_lost()
+        log_acquire.info(
+            "acquire.adopted task=%s owner=%s grants=%d", task_id, ident.owner_id, len(leases)
+        )
+        return Adoption(task_id, "adopted", leases, ident.owner_id)
 
     # -- release ----------------------------------------------------------
 

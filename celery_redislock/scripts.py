@@ -33,6 +33,7 @@ SCRIPT_NAMES = (
     "node_evict",
     "node_stop",
     "format",
+    "adopt",
 )
 
 
@@ -73,6 +74,33 @@ class Scripts:
         except NoScriptError:
             c.script_load(self._source[name])
             return c.evalsha(self._sha[name], len(keys), *keys, *args)
+
+    def run_then_read(
+        self, name: str, keys: list[str], args: list[Any], hashes: list[str]
+    ) -> tuple[Any, list[Any]]:
+        """Run script ``name``, then ``HGETALL`` each of ``hashes``: one round trip.
+
+        The reads go in the same pipeline, right after the script on the same
+        connection (not atomically with it: another client's command may run
+        in between, so callers treat what they read as a hint). Returns
+        ``(script reply, [hash contents])``. NOSCRIPT loads the script and
+        sends the pipeline again; a script error is raised as it is.
+        """
+        c = self._client
+        for attempt in (1, 2):
+            pipe = c.pipeline(transaction=False)
+            pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+            for key in hashes:
+                pipe.hgetall(key)
+            reply, *read = pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError) and attempt == 1:
+                c.script_load(self._source[name])
+                continue
+            for item in (reply, *read):
+                if isinstance(item, Exception):
+                    raise item
+            return reply, read
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def run_and_wait(
         self, name: str, keys: list[str], args: list[Any], replicas: int, timeout_ms: int

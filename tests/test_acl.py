@@ -196,6 +196,14 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
             with holder.lock("b", timeout=0), waiter.lock("b", timeout=0):
                 pass
 
+        # Locks held by a task id, adopted by the process that runs the task.
+        assert holder.acquire_for_task("t1", "unique:a", ttl=30).granted
+        assert waiter.acquire_for_task("t2", "unique:a", ttl=30).holder_task_id == "t1"
+        [adopted] = waiter.adopt("t1").leases
+        adopted.release()
+        holder.acquire_for_task("t3", "unique:b", ttl=30)
+        holder.release_task("t3")
+
         dead = manager(owner_ttl=0.3, heartbeat=False)
         dead.acquire(exclusive=["c"], timeout=5)
         dead_id = dead.owner_id

@@ -1,0 +1,157 @@
+-- adopt.lua: move every lock a task owner holds to the process that runs the
+-- task, in one step. A task owner ('task:<task id>') holds locks on behalf of
+-- a task message while it travels through the broker, with a liveness of its
+-- own; the process that starts the task adopts them, and from then on they
+-- live and die with that process's owner like any lock it acquired.
+--
+-- KEYS (all in {ns}):
+--   1 {ns}:held:<task owner>     the task owner's registry
+--   2 {ns}:alive:<task owner>    the task owner's liveness key
+--   3 {ns}:owners                the active-owners set
+--   4 {ns}:held:<owner>          the adopting owner's registry
+--   5 {ns}:alive:<owner>         the adopting owner's liveness key
+--   6 {ns}:adopted:<task owner>  record of the adoption (hash: 'by' -> owner,
+--                                new token -> '<modes>\n<res 1>\n<res 2>...')
+--   7 {ns}:dead:<task owner>     the task owner's tombstone
+--   8 (optional) {ns}:group:<id> the adopting owner's group hash, written on
+--                                registration as acquire.lua does
+-- Lock keys come from the task owner's registry; the request state, wake
+-- lists, queues and {ns}:waits:<task owner> are built from ARGV[3].
+--
+-- ARGV:
+--   1 task owner id 'task:<task id>'
+--   2 adopting owner id
+--   3 key prefix '{ns}:'
+--   4 adopting owner's liveness TTL in ms
+--   5 value of the adopting owner's liveness key when registering (owner
+--     description), '' when it is registered already
+--   6 process tag for the group hash (only read when KEYS[8] is given)
+--   7 TTL in ms of the tombstone and of the adoption record
+--   8 queue scan limit
+--
+-- Atomic steps:
+--   1. The adopting owner's liveness, exactly as acquire.lua step 1
+--      (registering: refused if tombstoned, else SET NX PX or PEXPIRE, and
+--      the group entry; registered: PEXPIRE, a missing key refuses).
+--   2. Idempotency: an adoption record exists. By this owner: reply its
+--      grants again, each read back from its first lock hash (a grant
+--      released since is left out). By another owner: reply so.
+--   3. The task owner must be alive (its liveness key exists); otherwise
+--      reply why not ('expired': no key; 'tombstoned': cleaned up). Its
+--      locks are left to the usual reclaim (acquire, cleanup, reconcile).
+--   4. Move: for each lock key of the task owner's registry (only keys of
+--      the form '{ns}:lock:<res>'), every field of the task owner is
+--      rewritten to '<owner>|<same request id>' with the same value (mode
+--      and fence), the key joins the adopter's registry, the old token's
+--      request state and wake list are deleted. The task owner's queued
+--      requests, if any, leave their queues (their waiters are woken).
+--   5. Retire the task owner: DEL its registry, liveness and waits hash,
+--      SREM it from the owners set, tombstone it (KEYS[7], PX ARGV[7]: a
+--      late acquire for it is refused), write the adoption record (PX
+--      ARGV[7]), SADD the adopter to the owners set.
+--
+-- Reply:
+--   {1, {token, fence, modes, res 1, ...}, ...}  adopted (or adopted earlier
+--                by this owner): one entry per grant, fence a decimal string
+--   {0, why, by} nothing adopted: why = 'expired' | 'tombstoned' |
+--                'adopted' (by = the owner that adopted it, else '')
+--   {-1}         the adopting owner's liveness is gone, or it is tombstoned
+
+local task_owner, owner, prefix = ARGV[1], ARGV[2], ARGV[3]
+local reg_ttl, tomb_ttl, limit = ARGV[4], ARGV[7], tonumber(ARGV[8])
+local lock_prefix = prefix .. 'lock:'
+
+-- 1. the adopter's liveness
+if ARGV[5] ~= '' then
+  if redis.call('EXISTS', prefix .. 'dead:' .. owner) == 1 then return {-1} end
+  if not redis.call('SET', KEYS[5], ARGV[5], 'NX', 'PX', reg_ttl) then
+    redis.call('PEXPIRE', KEYS[5], reg_ttl)
+  end
+  if KEYS[8] then redis.call('HSET', KEYS[8], owner, ARGV[6]) end
+elseif redis.call('PEXPIRE', KEYS[5], reg_ttl) == 0 then
+  return {-1}
+end
+
+-- Grant entry of the reply for one new token, read from its lock hashes.
+local function grant_of(token, shape)
+  local cut = string.find(shape, '\n', 1, true)
+  if not cut then return nil end
+  local modes, names = string.sub(shape, 1, cut - 1), split_names(string.sub(shape, cut + 1))
+  local v = redis.call('HGET', lock_prefix .. names[1], token)
+  if not v then return nil end
+  local entry = {token, string.sub(v, 2), modes}
+  for i = 1, #names do entry[#entry + 1] = names[i] end
+  return entry
+end
+
+-- 2. idempotency
+local by = redis.call('HGET', KEYS[6], 'by')
+if by then
+  if by ~= owner then return {0, 'adopted', by} end
+  local out = {1}
+  local kv = redis.call('HGETALL', KEYS[6])
+  for j = 1, #kv, 2 do
+    if kv[j] ~= 'by' then
+      local entry = grant_of(kv[j], kv[j + 1])
+      if entry then out[#out + 1] = entry end
+    end
+  end
+  return out
+end
+
+-- 3. the task owner must be alive
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  if redis.call('EXISTS', KEYS[7]) == 1 then return {0, 'tombstoned', ''} end
+  return {0, 'expired', ''}
+end
+
+-- 4. move
+local p = task_owner .. '|'
+local grants, order = {}, {} -- old token -> {fence, modes, names}
+for _, lock in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if string.sub(lock, 1, #lock_prefix) == lock_prefix then
+    local kv = redis.call('HGETALL', lock)
+    for j = 1, #kv, 2 do
+      local t, v = kv[j], kv[j + 1]
+      if string.sub(t, 1, #p) == p then
+        local new = owner .. '|' .. string.sub(t, #p + 1)
+        redis.call('HDEL', lock, t)
+        redis.call('HSET', lock, new, v)
+        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
+        local g = grants[new]
+        if not g then
+          g = {string.sub(v, 2), {}, {}}
+          grants[new] = g
+          order[#order + 1] = new
+        end
+        g[2][#g[2] + 1] = mode_of(v)
+        g[3][#g[3] + 1] = string.sub(lock, #lock_prefix + 1)
+      end
+    end
+    redis.call('SADD', KEYS[4], lock)
+  end
+end
+local waits = prefix .. 'waits:' .. task_owner
+for _, t in ipairs(redis.call('HKEYS', waits)) do
+  for _, q in ipairs(drop_request(prefix, t)) do
+    wake_front(prefix, q, lock_prefix .. string.sub(q, #prefix + 3), limit, tomb_ttl)
+  end
+end
+
+-- 5. retire the task owner, record the adoption
+redis.call('DEL', KEYS[1], KEYS[2], waits)
+redis.call('SREM', KEYS[3], task_owner)
+redis.call('SET', KEYS[7], '1', 'PX', tomb_ttl)
+local out = {1}
+redis.call('HSET', KEYS[6], 'by', owner)
+for _, new in ipairs(order) do
+  local g = grants[new]
+  local modes = table.concat(g[2])
+  redis.call('HSET', KEYS[6], new, modes .. '\n' .. table.concat(g[3], '\n'))
+  local entry = {new, g[1], modes}
+  for i = 1, #g[3] do entry[#entry + 1] = g[3][i] end
+  out[#out + 1] = entry
+end
+redis.call('PEXPIRE', KEYS[6], tomb_ttl)
+if #order > 0 then redis.call('SADD', KEYS[3], owner) end
+return out
