@@ -198,8 +198,9 @@ def test_adopted_locks_die_with_the_adopting_owner(managers: Managers, r: redis.
     producer.acquire_for_task(TID, "unique:a", ttl=60)
     [lease] = worker.adopt(TID).leases
     wait_until(lambda: not _alive(r, worker.owner_id), what="adopter liveness expiry")
-    assert producer.reconcile().released == 1
-    assert lock_holders(r) == {}
+    # Freed by whoever comes first: reconcile, or the adopter's own watcher
+    # putting its lapsed identity to death.
+    wait_until(lambda: producer.reconcile() and not lock_holders(r), what="locks freed")
     assert lease.lost
 
 
