@@ -3,8 +3,11 @@
 The engine (:class:`LockManager`, :class:`Lease`) works without Celery;
 importing this package does not import Celery. :class:`Inspector` reads
 who holds and who waits for what (what the CLI shows). The Celery face is
-:class:`RedisLock` (the extension), :func:`locked` (the task decorator) and
-:func:`current_lease` (the lease of the running ``@locked`` body).
+:class:`RedisLock` (the extension), :func:`locked` (the task decorator),
+:func:`current_lease` (the lease of the running ``@locked`` body) and
+:class:`UniqueTask` (a Task base: one queued-or-running task per key; it is
+imported on first access, so that importing the package alone does not
+import Celery).
 """
 
 from .app import RedisLock
@@ -12,6 +15,7 @@ from .checks import EvictionCheck, check_eviction
 from .exceptions import (
     ConfigurationError,
     FormatMismatch,
+    DuplicateTask,
     InvalidResource,
     LockError,
     LockLost,
@@ -31,11 +35,21 @@ from .task import TemplateError, current_lease, locked
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    if name == "UniqueTask":
+        from .unique import UniqueTask
+
+        return UniqueTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "FORMAT_VERSION",
     "Adoption",
     "CleanupReport",
     "ConfigurationError",
+    "DuplicateTask",
     "EvictionCheck",
     "FormatMismatch",
     "Inspector",
@@ -54,6 +68,7 @@ __all__ = [
     "ShuttingDown",
     "TaskGrant",
     "TemplateError",
+    "UniqueTask",
     "check_eviction",
     "current_lease",
     "locked",

@@ -50,6 +50,7 @@ def _connect_signals() -> None:
 
         signals.worker_process_init.connect(_on_worker_process_init, weak=False)
         signals.beat_init.connect(_on_beat_init, weak=False)
+        signals.task_revoked.connect(_on_task_revoked, weak=False)
         _signals_connected = True
 
 
@@ -57,6 +58,14 @@ def _on_worker_process_init(**_: Any) -> None:
     # No Redis round trip here: the pool kills a child not ready in ~4 s.
     for locks in list(_instances):
         locks._process_init()
+
+
+def _on_task_revoked(**kwargs: Any) -> None:
+    # A unique task discarded before it ran frees its key (celery_redislock.unique).
+    if getattr(kwargs.get("sender"), "_redislock_unique", False):
+        from .unique import on_task_revoked
+
+        on_task_revoked(**kwargs)
 
 
 def config_error_line(exc: ConfigurationError) -> str:

@@ -21,6 +21,9 @@ Every error the library raises on purpose derives from :class:`LockError`::
      ├── ShuttingDown       the worker began a warm shutdown while the request
      │                      waited; it left the queue (``@locked`` hands the
      │                      task back to the broker)
+     ├── DuplicateTask      a UniqueTask was sent while another task with the
+     │                      same unique key is queued or running
+     │                      (``unique_on_duplicate="raise"``)
      └── PermissionDenied   Redis refused a command or key to the lock user
                             (an ACL ``NOPERM``; names the command and the fix)
 """
@@ -265,6 +268,30 @@ class ShuttingDown(LockError):
         return (
             "the worker is shutting down: stopped waiting for "
             f"{', '.join(self.resources)} (the request left the queue)"
+        )
+
+
+class DuplicateTask(LockError):
+    """A unique task was not sent: another one with its key is queued or running.
+
+    Raised by ``UniqueTask.apply_async`` (``delay``, signatures, canvas) when
+    ``unique_on_duplicate="raise"``, or whatever the mode when the key is
+    held by something that is not a task (a plain lock on ``unique:<key>``).
+    Attributes: ``key`` (the unique key, without the ``unique:`` prefix),
+    ``task_id`` (the task that holds it, or None when not a task) and
+    ``task`` (the name of the task that was not sent).
+    """
+
+    def __init__(self, key: str, task_id: str | None, task: str = "the task") -> None:
+        self.key = key
+        self.task_id = task_id
+        self.task = task
+        super().__init__(key, task_id, task)
+
+    def __str__(self) -> str:
+        held = f"task {self.task_id}" if self.task_id else "a lock that is not a task's"
+        return (
+            f"{self.task} not sent: unique key {self.key!r} is held by {held} (queued or running)"
         )
 
 

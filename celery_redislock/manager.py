@@ -791,7 +791,9 @@ class LockManager:
         # worker shutdown; a body's later or nested acquire is never cut short.
         haltable = not nested and getattr(self._local, "halt_ok", False)
         block_call = functools.partial(self._block, halt=True) if haltable else self._block
-        request_id = new_request_id()
+        # A task's own request id (``task:<id>``, set by UniqueTask around
+        # the call) makes the grant name its task, like acquire_for_task's.
+        request_id = getattr(self._local, "request_id", None) or new_request_id()
         began = time.monotonic()
         ident = self._identity.current()
         if self._own_heartbeat:

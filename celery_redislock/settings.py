@@ -32,6 +32,9 @@ MAX_WAIT_TIMEOUT = 60.0
 #: Bounds of ``redislock_reconcile_interval`` when set (seconds; 0 or None: off).
 MIN_RECONCILE_INTERVAL = 1.0
 MAX_RECONCILE_INTERVAL = 7 * 86400.0
+#: Default of ``redislock_unique_ttl`` (seconds): how long a unique task's
+#: key may wait in the broker for a worker to start the task.
+DEFAULT_UNIQUE_TTL = 3600.0
 #: Values of ``locked(on_busy=...)``.
 ON_BUSY_MODES = ("wait", "retry", "raise", "skip")
 #: Values of ``redislock_on_lost`` and ``locked(on_lost=...)``.
@@ -155,6 +158,14 @@ SETTINGS: tuple[Setting, ...] = (
         "'0.0.0.0'",
         "Address the metrics endpoint listens on ('127.0.0.1': this host only).",
     ),
+    Setting(
+        "redislock_unique_ttl",
+        "float (seconds)",
+        "3600.0",
+        "Default unique_ttl of UniqueTask: how long a unique task's key is held "
+        "for a message not yet started (queued, or its producer died); then it "
+        "is freed. A running task's key lives with its worker process. 0.1..86400.",
+    ),
 )
 
 SETTING_NAMES = frozenset(s.name for s in SETTINGS)
@@ -232,6 +243,7 @@ class Config:
     wait_policy: str = "fail"
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
+    unique_ttl: float = DEFAULT_UNIQUE_TTL
 
 
 def _number(
@@ -412,6 +424,15 @@ def load_config(conf: Mapping[str, Any]) -> Config:
     wait_replicas, wait_timeout, wait_policy = _wait_settings(get)
     metrics_port, metrics_address = _metrics_settings(get)
 
+    raw_unique = get("redislock_unique_ttl", None)
+    unique_ttl = _number(
+        "redislock_unique_ttl",
+        DEFAULT_UNIQUE_TTL if raw_unique is None else raw_unique,
+        minimum=_v.MIN_OWNER_TTL,
+        maximum=_v.MAX_OWNER_TTL,
+    )
+    assert unique_ttl is not None
+
     return Config(
         url=url,
         namespace=namespace,
@@ -427,6 +448,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         wait_policy=wait_policy,
         metrics_port=metrics_port,
         metrics_address=metrics_address,
+        unique_ttl=unique_ttl,
     )
 
 

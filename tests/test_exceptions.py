@@ -15,6 +15,7 @@ from celery import Celery
 
 from celery_redislock import (
     ConfigurationError,
+    DuplicateTask,
     InvalidResource,
     LockError,
     LockLost,
@@ -32,6 +33,8 @@ ERRORS: list[LockError] = [
     InvalidResource("resource name is empty", ""),
     ConfigurationError("redislock_owner_ttl", "must be within 0.05..86400 s, not -1"),
     ShuttingDown(["repo:1"]),
+    DuplicateTask("report:42", "6f1c2a9e-3b7d-4e1a-9c55-0d2b8e4f7a10", "proj.report"),
+    DuplicateTask("report:42", None),
     TemplateError("repo:{repo}", "repo", "sync"),
     TemplateError("repo:{n:d}", "Unknown format code", "sync", "cannot be formatted (ValueError)"),
     ReplicationTimeout(["repo:1"], 2.5, 1, 0, 0.5),

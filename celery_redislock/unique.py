@@ -1,0 +1,346 @@
+"""``UniqueTask``: at most one queued-or-running task per unique key.
+
+::
+
+    @app.task(base=UniqueTask, unique_key="report:{user_id}")
+    def report(user_id): ...
+
+    r1 = report.delay(7)
+    r2 = report.delay(7)      # r2.id == r1.id while r1 is queued or running
+
+The key ``unique:<key>`` is a lock of the engine. ``apply_async`` (and so
+``delay``, signatures and canvas, which call it) takes it for the task owner
+``task:<task id>`` before the message is sent, without waiting; a duplicate
+gets the existing task's result handle (``unique_on_duplicate="return"``)
+or :class:`DuplicateTask` (``"raise"``). The task owner's liveness is
+``unique_ttl`` (plus any countdown or eta): the time the message may spend
+in the broker. When the worker starts the task, the process that runs it
+adopts the key (:meth:`LockManager.adopt`), and from then on the key lives
+and dies with that process like any lock: freed when the task ends in any
+way, or when the process or its worker dies (the node's cleanup, within a
+heartbeat tick). A message that never runs frees its key after
+``unique_ttl``; one revoked or expired before it starts frees it at once
+(``task_revoked`` in the worker).
+
+See docs/unique.md for the lifecycle, the chaos cases and what each
+option of celery-once and celery-singleton maps to.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import inspect
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from celery import Task
+
+from . import _validate as _v
+from .exceptions import ConfigurationError, DuplicateTask, LockError, LockTimeout
+from .keys import TASK_OWNER_PREFIX
+from .lease import Lease
+from .task import _check_fields, _find_locks, _format, _template_list
+
+if TYPE_CHECKING:
+    from .app import RedisLock
+
+log = logging.getLogger("celery_redislock.unique")
+
+#: Prefix of the resource a unique key is locked as.
+UNIQUE_PREFIX = "unique:"
+#: Values of ``unique_on_duplicate``.
+ON_DUPLICATE_MODES = ("return", "raise")
+#: Longest default key kept readable; a longer one is hashed (sha256).
+MAX_PLAIN_KEY = 200
+
+#: The lease of the unique key of each task running in this thread or
+#: greenlet (task id -> lease), so that a retry sent from the body hands
+#: the key on to its next message.
+_running: contextvars.ContextVar[tuple[tuple[str, Lease | None], ...]] = contextvars.ContextVar(
+    "celery_redislock_unique", default=()
+)
+
+
+def _stable(value: Any) -> str:
+    """A stable text of the arguments: sorted keys, no whitespace, repr fallback."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+
+
+def _check_options(cls: type) -> None:
+    """Refuse bad ``unique_*`` attributes when the task class is made (import time)."""
+    name = getattr(cls, "name", None) or cls.__qualname__
+    key = cls.__dict__.get("unique_key")
+    if key is not None:
+        [template] = _template_list(f"{name}.unique_key", key)
+        run = cls.__dict__.get("run")
+        fun = getattr(run, "__func__", run)
+        if fun is not None and callable(fun):
+            try:
+                sig = inspect.signature(fun)
+            except (TypeError, ValueError):
+                sig = None
+            if sig is not None:
+                _check_fields([template], sig, f"{name}.unique_key")
+    ttl = cls.__dict__.get("unique_ttl")
+    if ttl is not None:
+        _v.duration(f"{name}.unique_ttl", ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL)
+    mode = cls.__dict__.get("unique_on_duplicate")
+    if mode is not None and mode not in ON_DUPLICATE_MODES:
+        raise ConfigurationError(
+            f"{name}.unique_on_duplicate",
+            f"must be one of {', '.join(ON_DUPLICATE_MODES)}, not {mode!r}",
+        )
+
+
+class UniqueTask(Task):
+    """A Task base: at most one task per unique key is queued or running.
+
+    Options, as task attributes (``@app.task(base=UniqueTask, unique_key=...)``):
+
+    ``unique_key``
+        A ``str.format`` template over the task's bound arguments (defaults
+        applied), e.g. ``"report:{user_id}"``; fields name parameters, as in
+        ``@locked``. Default (None): the task name and every argument,
+        normalised, so ``f.delay(1)`` and ``f.delay(x=1)`` are the same key
+        (a key longer than 200 characters is hashed).
+    ``unique_ttl``
+        Seconds the key is held for a message no worker has started yet
+        (queued, or its producer died before sending it); a countdown or
+        eta is added. Default: the ``redislock_unique_ttl`` setting (1 hour).
+        A running task's key does not expire: it lives with its process.
+    ``unique_on_duplicate``
+        ``"return"`` (default): ``apply_async`` / ``delay`` return the
+        ``AsyncResult`` of the task that holds the key; nothing is sent.
+        ``"raise"``: raise :class:`DuplicateTask` (with its ``task_id``).
+
+    The key is freed when the task ends (success, failure, exhausted
+    retries, soft time limit), when the process running it dies (hard time
+    limit, revoke with terminate, a crash: the worker's node frees it within
+    a heartbeat tick; a dead worker's after its owners' liveness expires),
+    when a revoked or expired message is discarded by a worker, and after
+    ``unique_ttl`` for a message that never runs. A retry hands the key on
+    to the retry's message. Works with ``@locked`` on the same task.
+    """
+
+    unique_key: str | None = None
+    unique_ttl: float | None = None
+    unique_on_duplicate: str = "return"
+    #: Marks unique tasks for the worker's ``task_revoked`` handler.
+    _redislock_unique = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_options(cls)
+
+    # -- the key ----------------------------------------------------------
+
+    def unique_key_for(self, args: Any = None, kwargs: Any = None) -> str:
+        """The unique key of a call with ``args`` and ``kwargs`` (no prefix).
+
+        Raises TypeError when the arguments do not fit the task's signature,
+        :class:`TemplateError` when ``unique_key`` cannot be formatted.
+        """
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        sig = inspect.signature(self.run)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from exc
+        bound.apply_defaults()
+        mapping = dict(bound.arguments)
+        for p in sig.parameters.values():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                for k, v in (mapping.pop(p.name, None) or {}).items():
+                    mapping.setdefault(k, v)
+        if self.unique_key is not None:
+            [key] = _format([self.unique_key], mapping, f"{self.name}.unique_key")
+            return key
+        text = _stable(mapping)
+        key = f"{self.name}:{text}"
+        if len(key) > MAX_PLAIN_KEY:
+            key = f"{self.name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+        return key
+
+    def _locks(self) -> RedisLock:
+        return _find_locks(self)
+
+    def _ttl(self, locks: RedisLock, options: Mapping[str, Any]) -> float:
+        ttl = self.unique_ttl if self.unique_ttl is not None else locks.config.unique_ttl
+        delay = 0.0
+        countdown = options.get("countdown")
+        eta = options.get("eta")
+        if countdown:
+            delay = float(countdown)
+        elif eta is not None:
+            if isinstance(eta, str):
+                eta = datetime.fromisoformat(eta)
+            if eta.tzinfo is None:
+                eta = eta.replace(tzinfo=timezone.utc)
+            delay = (eta - datetime.now(timezone.utc)).total_seconds()
+        return min(_v.MAX_OWNER_TTL, float(ttl) + max(0.0, delay))
+
+    # -- enqueue ----------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Send the task unless one with its unique key is queued or running.
+
+        Takes ``unique:<key>`` for the task owner ``task:<task id>`` (one
+        round trip, never waits). Duplicate: the holder's ``AsyncResult``,
+        or :class:`DuplicateTask` (see the class doc). If sending fails, the
+        key is released before the error propagates.
+        """
+        locks = self._locks()
+        mgr = locks.manager
+        key = self.unique_key_for(args, kwargs)
+        resource = UNIQUE_PREFIX + key
+        task_id = task_id or str(uuid.uuid4())
+        attempt = int(options.get("retries") or 0)
+        ttl = self._ttl(locks, options)
+        if attempt:
+            # A retry sent from the running body: hand the key on from this
+            # process to the retry's message (its own task owner).
+            held = dict(_running.get()).get(task_id)
+            if held is not None and not held.released:
+                held.release()
+        grant = mgr.acquire_for_task(task_id, resource, ttl=ttl, attempt=attempt)
+        if not grant.granted:
+            existing = grant.holder_task_id
+            if attempt:
+                # A retry must still run; its key is taken by a newcomer that
+                # slipped in during the hand-on (or a plain lock).
+                log.warning(
+                    "unique.retry-without-key task=%s id=%s key=%s holder=%s",
+                    self.name,
+                    task_id,
+                    key,
+                    existing or grant.holder_owner,
+                )
+            elif existing is not None and self.unique_on_duplicate == "return":
+                log.info("unique.duplicate task=%s key=%s existing=%s", self.name, key, existing)
+                return self.AsyncResult(existing)
+            else:
+                raise DuplicateTask(key, existing, self.name)
+        try:
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                **options,
+            )
+        except BaseException:
+            if grant.granted:
+                try:
+                    mgr.release_task(task_id, attempt)
+                except LockError as exc:
+                    log.error(
+                        "unique.release-error task=%s id=%s key=%s error=%r "
+                        "(the key is freed after unique_ttl)",
+                        self.name,
+                        task_id,
+                        key,
+                        exc,
+                    )
+            raise
+
+    # -- run --------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly or not request.id:
+            return super().__call__(*args, **kwargs)
+        lease = self._take_over(request, args, kwargs)
+        token = _running.set((*_running.get(), (request.id, lease)))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _running.reset(token)
+            if lease is not None and not lease.released:
+                try:
+                    lease.release()
+                except LockError as exc:  # the engine retries a deferred release
+                    log.error(
+                        "unique.release-error task=%s id=%s error=%r", self.name, request.id, exc
+                    )
+
+    def _take_over(self, request: Any, args: Any, kwargs: Any) -> Lease | None:
+        """Adopt the key from the task owner; or take it afresh; or run without.
+
+        A message whose key was not adopted (its task owner expired while
+        queued, or it is redelivered after the process that adopted it died)
+        takes the key for this process without waiting. If another task
+        holds it meanwhile, the task still runs (it was sent): logged.
+        """
+        mgr = self._locks().manager
+        task_id = request.id
+        attempt = int(request.retries or 0)
+        adoption = mgr.adopt(task_id, attempt)
+        if adoption.adopted and adoption.leases:
+            for extra in adoption.leases[1:]:  # a unique task's owner holds one grant
+                extra.release()
+            return adoption.leases[0]
+        key = self.unique_key_for(args, kwargs)
+        mgr._local.request_id = TASK_OWNER_PREFIX + task_id
+        try:
+            lease = mgr.acquire(UNIQUE_PREFIX + key, timeout=0)
+        except LockTimeout:
+            log.warning(
+                "unique.run-without-key task=%s id=%s key=%s adopt=%s: another task holds the "
+                "key; this one runs anyway (it was sent)",
+                self.name,
+                task_id,
+                key,
+                adoption.status,
+            )
+            return None
+        finally:
+            mgr._local.request_id = None
+        log.info(
+            "unique.key-retaken task=%s id=%s key=%s adopt=%s",
+            self.name,
+            task_id,
+            key,
+            adoption.status,
+        )
+        return lease
+
+
+def on_task_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Worker: a unique task revoked or expired before it ran frees its key.
+
+    Runs in the worker's main process when it discards the message. For a
+    task already running (revoked with terminate), the key was adopted: the
+    process holding it frees it when it ends or dies.
+    """
+    if sender is None or request is None or not getattr(sender, "_redislock_unique", False):
+        return
+    task_id = getattr(request, "id", None)
+    if not task_id:
+        return
+    try:
+        locks = _find_locks(sender)
+        report = locks.manager.release_task(task_id, int(getattr(request, "retries", 0) or 0))
+    except Exception as exc:  # never break the worker's revoke path
+        log.error("unique.revoke-release-error id=%s error=%r", task_id, exc)
+        return
+    if report.released:
+        log.info("unique.revoked-released id=%s locks=%d", task_id, report.released)

@@ -1,0 +1,367 @@
+"""UniqueTask with a real Redis broker and Celery's in-process test worker.
+
+Real-subprocess tests (prefork children SIGKILLed, a worker SIGKILLed)
+live in tests/e2e/test_unique_e2e.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chain, group
+from celery.contrib.testing.worker import start_worker
+
+from celery_redislock import (
+    ConfigurationError,
+    DuplicateTask,
+    LockManager,
+    RedisLock,
+    TemplateError,
+    UniqueTask,
+    current_lease,
+    locked,
+)
+from celery_redislock.settings import load_config
+from engine_helpers import wait_until
+
+NS = "quick"
+PREFIX = "{" + NS + "}:"
+
+
+def make_app(redis_url: str, **conf: Any) -> Celery:
+    app = Celery("uq", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(
+        redislock_namespace=NS,
+        redislock_owner_ttl=1.5,
+        redislock_heartbeat_interval=0.25,
+        task_default_queue=f"q-{time.monotonic_ns()}",
+        broker_connection_retry_on_startup=False,
+        **conf,
+    )
+    RedisLock(app)
+    return app
+
+
+@pytest.fixture
+def app(redis_url: str) -> Iterator[Celery]:
+    app = make_app(redis_url)
+    yield app
+    RedisLock.of(app).close()  # type: ignore[union-attr]
+
+
+def holders(r: redis.Redis, key: str) -> list[str]:
+    return [t.decode() for t in r.hkeys(PREFIX + "lock:unique:" + key)]
+
+
+def test_default_key_normalises_the_arguments(app: Celery) -> None:
+    @app.task(base=UniqueTask, name="uq.add")
+    def add(x: int, y: int = 2, *rest: int, **kw: Any) -> int:
+        return x + y
+
+    k = add.unique_key_for
+    assert k((1,)) == k((), {"x": 1}) == k((1, 2)) == k((), {"y": 2, "x": 1})
+    assert k((1,)) != k((1, 3))
+    assert k((1,), {"b": 1, "a": 2}) == k((1,), {"a": 2, "b": 1})
+    assert k((1,)).startswith("uq.add:")
+    long = k(("x" * 500,))
+    assert long.startswith("uq.add:sha256:") and len(long) < 100
+    with pytest.raises(TypeError, match="uq.add"):
+        k((), {"nope": 1})
+
+
+def test_template_key_and_options_are_checked_at_import(app: Celery) -> None:
+    @app.task(base=UniqueTask, unique_key="report:{user_id}", name="uq.report")
+    def report(user_id: int, fmt: str = "pdf") -> None:
+        pass
+
+    assert report.unique_key_for((7,), {"fmt": "csv"}) == "report:7"
+    app = Celery("bad", set_as_current=False)  # its refused tasks stay pending there
+    with pytest.raises(TemplateError, match="nope"):
+
+        @app.task(base=UniqueTask, unique_key="r:{nope}", name="uq.bad1", shared=False)
+        def bad1(user_id: int) -> None:
+            pass
+
+        _ = bad1.name  # a lazy proxy: make the task
+    with pytest.raises(ConfigurationError, match="unique_on_duplicate"):
+
+        @app.task(base=UniqueTask, unique_on_duplicate="ignore", name="uq.bad2", shared=False)
+        def bad2() -> None:
+            pass
+
+        _ = bad2.name
+    with pytest.raises(ConfigurationError, match="unique_ttl"):
+
+        @app.task(base=UniqueTask, unique_ttl=-1, name="uq.bad3", shared=False)
+        def bad3() -> None:
+            pass
+
+        _ = bad3.name
+
+
+@pytest.mark.parametrize("value", [-1, 0, "soon", 10**9])
+def test_bad_unique_ttl_setting_is_refused(redis_url: str, value: object) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        load_config({"broker_url": redis_url, "redislock_unique_ttl": value})
+    assert info.value.setting == "redislock_unique_ttl"
+    assert load_config({"broker_url": redis_url}).unique_ttl == 3600.0
+    assert load_config({"broker_url": redis_url, "redislock_unique_ttl": "5"}).unique_ttl == 5.0
+
+
+def test_a_duplicate_while_queued_returns_the_queued_task_or_raises(
+    app: Celery, r: redis.Redis
+) -> None:
+    @app.task(base=UniqueTask, unique_key="rep:{n}", name="uq.rep")
+    def rep(n: int) -> int:
+        return n
+
+    @app.task(base=UniqueTask, unique_key="rep:{n}", unique_on_duplicate="raise", name="uq.rep2")
+    def rep2(n: int) -> int:
+        return n
+
+    first = rep.delay(1)
+    assert rep.delay(1).id == first.id
+    assert rep.apply_async((1,)).id == first.id
+    assert rep.s(1).delay().id == first.id
+    assert rep.delay(2).id != first.id  # another key
+    with pytest.raises(DuplicateTask) as info:
+        rep2.delay(1)  # same key, another task: still a duplicate
+    assert info.value.task_id == first.id and info.value.key == "rep:1"
+    assert holders(r, "rep:1") == [f"task:{first.id}|task:{first.id}"]
+    ttl = r.pttl(PREFIX + f"alive:task:{first.id}")
+    assert 3_500_000 < ttl <= 3_600_000  # redislock_unique_ttl's default
+
+
+def test_a_failed_send_releases_the_key(app: Celery, r: redis.Redis) -> None:
+    @app.task(base=UniqueTask, unique_key="k", name="uq.send")
+    def send() -> None:
+        pass
+
+    from kombu.exceptions import SerializerNotInstalled
+
+    with pytest.raises(SerializerNotInstalled):
+        send.apply_async(serializer="no-such-serializer")
+    assert holders(r, "k") == []
+    assert send.delay().id  # not a duplicate of the message never sent
+
+
+def test_a_message_never_run_frees_its_key_after_unique_ttl(app: Celery, r: redis.Redis) -> None:
+    @app.task(base=UniqueTask, unique_key="k", unique_ttl=0.3, name="uq.lost")
+    def lost() -> None:
+        pass
+
+    first = lost.delay()
+    wait_until(lambda: not r.exists(PREFIX + f"alive:task:{first.id}"), what="unique_ttl")
+    second = lost.delay()
+    assert second.id != first.id
+    assert holders(r, "k") == [f"task:{second.id}|task:{second.id}"]
+
+
+def test_countdown_extends_the_key_ttl(app: Celery, r: redis.Redis) -> None:
+    @app.task(base=UniqueTask, unique_key="k", unique_ttl=10, name="uq.later")
+    def later() -> None:
+        pass
+
+    res = later.apply_async(countdown=100)
+    assert r.pttl(PREFIX + f"alive:task:{res.id}") > 100_000
+
+
+def test_worker_adopts_the_key_runs_once_and_frees_it(app: Celery, r: redis.Redis) -> None:
+    seen: dict[str, Any] = {}
+    gate: list[bool] = []
+
+    @app.task(base=UniqueTask, bind=True, unique_key="job:{n}", name="uq.job")
+    def job(self: Any, n: int) -> str:
+        seen["holders"] = holders(r, f"job:{n}")
+        seen["dup"] = job.delay(n).id  # a duplicate while running
+        wait_until(lambda: gate, what="the test lets the task finish")
+        return self.request.id
+
+    @app.task(base=UniqueTask, unique_key="bad", name="uq.boom")
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        res = job.delay(1)
+        wait_until(lambda: "dup" in seen, what="task running")
+        assert seen["dup"] == res.id
+        [token] = seen["holders"]
+        owner, rid = token.split("|")
+        assert rid == f"task:{res.id}" and not owner.startswith("task")  # adopted
+        assert job.delay(1).id == res.id  # while running, from outside
+        gate.append(True)
+        assert res.get(timeout=20) == res.id
+        assert holders(r, "job:1") == []
+        assert not r.exists(PREFIX + f"alive:task:{res.id}")
+        assert r.exists(PREFIX + f"dead:task:{res.id}")
+        again = job.delay(1)
+        assert again.id != res.id
+        gate.append(True)
+        again.get(timeout=20)
+        failed = boom.delay()
+        with pytest.raises(RuntimeError):
+            failed.get(timeout=20, propagate=True)
+        assert holders(r, "bad") == []
+    assert not r.keys(PREFIX + "lock:*")
+
+
+def test_a_retry_keeps_the_key_until_the_last_attempt(app: Celery, r: redis.Redis) -> None:
+    attempts: list[int] = []
+    during: list[list[str]] = []
+
+    @app.task(base=UniqueTask, bind=True, unique_key="flaky", max_retries=3, name="uq.flaky")
+    def flaky(self: Any) -> int:
+        attempts.append(self.request.retries)
+        during.append(holders(r, "flaky"))
+        if self.request.retries < 2:
+            raise self.retry(countdown=0.2)
+        return self.request.retries
+
+    @app.task(base=UniqueTask, bind=True, unique_key="doomed", max_retries=1, name="uq.doomed")
+    def doomed(self: Any) -> None:
+        raise self.retry(countdown=0, exc=ValueError("no"))
+
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+        res = flaky.delay()
+        # Between attempts the key is the retry's task owner's: a duplicate
+        # still gets the same task.
+        wait_until(
+            lambda: any(h.startswith("task+") for h in holders(r, "flaky")),
+            what="the retry's message holds the key",
+        )
+        assert flaky.delay().id == res.id
+        assert res.get(timeout=20) == 2
+        assert attempts == [0, 1, 2]
+        assert all(len(h) == 1 and h[0].endswith(f"|task:{res.id}") for h in during)
+        assert holders(r, "flaky") == []
+        d = doomed.delay()
+        with pytest.raises(ValueError):
+            d.get(timeout=20)
+        assert holders(r, "doomed") == []  # retries exhausted: freed
+
+
+def test_an_expired_message_frees_its_key_when_the_worker_discards_it(
+    app: Celery, r: redis.Redis
+) -> None:
+    ran: list[int] = []
+
+    @app.task(base=UniqueTask, unique_key="exp", name="uq.exp")
+    def exp() -> None:
+        ran.append(1)
+
+    res = exp.apply_async(expires=0.3)
+    deadline = time.time() + 0.3
+    wait_until(lambda: time.time() > deadline + 0.05, what="the message expired")
+    assert holders(r, "exp") == [f"task:{res.id}|task:{res.id}"]
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+        wait_until(lambda: holders(r, "exp") == [], what="task_revoked freed the key")
+    assert ran == []
+
+
+def test_a_revoked_queued_message_frees_its_key_when_the_worker_discards_it(
+    app: Celery, r: redis.Redis
+) -> None:
+    """Revoke of a queued message: the worker discards it and frees its key.
+
+    The in-process worker takes no broadcast here: the id goes straight into
+    its revoked set, as the revoke command does (e2e sends a real revoke).
+    """
+    from celery.worker import state
+
+    @app.task(base=UniqueTask, unique_key="rv", name="uq.rv")
+    def rv() -> None:
+        pass
+
+    res = rv.delay()
+    state.revoked.add(res.id)  # before the worker receives the message
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            wait_until(lambda: holders(r, "rv") == [], what="the revoked message's key freed")
+            wait_until(lambda: res.state == "REVOKED", what="revoked")
+    finally:
+        state.revoked.discard(res.id)
+
+
+def test_eager_mode_behaves_the_same(redis_url: str, r: redis.Redis) -> None:
+    app = make_app(redis_url, task_always_eager=True)
+    try:
+        inner: list[str] = []
+
+        @app.task(base=UniqueTask, bind=True, unique_key="e:{n}", name="uq.eager")
+        def eager(self: Any, n: int) -> str:
+            inner.append(eager.delay(n).id)  # a duplicate while it runs
+            inner.extend(holders(r, f"e:{n}"))
+            return self.request.id
+
+        res = eager.delay(1)
+        assert res.get() == res.id
+        assert inner[0] == res.id and inner[1].endswith(f"|task:{res.id}")
+        assert holders(r, "e:1") == []
+        assert eager.delay(1).id != res.id
+    finally:
+        RedisLock.of(app).close()  # type: ignore[union-attr]
+
+
+def test_chain_and_group(app: Celery, r: redis.Redis) -> None:
+    @app.task(base=UniqueTask, name="uq.step")
+    def step(n: int) -> int:
+        return n + 1
+
+    @app.task(name="uq.plain")
+    def plain(n: int) -> int:
+        return n * 10
+
+    # Without a worker: a group sends each member through apply_async, so
+    # identical members are one message; the chain's first task holds its key.
+    g = group(step.s(1), step.s(1), step.s(2)).apply_async()
+    ids = [x.id for x in g.results]
+    assert len(holders(r, step.unique_key_for((1,)))) == 1
+    assert holders(r, step.unique_key_for((1,)))[0] == f"task:{ids[0]}|task:{ids[0]}"
+    assert holders(r, step.unique_key_for((2,)))[0] == f"task:{ids[2]}|task:{ids[2]}"
+    c = chain(step.s(5), plain.s()).apply_async()
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        assert c.get(timeout=20) == 60
+        assert g.results[0].get(timeout=20) == 2 and g.results[2].get(timeout=20) == 3
+        # A chain whose later step is unique: sent by the worker, same rules.
+        assert chain(plain.s(1), step.s()).apply_async().get(timeout=20) == 11
+    assert not r.keys(PREFIX + "lock:*")
+
+
+def test_unique_task_with_locked_body(app: Celery, r: redis.Redis) -> None:
+    @app.task(base=UniqueTask, bind=True, unique_key="u:{n}", name="uq.both")
+    @locked("res:{n}")
+    def both(self: Any, n: int) -> list[str]:
+        lease = current_lease()
+        assert lease is not None
+        return sorted(holders(r, f"u:{n}") + [t.decode() for t in r.hkeys(PREFIX + "lock:res:1")])
+
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+        out = both.delay(1).get(timeout=20)
+    assert len(out) == 2 and len({t.split("|")[0] for t in out}) == 1  # one process holds both
+    assert not r.keys(PREFIX + "lock:*")
+
+
+def test_a_redelivered_message_whose_key_was_freed_takes_it_again(
+    app: Celery, r: redis.Redis, redis_url: str
+) -> None:
+    """A message whose task owner is gone (adopted by a process that died,
+    then freed) still runs, and takes its key again for the run."""
+    seen: list[list[str]] = []
+
+    @app.task(base=UniqueTask, unique_key="rd", name="uq.rd")
+    def rd() -> None:
+        seen.append(holders(r, "rd"))
+
+    res = rd.delay()
+    dead = LockManager(redis_url, NS, owner_ttl=30)
+    assert dead.adopt(res.id).adopted  # a process adopted it ...
+    dead.cleanup_owner(dead.owner_id, force=True)  # ... and died; its locks freed
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+        res.get(timeout=20)
+    assert len(seen[0]) == 1 and seen[0][0].endswith(f"|task:{res.id}")
+    assert holders(r, "rd") == []
+    dead.close()
