@@ -13,6 +13,7 @@ test (each test gets its own broker queue, lock namespace and TTLs):
 ``E2E_OWNER_TTL``       ``redislock_owner_ttl`` (seconds)
 ``E2E_HEARTBEAT``       ``redislock_heartbeat_interval`` (seconds)
 ``E2E_RECONCILE``       ``redislock_reconcile_interval`` (seconds)
+``E2E_UNIQUE_TTL``      ``redislock_unique_ttl`` (seconds)
 ``E2E_FAST_RESTART``    ``redislock_fast_restart_cleanup`` (``0``/``1``)
 ``E2E_EVICTION_CHECK``  ``redislock_eviction_check`` (``warn``/``raise``/``ignore``)
 ``E2E_MAIN_HELPER``     ``"<resource> <tag>"``: at ``worker_ready``, the main
@@ -41,6 +42,8 @@ from celery import Celery, signals
 
 from celery_redislock import LockLost, LockTimeout, RedisLock, current_lease, locked
 
+from . import unique_tasks
+
 #: Longest a ``hold`` task blocks waiting for its go signal, seconds.
 HOLD_LIMIT = 300.0
 
@@ -68,6 +71,7 @@ def _build() -> Celery:
         ("E2E_OWNER_TTL", "redislock_owner_ttl"),
         ("E2E_HEARTBEAT", "redislock_heartbeat_interval"),
         ("E2E_RECONCILE", "redislock_reconcile_interval"),
+        ("E2E_UNIQUE_TTL", "redislock_unique_ttl"),
     ):
         value = _env_float(env)
         if value is not None:
@@ -350,3 +354,5 @@ def _fork_main_helper(sender: Any = None, **_: Any) -> None:
 
 
 signals.worker_ready.connect(_fork_main_helper, weak=False)
+
+unique_hold = unique_tasks.define(app, data)

@@ -1,0 +1,55 @@
+"""The unique tasks of the end-to-end tests, defined on any app.
+
+:mod:`e2e.proj` defines them on the workers' app; a test defines them on
+its producer app too, so that ``apply_async`` runs ``UniqueTask``'s enqueue
+in the test process (``send_task`` would bypass it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from celery_redislock import UniqueTask
+
+#: Longest a unique hold blocks waiting for its go signal, seconds.
+HOLD_LIMIT = 300.0
+
+
+def define(app: Any, data: Callable[[], redis.Redis]) -> Any:
+    """Define ``e2e.unique_hold`` on ``app``; return the task."""
+
+    @app.task(
+        name="e2e.unique_hold",
+        bind=True,
+        base=UniqueTask,
+        unique_key="uh:{tag}",
+        acks_late=True,
+        shared=False,
+    )
+    def unique_hold(self: Any, tag: str, fail: bool = False, block: int = 1000) -> dict[str, Any]:
+        """Run once per key: log ``e2e:uh-log:<tag>``, wait for ``e2e:go:<tag>``.
+
+        Deliveries up to ``block`` wait for the go signal; a later one (a
+        redelivery after its child was killed) completes at once. ``fail``:
+        raise RuntimeError after the go signal.
+        """
+        r = data()
+        attempt = int(r.incr(f"e2e:uh-attempts:{tag}"))
+        info = {"pid": os.getpid(), "id": self.request.id, "attempt": attempt}
+        r.rpush(f"e2e:uh-log:{tag}", json.dumps(info))
+        if attempt <= block:
+            deadline = time.monotonic() + HOLD_LIMIT
+            while time.monotonic() < deadline:
+                if r.blpop([f"e2e:go:{tag}"], timeout=0.5):
+                    break
+        if fail:
+            raise RuntimeError(f"unique_hold {tag} fails as asked")
+        return info
+
+    return unique_hold
