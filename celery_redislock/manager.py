@@ -248,6 +248,10 @@ class TaskGrant:
         token: the holder token stored in the locks (None when refused).
         holder: when refused, the holder token of a grant that blocked it
             (None if it left before it could be read).
+        repeated: granted, and the task owner already held this grant before
+            the call (an earlier call for the same task and attempt). A
+            read made just before the script in the same round trip: a
+            call that redis-py retried after a lost reply may also see it.
     """
 
     task_id: str
@@ -255,6 +259,7 @@ class TaskGrant:
     fencing_token: int | None
     token: str | None
     holder: str | None
+    repeated: bool = False
 
     @property
     def holder_owner(self) -> str | None:
@@ -1343,8 +1348,8 @@ class LockManager:
             self._check_eviction_once()
         for _ in range(3):
             try:
-                reply, holders = self._scripts.run_then_read(
-                    "acquire", keys, args, list(req.lock_keys)
+                reply, holders, before = self._scripts.run_then_read(
+                    "acquire", keys, args, list(req.lock_keys), probe=(req.lock_keys[0], token)
                 )
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
@@ -1355,7 +1360,7 @@ class LockManager:
                 raise denied from exc
             code = int(reply[0])
             if code == 1:
-                return TaskGrant(task_id, True, int(reply[1]), token, None)
+                return TaskGrant(task_id, True, int(reply[1]), token, None, before is not None)
             if code == -1:
                 raise LockError(
                     f"task owner {owner} was retired (its locks were adopted or cleaned up): "

@@ -76,30 +76,41 @@ class Scripts:
             return c.evalsha(self._sha[name], len(keys), *keys, *args)
 
     def run_then_read(
-        self, name: str, keys: list[str], args: list[Any], hashes: list[str]
-    ) -> tuple[Any, list[Any]]:
-        """Run script ``name``, then ``HGETALL`` each of ``hashes``: one round trip.
+        self,
+        name: str,
+        keys: list[str],
+        args: list[Any],
+        hashes: list[str],
+        probe: tuple[str, str] | None = None,
+    ) -> tuple[Any, list[Any], Any]:
+        """Run script ``name`` and ``HGETALL`` each of ``hashes``: one round trip.
 
-        The reads go in the same pipeline, right after the script on the same
-        connection (not atomically with it: another client's command may run
-        in between, so callers treat what they read as a hint). Returns
-        ``(script reply, [hash contents])``. NOSCRIPT loads the script and
-        sends the pipeline again; a script error is raised as it is.
+        ``probe`` = ``(key, field)``: an ``HGET`` sent just before the script,
+        in the same pipeline (what the script is about to find). The reads go
+        on the same connection as the script, not atomically with it: another
+        client's command may run in between, so callers treat what they read
+        as a hint. Returns ``(script reply, [hash contents], probed value or
+        None)``. NOSCRIPT loads the script and sends the pipeline again; a
+        script error is raised as it is.
         """
         c = self._client
         for attempt in (1, 2):
             pipe = c.pipeline(transaction=False)
+            if probe is not None:
+                pipe.hget(*probe)
             pipe.evalsha(self._sha[name], len(keys), *keys, *args)
             for key in hashes:
                 pipe.hgetall(key)
-            reply, *read = pipe.execute(raise_on_error=False)
+            out = pipe.execute(raise_on_error=False)
+            probed = out.pop(0) if probe is not None else None
+            reply, *read = out
             if isinstance(reply, NoScriptError) and attempt == 1:
                 c.script_load(self._source[name])
                 continue
-            for item in (reply, *read):
+            for item in (reply, *read, probed):
                 if isinstance(item, Exception):
                     raise item
-            return reply, read
+            return reply, read, probed
         raise AssertionError("unreachable")  # pragma: no cover
 
     def run_and_wait(

@@ -209,6 +209,7 @@ class UniqueTask(Task):
         mgr = locks.manager
         key = self.unique_key_for(args, kwargs)
         resource = UNIQUE_PREFIX + key
+        explicit_id = task_id is not None
         task_id = task_id or str(uuid.uuid4())
         attempt = int(options.get("retries") or 0)
         ttl = self._ttl(locks, options)
@@ -219,6 +220,11 @@ class UniqueTask(Task):
             if held is not None and not held.released:
                 held.release()
         grant = mgr.acquire_for_task(task_id, resource, ttl=ttl, attempt=attempt)
+        if grant.repeated and explicit_id and not attempt:
+            # This very task id holds the key already: it was sent before.
+            # (Only for an id the caller chose: a fresh uuid cannot repeat,
+            # short of redis-py resending the call after a lost reply.)
+            return self._duplicate(key, task_id)
         if not grant.granted:
             existing = grant.holder_task_id
             if attempt:
@@ -231,11 +237,8 @@ class UniqueTask(Task):
                     key,
                     existing or grant.holder_owner,
                 )
-            elif existing is not None and self.unique_on_duplicate == "return":
-                log.info("unique.duplicate task=%s key=%s existing=%s", self.name, key, existing)
-                return self.AsyncResult(existing)
             else:
-                raise DuplicateTask(key, existing, self.name)
+                return self._duplicate(key, existing)
         try:
             return super().apply_async(
                 args,
@@ -261,6 +264,12 @@ class UniqueTask(Task):
                         exc,
                     )
             raise
+
+    def _duplicate(self, key: str, existing: str | None) -> Any:
+        if existing is not None and self.unique_on_duplicate == "return":
+            log.info("unique.duplicate task=%s key=%s existing=%s", self.name, key, existing)
+            return self.AsyncResult(existing)
+        raise DuplicateTask(key, existing, self.name)
 
     # -- run --------------------------------------------------------------
 

@@ -78,8 +78,10 @@ def test_a_repeated_call_for_the_same_task_is_the_same_grant(
 ) -> None:
     mgr = managers()
     first = mgr.acquire_for_task(TID, "unique:a", ttl=60)
+    assert not first.repeated
     again = mgr.acquire_for_task(TID, "unique:a", ttl=60)
     assert again.granted and again.fencing_token == first.fencing_token
+    assert again.repeated
     assert lock_holders(r) == {"{t}:lock:unique:a": {first.token: "x"}}
 
 

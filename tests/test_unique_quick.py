@@ -128,6 +128,14 @@ def test_a_duplicate_while_queued_returns_the_queued_task_or_raises(
     assert rep.apply_async((1,)).id == first.id
     assert rep.s(1).delay().id == first.id
     assert rep.delay(2).id != first.id  # another key
+    # The same task id sent twice (celery-once's QueueOnceId) is one task.
+    named = rep.apply_async((3,), task_id="report-3")
+    assert named.id == "report-3"
+    assert rep.apply_async((3,), task_id="report-3").id == "report-3"
+    with pytest.raises(DuplicateTask):
+        rep2.apply_async((3,), task_id="report-3")
+    # Sent: rep(1), rep(2), rep(3) once; no duplicate reached the broker.
+    assert r.llen(app.conf.task_default_queue) == 3
     with pytest.raises(DuplicateTask) as info:
         rep2.delay(1)  # same key, another task: still a duplicate
     assert info.value.task_id == first.id and info.value.key == "rep:1"
