@@ -6,6 +6,7 @@ live in tests/e2e/test_unique_e2e.py.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -46,11 +47,22 @@ def make_app(redis_url: str, **conf: Any) -> Celery:
     return app
 
 
+def close_app(app: Celery) -> None:
+    RedisLock.of(app).close()  # type: ignore[union-attr]
+    # Drop AsyncResults while Redis is up: their __del__ unsubscribes, and
+    # after the session's server stops the backend would retry for 20 s.
+    gc.collect()
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+    app.close()
+
+
 @pytest.fixture
 def app(redis_url: str) -> Iterator[Celery]:
     app = make_app(redis_url)
     yield app
-    RedisLock.of(app).close()  # type: ignore[union-attr]
+    close_app(app)
 
 
 def holders(r: redis.Redis, key: str) -> list[str]:
@@ -311,7 +323,7 @@ def test_eager_mode_behaves_the_same(redis_url: str, r: redis.Redis) -> None:
         assert holders(r, "e:1") == []
         assert eager.delay(1).id != res.id
     finally:
-        RedisLock.of(app).close()  # type: ignore[union-attr]
+        close_app(app)
 
 
 def test_chain_and_group(app: Celery, r: redis.Redis) -> None:

@@ -15,6 +15,7 @@ task, so ``apply_async`` runs UniqueTask's enqueue here.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -52,6 +53,10 @@ class Producer:
     def close(self) -> None:
         self.locks.close()
         self.data.close()
+        gc.collect()  # AsyncResults unsubscribe while Redis is up
+        consumer = getattr(self.app.backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.stop()
         self.app.close()
 
 
