@@ -1426,30 +1426,8 @@ class LockManager:
             self._ensure_lost_watch()
         reply: Any = None
         for _ in range(3):
-            group = self._group() if (self._group is not None and not ident.registered) else None
-            keys = [
-                self.keys.held(owner),
-                self.keys.alive(owner),
-                self.keys.owners,
-                self.keys.held(ident.owner_id),
-                self.keys.alive(ident.owner_id),
-                self.keys.adopted(owner),
-                self.keys.dead(owner),
-            ]
-            if group is not None:
-                keys.append(group)
-            args = [
-                owner,
-                ident.owner_id,
-                self.keys.prefix,
-                str(int(self.owner_ttl * 1000)),
-                "" if ident.registered else ident.describe(self.name),
-                ident.tag if group is not None else "",
-                self._req_ttl_arg,
-                self._limit_arg,
-            ]
             started = time.monotonic()
-            reply = self._call("adopt", keys, args)
+            reply = self._adopt_script(ident, owner)
             if int(reply[0]) != -1:
                 break
             self._owner_lost(ident, "acquire")
@@ -1485,6 +1463,32 @@ class LockManager:
             "acquire.adopted task=%s owner=%s grants=%d", task_id, ident.owner_id, len(leases)
         )
         return Adoption(task_id, "adopted", leases, ident.owner_id)
+
+    def _adopt_script(self, ident: OwnerIdentity, owner: str) -> Any:
+        """One run of adopt.lua: ``ident`` adopts task owner ``owner``'s grants."""
+        group = self._group() if (self._group is not None and not ident.registered) else None
+        keys = [
+            self.keys.held(owner),
+            self.keys.alive(owner),
+            self.keys.owners,
+            self.keys.held(ident.owner_id),
+            self.keys.alive(ident.owner_id),
+            self.keys.adopted(owner),
+            self.keys.dead(owner),
+        ]
+        if group is not None:
+            keys.append(group)
+        args = [
+            owner,
+            ident.owner_id,
+            self.keys.prefix,
+            str(int(self.owner_ttl * 1000)),
+            "" if ident.registered else ident.describe(self.name),
+            ident.tag if group is not None else "",
+            self._req_ttl_arg,
+            self._limit_arg,
+        ]
+        return self._call("adopt", keys, args)
 
     # -- release ----------------------------------------------------------
 

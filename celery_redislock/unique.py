@@ -291,6 +291,21 @@ class UniqueTask(Task):
                         "unique.release-error task=%s id=%s error=%r", self.name, request.id, exc
                     )
 
+    def _abandon(self, mgr: Any, task_id: str, attempt: int) -> None:
+        try:
+            adoption = mgr.adopt(task_id, attempt)
+            for lease in adoption.leases:
+                lease.release()
+        except BaseException as exc:
+            log.error(
+                "unique.adopt-interrupted id=%s error=%r: the key is freed when this "
+                "process ends (or by reconcile after its liveness)",
+                task_id,
+                exc,
+            )
+            if not isinstance(exc, Exception):
+                raise
+
     def _take_over(self, request: Any, args: Any, kwargs: Any) -> Lease | None:
         """Adopt the key from the task owner; or take it afresh; or run without.
 
@@ -302,7 +317,15 @@ class UniqueTask(Task):
         mgr = self._locks().manager
         task_id = request.id
         attempt = int(request.retries or 0)
-        adoption = mgr.adopt(task_id, attempt)
+        try:
+            adoption = mgr.adopt(task_id, attempt)
+        except BaseException:
+            # Interrupted (a soft time limit, a kill) maybe after Redis moved
+            # the key to this process: adopt again (idempotent: the same
+            # grants come back) and release them, or this long-lived process
+            # would keep the key until it exits.
+            self._abandon(mgr, task_id, attempt)
+            raise
         if adoption.adopted and adoption.leases:
             for extra in adoption.leases[1:]:  # a unique task's owner holds one grant
                 extra.release()

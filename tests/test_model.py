@@ -19,7 +19,9 @@ nested from an owner that holds a lock), a woken waiter's re-run, a waiter
 that keeps re-running, giving up (release.lua dequeues, or releases a
 hand-off that landed), release, the retry of a granted request's acquire
 (a lost reply), owner death, cleanup_owner (normal and force), reconcile,
-the owner heartbeat, node start / heartbeat (with exited children) /
+the owner heartbeat, task owners (acquire_for_task, then adopt by a
+process: moved, retried, expired, tombstoned, adopted elsewhere), node
+start / heartbeat (with exited children) /
 eviction by a successor, SCRIPT FLUSH, and a restart without persistence
 (FLUSHALL + SCRIPT FLUSH: every lease is lost, new grants are allowed).
 
@@ -232,6 +234,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.model = Model(limit=LIMIT)
         self.node = NodeModel()
         self.idents: dict[str, OwnerIdentity] = {}
+        #: Task owner -> the owner that adopted its grants (adopt.lua's record).
+        self.adopted: dict[str, str] = {}
         self.retired: set[str] = set()
         self.reqs: dict[str, Any] = {}
         self.counter = 0
@@ -252,8 +256,19 @@ class ProtocolMachine(RuleBasedStateMachine):
         return [o.id for o in self.model.owners.values() if o.state in states]
 
     def usable(self) -> list[str]:
-        """Owners whose process still runs: not retired by a -1 reply."""
-        return [o for o in self.owners("new", "alive", "dead") if o not in self.retired]
+        """Owners whose process still runs: not retired by a -1 reply.
+
+        Task owners (``task:<id>``) are no process: they only take locks
+        through acquire_for_task and give them up to an adopter.
+        """
+        return [
+            o
+            for o in self.owners("new", "alive", "dead")
+            if o not in self.retired and not o.startswith("task:")
+        ]
+
+    def task_owners(self) -> list[str]:
+        return [o for o in self.model.owners if o.startswith("task:")]
 
     def waiting(self) -> list[str]:
         """Requests a waiter still waits for (queued, or handed off unseen)."""
@@ -268,7 +283,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         return [
             q.token
             for q in self.model.with_state("granted")
-            if not q.handed_off and q.owner not in self.retired
+            if not q.handed_off and q.owner not in self.retired and not q.owner.startswith("task:")
         ]
 
     def fields_of(self, q: Request) -> int:
@@ -546,11 +561,17 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.run_acquire(q, queue=True)
         self.settle()
 
-    @precondition(lambda self: any(o.cleaned for o in self.model.owners.values()))
+    @precondition(
+        lambda self: any(
+            o.cleaned and not o.id.startswith("task:") for o in self.model.owners.values()
+        )
+    )
     @rule(data=st.data(), shape=shapes)
     def cleaned_owner_registers_again(self, data: st.DataObject, shape: dict[str, str]) -> None:
         """An acquire that registers, by an owner cleanup already freed: -1."""
-        cleaned = [o.id for o in self.model.owners.values() if o.cleaned]
+        cleaned = [
+            o.id for o in self.model.owners.values() if o.cleaned and not o.id.startswith("task:")
+        ]
         oid = data.draw(st.sampled_from(cleaned), label="owner")
         ex = [res for res, m in shape.items() if m == "x"]
         sh = [res for res, m in shape.items() if m == "s"]
@@ -562,6 +583,111 @@ class ProtocolMachine(RuleBasedStateMachine):
         reply = self.mgr._attempt(ident, q.token, req, True, False)
         assert int(reply[0]) == -1, f"cleaned owner {oid} registered again: {reply}"
         q.state = "ended"
+        self.settle()
+
+    # -- rules: task owners (acquire_for_task, adopt) ---------------------
+
+    @precondition(lambda self: len(self.model.owners) < MAX_OWNERS)
+    @rule(shape=shapes)
+    def task_acquire(self, shape: dict[str, str]) -> None:
+        """A producer takes resources for a task id (try once, never queued)."""
+        tid = f"t{self._next()}"
+        oid = f"task:{tid}"
+        owner = self.model.owners[oid] = Owner(oid)
+        ex = [res for res, m in shape.items() if m == "x"]
+        sh = [res for res, m in shape.items() if m == "s"]
+        req = self.mgr._request(ex, sh)
+        q = Request(f"{oid}|task:{tid}", oid, dict(zip(req.resources, req.modes)), False)
+        self.model.requests[q.token] = q
+        self.reqs[q.token] = req
+        why = self.model.blockers(q)
+        expect = "blocked" if why else "granted"
+        if not why and self.dead_residue(q) >= purge_budget(LIMIT):
+            expect = "either"
+        grant = self.mgr.acquire_for_task(tid, ex, sh, ttl=OWNER_TTL)
+        owner.state = "alive"  # registered by the attempt, granted or not
+        note(f"task acquire: {expect}")
+        if expect == "either":
+            expect = "granted" if grant.granted else "blocked"
+        if expect == "granted":
+            assert grant.granted and not grant.repeated, (q, grant)
+            assert grant.token == q.token, grant
+            assert not self.model.fifo_violations(q, set())
+            self.model.grant(q, int(grant.fencing_token or 0))
+        else:
+            assert not grant.granted, f"{q.token} {q.modes} should be blocked ({why}): {grant}"
+            q.state = "ended"
+            if grant.holder is not None:
+                assert (
+                    any(self.r.hexists(PREFIX + "lock:" + res, grant.holder) for res in q.modes)
+                    or self.model.requests[grant.holder].state != "granted"
+                ), grant
+        self.settle()
+
+    @precondition(lambda self: self.task_owners() and self.usable())
+    @rule(data=st.data())
+    def task_adopt(self, data: st.DataObject) -> None:
+        """The process that runs a task adopts its task owner's grants."""
+        towner = data.draw(st.sampled_from(self.task_owners()), label="task owner")
+        oid = data.draw(st.sampled_from(self.usable()), label="adopter")
+        task, owner, ident = self.model.owners[towner], self.model.owners[oid], self.idents[oid]
+        self.attempt_group = group_key(PREFIX, owner.group) if owner.group else None
+        reply = self.mgr._adopt_script(ident, towner)
+        code = int(reply[0])
+        by = self.adopted.get(towner)
+        if ident.registered and owner.state == "dead":
+            assert code == -1, (oid, reply)
+            self.retired.add(oid)
+            self.settle()
+            return
+        assert code != -1, (oid, reply)
+        if not ident.registered:
+            ident.registered = True
+            if owner.state == "new":
+                owner.state = "alive"
+                if owner.group:
+                    self.node.groups.setdefault(owner.group, set()).add(owner.id)
+
+        def entries(raw: Any) -> dict[str, tuple[int, dict[str, str]]]:
+            out = {}
+            for e in raw:
+                token, fence, modes, *names = e
+                out[token] = (int(fence), dict(zip(names, modes)))
+            return out
+
+        if by is not None and by != oid:
+            assert [code, reply[1], reply[2]] == [0, "adopted", by], reply
+            note("adopt: adopted elsewhere")
+        elif by == oid:
+            assert code == 1, reply
+            expect = {
+                q.token: (q.fence, q.modes)
+                for q in self.model.with_state("granted")
+                if q.owner == oid
+                and q.token.endswith("|task:" + towner.split(":", 1)[1])
+                and q.token in self.view.lock(next(iter(q.modes)))
+            }
+            assert entries(reply[1:]) == expect, (reply, expect)
+            note("adopt: retried")
+        elif not task.alive:
+            why = "tombstoned" if task.cleaned else "expired"
+            assert [code, reply[1]] == [0, why], (towner, reply, task)
+            note(f"adopt: {why}")
+        else:
+            grants = [q for q in self.model.with_state("granted") if q.owner == towner]
+            moved = {}
+            for q in grants:
+                old = q.token
+                q.token = oid + "|" + old.split("|", 1)[1]
+                q.owner = oid
+                del self.model.requests[old]
+                self.model.requests[q.token] = q
+                self.reqs[q.token] = self.reqs.pop(old)
+                moved[q.token] = (q.fence, q.modes)
+            assert code == 1 and entries(reply[1:]) == moved, (reply, moved)
+            task.state, task.cleaned = "dead", True
+            self.adopted[towner] = oid
+            note(f"adopt: x{len(moved)}")
         self.settle()
 
     # -- rules: cleanup --------------------------------------------------
@@ -781,6 +907,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.node.record, self.node.owning = None, None
         self.node.tombs.clear()
         self.node.groups.clear()
+        self.adopted.clear()
         self.settle()
 
     # -- after every step ------------------------------------------------

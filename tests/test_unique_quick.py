@@ -385,3 +385,38 @@ def test_a_redelivered_message_whose_key_was_freed_takes_it_again(
     assert len(seen[0]) == 1 and seen[0][0].endswith(f"|task:{res.id}")
     assert holders(r, "rd") == []
     dead.close()
+
+
+def test_an_adopt_interrupted_after_redis_moved_the_key_releases_it(
+    redis_url: str, r: redis.Redis
+) -> None:
+    """A soft time limit striking just after adopt.lua ran (its reply lost
+    to the interrupt): the key must not stay with this long-lived process."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    app = make_app(redis_url, task_always_eager=True)
+    try:
+
+        @app.task(base=UniqueTask, unique_key="cut", name="uq.cut")
+        def cut() -> None:
+            pass
+
+        mgr = RedisLock.of(app).manager  # type: ignore[union-attr]
+        real = mgr._adopt_script
+        calls: list[int] = []
+
+        def interrupted(*args: Any) -> Any:
+            reply = real(*args)
+            calls.append(1)
+            if len(calls) == 1:
+                raise SoftTimeLimitExceeded()
+            return reply
+
+        mgr._adopt_script = interrupted  # type: ignore[method-assign]
+        res = cut.delay()
+        with pytest.raises(SoftTimeLimitExceeded):
+            res.get()
+        assert holders(r, "cut") == []
+        assert len(calls) == 2  # adopted again, and released
+    finally:
+        close_app(app)
