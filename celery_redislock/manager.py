@@ -1294,12 +1294,12 @@ class LockManager:
 
         ``attempt``: the retry number of the task's message (Celery sends a
         retried task again under the same id): each attempt has its own task
-        owner (:func:`keys.task_owner_id`), since an adopted one is retired.
+        owner (``task+<n>:<task_id>``), since an adopted one is retired.
 
         Never waits and never queues. One round trip: the acquire script and
         a read of the resources' holders go in one pipeline, so a refusal
         names who blocked it. The holder token is
-        ``<task owner>|task:<task_id>`` (:func:`keys.task_token`): a repeated
+        ``<task owner>|task:<task_id>``: a repeated
         call for the same task and attempt is the same request, and answers
         with the same grant.
 
@@ -1308,7 +1308,8 @@ class LockManager:
         holder that blocked it (``None`` if it left meanwhile).
 
         Raises:
-            ValueError: an unusable task id (see :func:`keys.validate_task_id`).
+            ValueError: an unusable task id (empty, longer than 512 bytes with
+                its prefix, or with ``|`` or control characters).
             InvalidResource, ConfigurationError: bad names or ``ttl``.
             LockError: the task owner was retired already (its locks were
                 adopted or cleaned up): a task id holds locks at most once.
