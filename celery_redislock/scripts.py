@@ -17,6 +17,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from .connect import AnyRedis
@@ -83,7 +84,9 @@ class Scripts:
         hashes: list[str],
         probe: tuple[str, str] | None = None,
     ) -> tuple[Any, list[Any], Any]:
-        """Run script ``name`` and ``HGETALL`` each of ``hashes``: one round trip.
+        """Run script ``name`` and ``HGETALL`` each of ``hashes``: one round trip
+        (on Redis Cluster, one per command: redis-py has no EVALSHA in a
+        cluster pipeline).
 
         ``probe`` = ``(key, field)``: an ``HGET`` sent just before the script,
         in the same pipeline (what the script is about to find). The reads go
@@ -94,6 +97,12 @@ class Scripts:
         script error is raised as it is.
         """
         c = self._client
+        if isinstance(c, RedisCluster):
+            # redis-py refuses EVALSHA in a cluster pipeline: the same
+            # commands one after the other (every key is in one slot).
+            probed = c.hget(*probe) if probe is not None else None
+            reply = self.run(name, keys, args)
+            return reply, [c.hgetall(key) for key in hashes], probed
         for attempt in (1, 2):
             pipe = c.pipeline(transaction=False)
             if probe is not None:

@@ -411,3 +411,20 @@ def test_wait_replicas_is_refused_on_a_cluster_client(cluster: Callable[..., Red
     with pytest.raises(ConfigurationError) as err:
         LockManager(cluster(), "ns", wait_replicas=1)
     assert err.value.setting == "wait_replicas" and "Redis Cluster" in str(err.value)
+
+
+def test_a_task_owner_acquires_and_a_process_adopts_on_a_cluster(
+    managers: Callable[..., LockManager],
+) -> None:
+    """acquire_for_task's pipeline (HGET, EVALSHA, HGETALL) routes by the
+    namespace's slot, and adopt.lua runs on the cluster like the others."""
+    producer, worker = managers(0), managers(2)
+    grant = producer.acquire_for_task("t1", "unique:a", ttl=60)
+    assert grant.granted
+    busy = worker.acquire_for_task("t2", "unique:a", ttl=60)
+    assert not busy.granted and busy.holder_task_id == "t1"
+    [lease] = worker.adopt("t1").leases
+    assert lease.fencing_token == grant.fencing_token
+    assert producer.acquire_for_task("t3", "unique:a", ttl=60).holder_owner == worker.owner_id
+    lease.release()
+    assert producer.acquire_for_task("t3", "unique:a", ttl=60).granted
