@@ -72,10 +72,12 @@ class TemplateError(LockError, ValueError):
         super().__init__(template, argument, task, detail)
 
     def __str__(self) -> str:
+        # UniqueTask labels its key template '<task name>.unique_key'.
+        kind = "unique_key" if self.task.endswith(".unique_key") else "@locked"
         if self.detail is not None:
-            return f"@locked template {self.template!r} of {self.task}: {self.detail}"
+            return f"{kind} template {self.template!r} of {self.task}: {self.detail}"
         return (
-            f"@locked template {self.template!r} of {self.task} needs argument "
+            f"{kind} template {self.template!r} of {self.task} needs argument "
             f"{self.argument!r}, which this call does not have; pass it or fix the template"
         )
 
