@@ -61,6 +61,14 @@ local task_owner, owner, prefix = ARGV[1], ARGV[2], ARGV[3]
 local reg_ttl, tomb_ttl, limit = ARGV[4], ARGV[7], tonumber(ARGV[8])
 local lock_prefix = prefix .. 'lock:'
 
+-- The registry's encoding in one place: a set of lock keys.
+local function registry_locks(key)
+  return redis.call('SMEMBERS', key)
+end
+local function registry_add(key, lock)
+  redis.call('SADD', key, lock)
+end
+
 -- 1. the adopter's liveness
 if ARGV[5] ~= '' then
   if redis.call('EXISTS', prefix .. 'dead:' .. owner) == 1 then return {-1} end
@@ -108,7 +116,7 @@ end
 -- 4. move
 local p = task_owner .. '|'
 local grants, order = {}, {} -- old token -> {fence, modes, names}
-for _, lock in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+for _, lock in ipairs(registry_locks(KEYS[1])) do
   if string.sub(lock, 1, #lock_prefix) == lock_prefix then
     local kv = redis.call('HGETALL', lock)
     for j = 1, #kv, 2 do
@@ -128,7 +136,7 @@ for _, lock in ipairs(redis.call('SMEMBERS', KEYS[1])) do
         g[3][#g[3] + 1] = string.sub(lock, #lock_prefix + 1)
       end
     end
-    redis.call('SADD', KEYS[4], lock)
+    registry_add(KEYS[4], lock)
   end
 end
 local waits = prefix .. 'waits:' .. task_owner
