@@ -311,6 +311,13 @@ def test_eager_mode_behaves_the_same(redis_url: str, r: redis.Redis) -> None:
     try:
         inner: list[str] = []
 
+        @app.task(base=UniqueTask, bind=True, unique_key="er", max_retries=2, name="uq.eretry")
+        def eretry(self: Any) -> int:
+            inner.extend(holders(r, "er"))
+            if self.request.retries < 1:
+                raise self.retry(countdown=0)
+            return self.request.retries
+
         @app.task(base=UniqueTask, bind=True, unique_key="e:{n}", name="uq.eager")
         def eager(self: Any, n: int) -> str:
             inner.append(eager.delay(n).id)  # a duplicate while it runs
@@ -322,6 +329,11 @@ def test_eager_mode_behaves_the_same(redis_url: str, r: redis.Redis) -> None:
         assert inner[0] == res.id and inner[1].endswith(f"|task:{res.id}")
         assert holders(r, "e:1") == []
         assert eager.delay(1).id != res.id
+        inner.clear()
+        retried = eretry.delay()
+        assert retried.get() == 1
+        assert len(inner) == 2 and all(t.endswith(f"|task:{retried.id}") for t in inner)
+        assert holders(r, "er") == []
     finally:
         close_app(app)
 
