@@ -137,6 +137,19 @@ class UniqueTask(Task):
         super().__init_subclass__(**kwargs)
         _check_options(cls)
 
+    @property
+    def unique_lease(self) -> Lease | None:
+        """The lease of the running task's unique key, in its body; else None.
+
+        Its ``fencing_token`` orders this run against every other holder of
+        the key; ``lost`` / ``check()`` say whether this process lost its
+        liveness (the key may then belong to a newer task). None outside
+        the body, or when the task runs without its key (see
+        ``unique.run-without-key``).
+        """
+        request_id = self.request.id
+        return dict(_running.get()).get(request_id) if request_id else None
+
     # -- the key ----------------------------------------------------------
 
     def unique_key_for(self, args: Any = None, kwargs: Any = None) -> str:

@@ -197,6 +197,8 @@ def test_worker_adopts_the_key_runs_once_and_frees_it(app: Celery, r: redis.Redi
     @app.task(base=UniqueTask, bind=True, unique_key="job:{n}", name="uq.job")
     def job(self: Any, n: int) -> str:
         seen["holders"] = holders(r, f"job:{n}")
+        lease = self.unique_lease
+        seen["lease"] = (lease.token, lease.fencing_token, lease.lost) if lease else None
         seen["dup"] = job.delay(n).id  # a duplicate while running
         wait_until(lambda: gate, what="the test lets the task finish")
         return self.request.id
@@ -212,6 +214,8 @@ def test_worker_adopts_the_key_runs_once_and_frees_it(app: Celery, r: redis.Redi
         [token] = seen["holders"]
         owner, rid = token.split("|")
         assert rid == f"task:{res.id}" and not owner.startswith("task")  # adopted
+        assert seen["lease"] is not None and seen["lease"][0] == token and not seen["lease"][2]
+        assert job.unique_lease is None  # outside the body
         assert job.delay(1).id == res.id  # while running, from outside
         gate.append(True)
         assert res.get(timeout=20) == res.id
