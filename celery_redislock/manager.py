@@ -1296,9 +1296,10 @@ class LockManager:
         retried task again under the same id): each attempt has its own task
         owner (``task+<n>:<task_id>``), since an adopted one is retired.
 
-        Never waits and never queues. One round trip: the acquire script and
-        a read of the resources' holders go in one pipeline, so a refusal
-        names who blocked it. The holder token is
+        Never waits and never queues. One round trip: the acquire script, a
+        read of the resources' holders (so a refusal names who blocked it)
+        and, for a refused task owner that holds nothing else, the deletion
+        of the liveness key the attempt registered go in one pipeline. The holder token is
         ``<task owner>|task:<task_id>``: a repeated
         call for the same task and attempt is the same request, and answers
         with the same grant.
@@ -1350,7 +1351,13 @@ class LockManager:
         for _ in range(3):
             try:
                 reply, holders, before = self._scripts.run_then_read(
-                    "acquire", keys, args, list(req.lock_keys), probe=(req.lock_keys[0], token)
+                    "acquire",
+                    keys,
+                    args,
+                    list(req.lock_keys),
+                    probe=(req.lock_keys[0], token),
+                    # A refused try leaves no liveness key behind for `ttl`.
+                    then=("forget_idle", [keys[3], self.keys.waits(owner), keys[4]]),
                 )
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc

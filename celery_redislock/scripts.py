@@ -35,6 +35,7 @@ SCRIPT_NAMES = (
     "node_stop",
     "format",
     "adopt",
+    "forget_idle",
 )
 
 
@@ -83,18 +84,21 @@ class Scripts:
         args: list[Any],
         hashes: list[str],
         probe: tuple[str, str] | None = None,
+        then: tuple[str, list[str]] | None = None,
     ) -> tuple[Any, list[Any], Any]:
         """Run script ``name`` and ``HGETALL`` each of ``hashes``: one round trip
         (on Redis Cluster, one per command: redis-py has no EVALSHA in a
         cluster pipeline).
 
         ``probe`` = ``(key, field)``: an ``HGET`` sent just before the script,
-        in the same pipeline (what the script is about to find). The reads go
-        on the same connection as the script, not atomically with it: another
-        client's command may run in between, so callers treat what they read
-        as a hint. Returns ``(script reply, [hash contents], probed value or
-        None)``. NOSCRIPT loads the script and sends the pipeline again; a
-        script error is raised as it is.
+        in the same pipeline (what the script is about to find). ``then`` =
+        ``(script, keys)``: a script (no ARGV) sent last; its reply is not
+        returned. The reads go on the same connection as the script, not
+        atomically with it: another client's command may run in between, so
+        callers treat what they read as a hint. Returns ``(script reply,
+        [hash contents], probed value or None)``. NOSCRIPT of the main script
+        loads it and sends the pipeline again; of ``then`` alone, runs that
+        script again (loading it). A script error is raised as it is.
         """
         c = self._client
         if isinstance(c, RedisCluster):
@@ -102,7 +106,10 @@ class Scripts:
             # commands one after the other (every key is in one slot).
             probed = c.hget(*probe) if probe is not None else None
             reply = self.run(name, keys, args)
-            return reply, [c.hgetall(key) for key in hashes], probed
+            read = [c.hgetall(key) for key in hashes]
+            if then is not None:
+                self.run(then[0], then[1], [])
+            return reply, read, probed
         for attempt in (1, 2):
             pipe = c.pipeline(transaction=False)
             if probe is not None:
@@ -110,13 +117,20 @@ class Scripts:
             pipe.evalsha(self._sha[name], len(keys), *keys, *args)
             for key in hashes:
                 pipe.hgetall(key)
+            if then is not None:
+                pipe.evalsha(self._sha[then[0]], len(then[1]), *then[1])
             out = pipe.execute(raise_on_error=False)
             probed = out.pop(0) if probe is not None else None
+            last = out.pop() if then is not None else None
             reply, *read = out
             if isinstance(reply, NoScriptError) and attempt == 1:
                 c.script_load(self._source[name])
                 continue
-            for item in (reply, *read, probed):
+            if then is not None and isinstance(last, NoScriptError):
+                # The main script ran: only the last one is run again (the
+                # whole pipeline again would read its own grant as earlier).
+                last = self.run(then[0], then[1], [])
+            for item in (reply, *read, probed, last):
                 if isinstance(item, Exception):
                     raise item
             return reply, read, probed

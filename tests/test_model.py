@@ -605,7 +605,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         if not why and self.dead_residue(q) >= purge_budget(LIMIT):
             expect = "either"
         grant = self.mgr.acquire_for_task(tid, ex, sh, ttl=OWNER_TTL)
-        owner.state = "alive"  # registered by the attempt, granted or not
+        # Registered by the attempt; a refused one holding nothing is forgotten.
+        owner.state = "alive" if grant.granted else "dead"
         note(f"task acquire: {expect}")
         if expect == "either":
             expect = "granted" if grant.granted else "blocked"

@@ -60,8 +60,9 @@ def test_a_busy_resource_names_the_holding_task_queued_or_running(
     busy = producer.acquire_for_task("second", "unique:a", ttl=60)
     assert not busy.granted and busy.fencing_token is None
     assert busy.holder_task_id == "first" and busy.holder_owner == "task:first"
-    # Nothing of the refused task is left behind: not registered as holding.
-    assert not r.smembers("{t}:held:task:second")
+    # Nothing of the refused task is left behind: no registry, and no
+    # liveness key that would live for the whole ttl.
+    assert not r.exists("{t}:held:task:second", "{t}:alive:task:second")
     adoption = worker.adopt("first")
     assert adoption.adopted
     busy = producer.acquire_for_task("second", "unique:a", ttl=60)
@@ -71,6 +72,16 @@ def test_a_busy_resource_names_the_holding_task_queued_or_running(
         other = producer.acquire_for_task("third", "unique:b", ttl=60)
         assert not other.granted and other.holder_task_id is None
         assert other.holder_owner == producer.owner_id
+
+
+def test_a_refused_try_keeps_the_liveness_of_a_task_owner_holding_other_locks(
+    managers: Managers, r: redis.Redis
+) -> None:
+    producer = managers()
+    assert producer.acquire_for_task("t", "a", ttl=60).granted
+    assert producer.acquire_for_task("other", "b", ttl=60).granted
+    assert not producer.acquire_for_task("t", "b", ttl=60).granted
+    assert _alive(r, "task:t") and lock_holders(r)["{t}:lock:a"] == {"task:t|task:t": "x"}
 
 
 def test_a_repeated_call_for_the_same_task_is_the_same_grant(
@@ -220,13 +231,29 @@ def test_task_ids_that_cannot_be_a_key_suffix_are_refused(managers: Managers) ->
     assert all(k.startswith("{t}:") for k in namespace_keys(mgr.client, "t"))
 
 
+def test_a_script_flush_between_calls_never_makes_a_first_grant_look_repeated(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """NOSCRIPT of the last script of the pipeline only: the grant made by
+    the first one is not mistaken for an earlier one by a resent pipeline."""
+    mgr = managers()
+    mgr.acquire_for_task("warm", "w", ttl=60)  # both scripts loaded
+    r.script_flush()
+    mgr.acquire("load-acquire", timeout=0).release()  # acquire.lua loaded again
+    grant = mgr.acquire_for_task(TID, "unique:a", ttl=60)
+    assert grant.granted and not grant.repeated
+
+
 def test_adopt_and_acquire_for_task_run_one_script_each(managers: Managers) -> None:
     producer, worker = managers(), managers()
     worker.acquire("warm", timeout=0).release()  # registered, eviction check done
     producer.acquire("warm", timeout=0).release()
+    producer.acquire_for_task("warm-task", "warm", ttl=60)  # every script loaded
+    worker.adopt("warm-task").leases[0].release()
     with counting(producer.client) as sent:
         producer.acquire_for_task(TID, "unique:a", ttl=60)
-    assert sent.get("evalsha") == 1 and "script|load" not in sent
+    # acquire.lua, then forget_idle.lua in the same pipeline (one round trip).
+    assert sent.get("evalsha") == 2 and "script|load" not in sent
     with counting(worker.client) as sent:
         worker.adopt(TID)
     assert sent.get("evalsha") == 1 and "script|load" not in sent
