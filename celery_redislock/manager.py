@@ -1280,6 +1280,7 @@ class LockManager:
         *,
         ttl: float,
         attempt: int = 0,
+        holder: str | None = None,
     ) -> TaskGrant:
         """Try once to take the resources on behalf of task ``task_id``.
 
@@ -1291,6 +1292,9 @@ class LockManager:
         ``ttl``, the task owner is dead and its locks are reclaimed like
         those of any dead owner (by the next acquirer of a resource, by
         :meth:`reconcile`, or by :meth:`release_task`).
+
+        ``holder``: what to record about the holding task beside the grant
+        (``task name\ntask id\nnode``, shown by ``redislock locks``), or None.
 
         ``attempt``: the retry number of the task's message (Celery sends a
         retried task again under the same id): each attempt has its own task
@@ -1345,6 +1349,7 @@ class LockManager:
             self._req_ttl_arg,
             self._limit_arg,
             "",
+            holder or "",
         ]
         if self._eviction_pending or self._eviction_refusal is not None:
             self._check_eviction_once()
@@ -1400,7 +1405,7 @@ class LockManager:
         """
         return self._cleanup(task_owner_id(task_id, attempt), force=True)
 
-    def adopt(self, task_id: str, attempt: int = 0) -> Adoption:
+    def adopt(self, task_id: str, attempt: int = 0, *, holder: str | None = None) -> Adoption:
         """Take over every lock task ``task_id``'s owner holds, in this process.
 
         Call it in the process that runs the task, before its body. One
@@ -1423,6 +1428,8 @@ class LockManager:
         or released) or ``"adopted-elsewhere"`` (another owner, ``by``, took
         it). The caller decides what to do then (``UniqueTask`` acquires the
         resources afresh). ``attempt``: as for :meth:`acquire_for_task`.
+        ``holder``: the holder record of the adopted grants (``task
+        name\ntask id\nnode``); None keeps the task owner's.
         """
         owner = task_owner_id(task_id, attempt)
         if self._closed:
@@ -1435,7 +1442,7 @@ class LockManager:
         reply: Any = None
         for _ in range(3):
             started = time.monotonic()
-            reply = self._adopt_script(ident, owner)
+            reply = self._adopt_script(ident, owner, holder)
             if int(reply[0]) != -1:
                 break
             self._owner_lost(ident, "acquire")
@@ -1472,7 +1479,7 @@ class LockManager:
         )
         return Adoption(task_id, "adopted", leases, ident.owner_id)
 
-    def _adopt_script(self, ident: OwnerIdentity, owner: str) -> Any:
+    def _adopt_script(self, ident: OwnerIdentity, owner: str, holder: str | None = None) -> Any:
         """One run of adopt.lua: ``ident`` adopts task owner ``owner``'s grants."""
         group = self._group() if (self._group is not None and not ident.registered) else None
         keys = [
@@ -1495,6 +1502,7 @@ class LockManager:
             ident.tag if group is not None else "",
             self._req_ttl_arg,
             self._limit_arg,
+            holder or "",
         ]
         return self._call("adopt", keys, args)
 

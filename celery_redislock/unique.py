@@ -44,7 +44,7 @@ from . import _validate as _v
 from .exceptions import ConfigurationError, DuplicateTask, LockError, LockTimeout
 from .keys import TASK_OWNER_PREFIX
 from .lease import Lease
-from .task import _check_fields, _find_locks, _format, _template_list
+from .task import _check_fields, _find_locks, _format, _template_list, holder_info
 
 if TYPE_CHECKING:
     from .app import RedisLock
@@ -232,7 +232,9 @@ class UniqueTask(Task):
             held = dict(_running.get()).get(task_id)
             if held is not None and not held.released:
                 held.release()
-        grant = mgr.acquire_for_task(task_id, resource, ttl=ttl, attempt=attempt)
+        grant = mgr.acquire_for_task(
+            task_id, resource, ttl=ttl, attempt=attempt, holder=f"{self.name}\n{task_id}\n"
+        )
         if grant.repeated and explicit_id and not attempt:
             # This very task id holds the key already: it was sent before.
             # (Only for an id the caller chose: a fresh uuid cannot repeat,
@@ -330,8 +332,11 @@ class UniqueTask(Task):
         mgr = self._locks().manager
         task_id = request.id
         attempt = int(request.retries or 0)
+        locks = self._locks()
         try:
-            adoption = mgr.adopt(task_id, attempt)
+            adoption = mgr.adopt(
+                task_id, attempt, holder=holder_info(self, self.name, locks.nodename)
+            )
         except BaseException:
             # Interrupted (a soft time limit, a kill) maybe after Redis moved
             # the key to this process: adopt again (idempotent: the same
@@ -345,6 +350,7 @@ class UniqueTask(Task):
             return adoption.leases[0]
         key = self.unique_key_for(args, kwargs)
         mgr._local.request_id = TASK_OWNER_PREFIX + task_id
+        mgr._local.holder = holder_info(self, self.name, locks.nodename)
         try:
             lease = mgr.acquire(UNIQUE_PREFIX + key, timeout=0)
         except LockTimeout:
@@ -359,6 +365,7 @@ class UniqueTask(Task):
             return None
         finally:
             mgr._local.request_id = None
+            mgr._local.holder = None
         log.info(
             "unique.key-retaken task=%s id=%s key=%s adopt=%s",
             self.name,

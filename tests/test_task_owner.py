@@ -272,3 +272,20 @@ def test_lock_manager_is_importable_with_the_new_types() -> None:
     from celery_redislock.manager import Adoption, TaskGrant
 
     assert Adoption and TaskGrant and LockManager
+
+
+def test_holder_records_follow_the_grant_to_its_adopter(managers: Managers, r: redis.Redis) -> None:
+    producer, worker = managers(), managers()
+    g = producer.acquire_for_task("h1", "unique:a", ttl=60, holder="proj.report\nh1\n")
+    assert r.get("{t}:holder:" + g.token) == b"proj.report\nh1\n"
+    [lease] = worker.adopt("h1", holder="proj.report\nh1\ncelery@w1").leases
+    assert not r.exists("{t}:holder:" + g.token)
+    assert r.get("{t}:holder:" + lease.token) == b"proj.report\nh1\ncelery@w1"
+    # Without new holder info the task owner's record moves as it is.
+    g2 = producer.acquire_for_task("h2", "unique:b", ttl=60, holder="proj.report\nh2\n")
+    [lease2] = worker.adopt("h2").leases
+    assert r.get("{t}:holder:" + lease2.token) == b"proj.report\nh2\n"
+    assert not r.exists("{t}:holder:" + g2.token)
+    lease.release()
+    lease2.release()
+    assert not r.keys("{t}:holder:*")

@@ -28,6 +28,9 @@
 --   6 process tag for the group hash (only read when KEYS[8] is given)
 --   7 TTL in ms of the tombstone and of the adoption record
 --   8 queue scan limit
+--   9 (optional) holder info 'task name\ntask id\nnode' to record for the
+--     adopted grants ({ns}:holder:<new token>); '' or absent: the task
+--     owner's record, if any, moves to the new token
 --
 -- Atomic steps:
 --   1. The adopting owner's liveness, exactly as acquire.lua step 1
@@ -43,7 +46,8 @@
 --      the form '{ns}:lock:<res>'), every field of the task owner is
 --      rewritten to '<owner>|<same request id>' with the same value (mode
 --      and fence), the key joins the adopter's registry, the old token's
---      request state and wake list are deleted. The task owner's queued
+--      request state and wake list are deleted, and its holder record
+--      ({ns}:holder:<token>) goes to the new token (ARGV[9] when given). The task owner's queued
 --      requests, if any, leave their queues (their waiters are woken).
 --   5. Retire the task owner: DEL its registry, liveness and waits hash,
 --      SREM it from the owners set, tombstone it (KEYS[7], PX ARGV[7]: a
@@ -127,6 +131,12 @@ for _, lock in ipairs(registry_locks(KEYS[1])) do
         redis.call('HSET', lock, new, v)
         redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
         local g = grants[new]
+        if not g then
+          local info = ARGV[9]
+          if not info or info == '' then info = redis.call('GET', prefix .. 'holder:' .. t) end
+          if info then redis.call('SET', prefix .. 'holder:' .. new, info) end
+          redis.call('DEL', prefix .. 'holder:' .. t)
+        end
         if not g then
           g = {string.sub(v, 2), {}, {}}
           grants[new] = g
