@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_redislock import LockError, LockManager
+from celery_redislock import Inspector, LockError, LockManager
 from celery_redislock.keys import task_owner_id, task_token, validate_task_id
 from engine_helpers import (
     Managers,
@@ -286,6 +286,8 @@ def test_holder_records_follow_the_grant_to_its_adopter(managers: Managers, r: r
     [lease2] = worker.adopt("h2").leases
     assert r.get("{t}:holder:" + lease2.token) == b"proj.report\nh2\n"
     assert not r.exists("{t}:holder:" + g2.token)
+    [held] = Inspector(producer).locks(["unique:a"])[0].holders
+    assert (held.task_name, held.task_id, held.node) == ("proj.report", "h1", "celery@w1")
     lease.release()
     lease2.release()
     assert not r.keys("{t}:holder:*")
