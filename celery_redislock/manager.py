@@ -1294,7 +1294,8 @@ class LockManager:
         :meth:`reconcile`, or by :meth:`release_task`).
 
         ``holder``: what to record about the holding task beside the grant
-        (``task name\ntask id\nnode``, shown by ``redislock locks``), or None.
+        (task name, task id and node, one per line; shown by ``redislock
+        locks``), or None.
 
         ``attempt``: the retry number of the task's message (Celery sends a
         retried task again under the same id): each attempt has its own task
@@ -1428,8 +1429,8 @@ class LockManager:
         or released) or ``"adopted-elsewhere"`` (another owner, ``by``, took
         it). The caller decides what to do then (``UniqueTask`` acquires the
         resources afresh). ``attempt``: as for :meth:`acquire_for_task`.
-        ``holder``: the holder record of the adopted grants (``task
-        name\ntask id\nnode``); None keeps the task owner's.
+        ``holder``: the holder record of the adopted grants (task name, task
+        id and node, one per line); None keeps the task owner's.
         """
         owner = task_owner_id(task_id, attempt)
         if self._closed:
