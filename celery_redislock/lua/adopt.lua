@@ -42,10 +42,10 @@
 --   3. The task owner must be alive (its liveness key exists); otherwise
 --      reply why not ('expired': no key; 'tombstoned': cleaned up). Its
 --      locks are left to the usual reclaim (acquire, cleanup, reconcile).
---   4. Move: for each lock key of the task owner's registry (only keys of
---      the form '{ns}:lock:<res>'), every field of the task owner is
+--   4. Move: for each resource of the task owner's registry (a hash of
+--      resource names, see _common.lua), every field of the task owner is
 --      rewritten to '<owner>|<same request id>' with the same value (mode
---      and fence), the key joins the adopter's registry, the old token's
+--      and fence), the resource joins the adopter's registry, the old token's
 --      request state and wake list are deleted, and its holder record
 --      ({ns}:holder:<token>) goes to the new token (ARGV[9] when given). The task owner's queued
 --      requests, if any, leave their queues (their waiters are woken).
@@ -65,12 +65,15 @@ local task_owner, owner, prefix = ARGV[1], ARGV[2], ARGV[3]
 local reg_ttl, tomb_ttl, limit = ARGV[4], ARGV[7], tonumber(ARGV[8])
 local lock_prefix = prefix .. 'lock:'
 
--- The registry's encoding in one place: a set of lock keys.
+-- The registry's encoding in one place (_common.lua): a hash whose fields
+-- are resource names; lock keys are built from them.
 local function registry_locks(key)
-  return redis.call('SMEMBERS', key)
+  local out = {}
+  for i, name in ipairs(redis.call('HKEYS', key)) do out[i] = lock_prefix .. name end
+  return out
 end
 local function registry_add(key, lock)
-  redis.call('SADD', key, lock)
+  redis.call('HSET', key, string.sub(lock, #lock_prefix + 1), '')
 end
 
 -- 1. the adopter's liveness
