@@ -14,8 +14,8 @@ from .app import RedisLock
 from .checks import EvictionCheck, check_eviction
 from .exceptions import (
     ConfigurationError,
-    FormatMismatch,
     DuplicateTask,
+    FormatMismatch,
     InvalidResource,
     LockError,
     LockLost,

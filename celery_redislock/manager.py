@@ -1353,7 +1353,9 @@ class LockManager:
             holder or "",
         ]
         if self._eviction_pending or self._eviction_refusal is not None:
-            self._check_eviction_once()
+            self._check_eviction_once()  # first: a refusal must write nothing
+        if self._format_pending:
+            self._check_format_once()
         for _ in range(3):
             try:
                 reply, holders, before = self._scripts.run_then_read(

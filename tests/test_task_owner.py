@@ -291,3 +291,14 @@ def test_holder_records_follow_the_grant_to_its_adopter(managers: Managers, r: r
     lease.release()
     lease2.release()
     assert not r.keys("{t}:holder:*")
+
+
+def test_a_namespace_of_another_format_refuses_task_acquires(
+    managers: Managers, r: redis.Redis
+) -> None:
+    from celery_redislock import FORMAT_VERSION, FormatMismatch
+
+    r.set("{t}:format", str(FORMAT_VERSION + 1))
+    with pytest.raises(FormatMismatch):
+        managers().acquire_for_task(TID, "unique:a", ttl=60)
+    assert not r.exists("{t}:lock:unique:a", "{t}:alive:task:" + TID)
