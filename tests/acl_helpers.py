@@ -27,8 +27,9 @@ ENV_VAR = "REDISLOCK_TEST_ACL"
 #: The restricted user the tests create, and its password.
 USER = "redislock-test"
 PASSWORD = "lock-user-pw"
-#: Namespaces the suites that run as the restricted user lock in.
-TEST_NAMESPACES = ("t", "redislock", "other")
+#: Namespaces the suites that run as the restricted user lock in (typo-ns:
+#: the CLI tests' never-used namespace, which the user may read).
+TEST_NAMESPACES = ("t", "redislock", "other", "typo-ns")
 
 _SECTION_RE = re.compile(r"^### Least-privilege ACL\n(.*?)(?=^#{1,3} )", re.M | re.S)
 _LINE_RE = re.compile(r"^ACL SETUSER (\S+) (.*)$", re.M)
