@@ -274,7 +274,7 @@ class Demo:
         sys.path.insert(0, str(HERE))
         from proj import app
         from proj.producer import send_contention
-        from proj.tasks import migrate, sync
+        from proj.tasks import migrate, reindex, sync
 
         self.worker = self.start_worker("worker")
         beat_argv = [*CELERY, "-A", "proj", "beat", "-l", "INFO"]
@@ -291,7 +291,7 @@ class Demo:
 
         self.contention(send_contention)
         self.crash(migrate, sync)
-        self.restart(app, migrate, sync)
+        self.restart(app, migrate, sync, reindex)
         return self.finish()
 
     def contention(self, send_contention: Callable[[], list[Any]]) -> None:
@@ -381,7 +381,7 @@ class Demo:
             fences = [e["fence"] for e in again]
             self.say(f"fencing tokens of migrate-3's two deliveries: {fences}")
 
-    def restart(self, app: Any, migrate: Any, sync: Any) -> None:
+    def restart(self, app: Any, migrate: Any, sync: Any, reindex: Any) -> None:
         self.chapter("4. The whole worker is SIGKILLed and restarted under the same name")
         assert self.worker is not None
         migrate.apply_async(args=(4,), kwargs={"label": "migrate-4"})
@@ -389,6 +389,17 @@ class Demo:
         if not started:
             return
         owner = started[0]["owner"]
+        self.say("producer: reindex(4), a UniqueTask keyed reindex:{repo_id}, then again")
+        first = reindex.apply_async(args=(4,), kwargs={"label": "reindex-4"})
+        running = self.wait(lambda: self.by_label("reindex-4"), 30, "reindex-4 to start")
+        if not running:
+            return
+        again = reindex.apply_async(args=(4,), kwargs={"label": "reindex-4b"})
+        self.check(
+            again.id == first.id,
+            "the duplicate reindex(4) was not sent: it got the running task's id",
+        )
+        unique_owner = running[0]["owner"]
         self.say(f"kill -9 the worker's process group ({self.worker.pid} and its pool)")
         self.worker.kill_group()
         killed = time.monotonic()
@@ -399,6 +410,10 @@ class Demo:
             f"in {pttl / 1000:.0f}s"
         )
         self.check(owner in self.holders("repo:4"), "nothing else freed repo:4 meanwhile")
+        self.check(
+            unique_owner in self.holders("unique:reindex:4"),
+            "the dead worker's child still holds the unique key reindex:4",
+        )
         self.worker = self.start_worker("worker-restarted")
         self.say(f"celery worker {NODE} started again at once (same node name)")
         freed = self.wait(
@@ -411,12 +426,21 @@ class Demo:
                 f"after the kill ({expires - now:.0f}s before its liveness would have expired)"
             )
             self.check(now < expires - 5, "freed at start-up, long before the owner TTL")
+        self.check(
+            not self.holders("unique:reindex:4"),
+            "the unique key reindex:4 was freed with them (not stuck for unique_ttl)",
+        )
         if not self.wait_worker(app, self.worker):
             return
         result = sync.apply_async(args=(4, "origin"), kwargs={"seconds": 0.2, "label": "sync-4"})
         ok = self.wait(result.ready, 30, "sync-4")
         self.pump()
         self.check(bool(ok) and result.successful(), "repo:4 is usable again: sync-4 completed")
+        fresh = reindex.apply_async(args=(4,), kwargs={"seconds": 0.2, "label": "reindex-4c"})
+        self.check(fresh.id != first.id, "a new reindex(4) is accepted after the kill")
+        ok = self.wait(fresh.ready, 30, "reindex-4c")
+        self.pump()
+        self.check(bool(ok) and fresh.successful(), "the new reindex(4) ran to the end")
 
     def finish(self) -> int:
         beat = next((p for p in self.procs if p.name == "beat"), None)

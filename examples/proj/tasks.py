@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from celery_redislock import current_lease, locked
+from celery_redislock import Lease, UniqueTask, current_lease, locked
 
 from .celery import app
 
@@ -36,8 +36,8 @@ def _redis() -> redis.Redis:
     return _client
 
 
-def _event(task: Any, event: str, **fields: Any) -> dict[str, Any]:
-    lease = current_lease()
+def _event(task: Any, event: str, lease: Lease | None = None, **fields: Any) -> dict[str, Any]:
+    lease = lease or current_lease()
     record = {
         "t": time.time(),
         "event": event,
@@ -88,3 +88,19 @@ def migrate(self: Any, repo_id: int, label: str = "", crash_first: bool = True) 
         time.sleep(60)  # holding repo:<id>; the demo kills this process meanwhile
     _event(self, "end", attempt=attempt)
     return f"repo {repo_id} migrated (attempt {attempt})"
+
+
+@app.task(bind=True, base=UniqueTask, unique_key="reindex:{repo_id}", acks_late=True)
+def reindex(self: Any, repo_id: int, seconds: float = 60.0, label: str = "") -> str:
+    """Rebuild one repository's search index: one queued or running per repository.
+
+    A second ``reindex.delay(repo_id)`` while one is queued or running
+    returns that task's handle instead of sending a duplicate. Its key,
+    ``unique:reindex:<repo_id>``, is a lock: it dies with the worker process
+    running the task, so a killed worker never leaves it stuck.
+    """
+    key = f"unique:reindex:{repo_id}"
+    _event(self, "start", lease=self.unique_lease, resources=[key])
+    time.sleep(seconds)
+    _event(self, "end")
+    return f"repo {repo_id} reindexed"
