@@ -21,6 +21,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from .connect import AnyRedis
+from .keys import FORMAT_VERSION
 
 #: Scripts shipped in ``celery_redislock/lua``, one per operation.
 SCRIPT_NAMES = (
@@ -41,11 +42,15 @@ SCRIPT_NAMES = (
 
 @cache
 def source(name: str) -> str:
-    """Full source of script ``name``: the shared helpers, then the script."""
+    """Full source of script ``name``: the format constant, the shared helpers, the script.
+
+    ``FORMAT_VERSION`` (a Lua string) is this release's data format, which
+    ``_common.lua``'s ``next_fence`` records when it creates the fence.
+    """
     lua = resources.files("celery_redislock") / "lua"
     common = (lua / "_common.lua").read_text(encoding="utf-8")
     own = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    return common + "\n" + own
+    return f"local FORMAT_VERSION = '{int(FORMAT_VERSION)}'\n" + common + "\n" + own
 
 
 class Scripts:

@@ -116,10 +116,18 @@ end
 -- the usual case compares it with the last token as strings (digit strings
 -- of equal length order like their numbers), so no number is formatted.
 -- Returns the token as the decimal string stored.
+-- Creating the fence (a new namespace, or a Redis that lost its data) also
+-- records this release's data format ({ns}:format, SET NX; FORMAT_VERSION
+-- is prepended to the source by scripts.py): a fence without a format key
+-- means data of a release from before format versioning, so the script that
+-- re-creates one must never leave it without its format.
 local function next_fence(key)
   local t = redis.call('TIME')
   local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
   local last = redis.call('SET', key, now, 'GET')
+  if not last then
+    redis.call('SET', string.sub(key, 1, #key - #'fence') .. 'format', FORMAT_VERSION, 'NX')
+  end
   if last and (#last > #now or (#last == #now and last >= now)) then
     local f = int(tonumber(last) + 1)
     redis.call('SET', key, f)

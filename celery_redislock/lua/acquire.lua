@@ -18,7 +18,8 @@
 -- Keys read from locks and queues (other owners' alive, req, wake, waits
 -- and held keys), this owner's {ns}:waits:<owner>, its tombstone
 -- {ns}:dead:<owner> and the resources' {ns}:contended:<res> streams are
--- built from ARGV[8] and stay in the same hash tag.
+-- built from ARGV[8] and stay in the same hash tag; {ns}:format is
+-- written (SET NX) when the grant creates the fence (_common.lua next_fence).
 --
 -- ARGV:
 --   1 owner id
