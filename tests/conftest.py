@@ -26,6 +26,7 @@ import pytest
 import redis
 
 import acl_helpers
+from engine_helpers import Managers
 from redis_server import (
     ENV_VAR,
     RedisServer,
@@ -77,6 +78,21 @@ def r(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def managers(redis_url: str) -> Iterator[Managers]:
+    """``managers(**kw)``: a LockManager on the test's Redis, namespace ``t``.
+
+    Every manager made is closed after the test (heartbeats stopped, leases
+    released). Modules that lock elsewhere (their own server, a cluster)
+    define their own ``managers``.
+    """
+    made = Managers(redis_url)
+    try:
+        yield made
+    finally:
+        made.close_all()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,6 @@ from click.testing import CliRunner, Result
 
 from celery_redislock import FORMAT_VERSION, LockManager
 from celery_redislock.cli import redislock
-from engine_helpers import Managers
 from test_inspect import (
     DEADLINE,
     NS,
@@ -55,13 +54,6 @@ def cli(app: Celery) -> Callable[..., Result]:
         return runner.invoke(redislock, list(args), obj=obj, input=input)
 
     return invoke
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url, NS)
-    yield made
-    made.close_all()
 
 
 def ok(result: Result) -> Result:

@@ -10,7 +10,6 @@ never a traceback per tick.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,13 +21,6 @@ from redis_server import RedisServer
 
 NS = "t"
 PREFIX = "{" + NS + "}:"
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url, NS)
-    yield made
-    made.close_all()
 
 
 def test_release_blocked_by_a_foreign_value_is_reported_once_then_retried_quietly(

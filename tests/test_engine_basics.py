@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,13 +31,6 @@ from engine_helpers import (
     registries,
 )
 from redis_server import RedisServer
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    yield made
-    made.close_all()
 
 
 def lock(name: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
@@ -27,13 +27,6 @@ from engine_helpers import (
 )
 
 T = TypeVar("T")
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    yield made
-    made.close_all()
 
 
 def kill_liveness(r: redis.Redis, mgr_or_owner: LockManager | str) -> str:

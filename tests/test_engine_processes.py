@@ -36,13 +36,6 @@ MARGIN = 3.0
 
 
 @pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    yield made
-    made.close_all()
-
-
-@pytest.fixture
 def children() -> Iterator[list[Child]]:
     started: list[Child] = []
     yield started

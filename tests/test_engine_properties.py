@@ -10,7 +10,6 @@ every release Redis keeps no lock, queue, request or wake key.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -81,13 +80,6 @@ invalid_names = st.one_of(
     st.none(),
     st.floats(allow_nan=False),
 ).filter(lambda n: not (isinstance(n, str) and is_valid(n)))
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    yield made
-    made.close_all()
 
 
 # -- names -------------------------------------------------------------------

@@ -21,13 +21,6 @@ from redis_server import RedisServer
 FORMAT_KEY = "{t}:format"
 
 
-@pytest.fixture
-def managers(redis_url: str) -> Managers:
-    made = Managers(redis_url, "t")
-    yield made
-    made.close_all()
-
-
 def test_the_first_use_records_this_releases_format_once(
     managers: Managers, r: redis.Redis
 ) -> None:

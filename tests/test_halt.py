@@ -8,10 +8,8 @@ their queues with ShuttingDown, each pushing the entry back for the next.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import redis
 
 from celery_redislock import LockManager, ShuttingDown
@@ -20,13 +18,6 @@ from engine_helpers import Managers, assert_registry_truth, wait_until
 
 NS = "t"
 PREFIX = "{" + NS + "}:"
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url, NS)
-    yield made
-    made.close_all()
 
 
 def waiter(

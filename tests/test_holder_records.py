@@ -6,24 +6,13 @@ a plain engine lock."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
-import pytest
 import redis
 
 from celery_redislock import Inspector, Lease, LockManager
 from engine_helpers import Managers, wait_until
 
 INFO = "proj.sync\n0b7e4a2c-7b1e-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    try:
-        yield made
-    finally:
-        made.close_all()
 
 
 def as_task(mgr: LockManager, resource: str, timeout: float) -> Lease:

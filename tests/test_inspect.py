@@ -23,7 +23,7 @@ import redis
 
 from celery_redislock import LockManager, LockTimeout
 from celery_redislock.inspect import Inspector, describe_fields, redact_url
-from engine_helpers import Managers, command_delta, commandstats, wait_until
+from engine_helpers import command_delta, commandstats, wait_until
 
 NS = "t"
 DEADLINE = 20.0
@@ -83,13 +83,6 @@ def registries(client: redis.Redis, namespace: str = NS) -> dict[str, set[str]]:
         names = client.hkeys(f"{{{namespace}}}:held:{o}")
         out[o] = {f"{{{namespace}}}:lock:{k.decode()}" for k in names}
     return out
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url, NS)
-    yield made
-    made.close_all()
 
 
 @pytest.fixture

@@ -27,13 +27,6 @@ from redis_server import RedisServer
 
 
 @pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    yield made
-    made.close_all()
-
-
-@pytest.fixture
 def children() -> Iterator[list[Child]]:
     made: list[Child] = []
     yield made

@@ -5,7 +5,6 @@ the heartbeat.lost log line)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -18,15 +17,6 @@ from celery_redislock.exceptions import (
     CAUSE_REDIS_LOST,
 )
 from engine_helpers import Managers, wait_until
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    try:
-        yield made
-    finally:
-        made.close_all()
 
 
 def lost_cause(lease: object) -> str | None:

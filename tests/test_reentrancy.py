@@ -6,7 +6,6 @@ Other threads of the process queue like everyone else."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -19,15 +18,6 @@ from engine_helpers import (
     lock_holders,
     wait_until,
 )
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    try:
-        yield made
-    finally:
-        made.close_all()
 
 
 def test_nested_acquire_of_a_held_resource_is_granted_at_once_without_a_round_trip(

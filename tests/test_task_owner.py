@@ -8,8 +8,6 @@ and tombstones the task owner. Real Redis throughout.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import redis
 
@@ -26,13 +24,6 @@ from engine_helpers import (
 )
 
 TID = "6f1c2a9e-3b7d-4e1a-9c55-0d2b8e4f7a10"
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url)
-    yield made
-    made.close_all()
 
 
 def _alive(r: redis.Redis, owner: str) -> bool:

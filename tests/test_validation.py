@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -41,13 +41,6 @@ from engine_helpers import Managers
 NOWHERE = "redis://127.0.0.1:1/0"  # never connected to: constructors do no I/O
 
 CONTROL = [chr(c) for c in range(0x20)] + ["\x7f"]
-
-
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[Managers]:
-    made = Managers(redis_url, "t")
-    yield made
-    made.close_all()
 
 
 # -- names: full-string matching ---------------------------------------------------
