@@ -302,7 +302,11 @@ def status(ctx: click.Context, url: str | None, namespace: str | None, as_json: 
             ),
             ("eviction", st.eviction_note),
             ("fence", str(st.fence) if st.fence is not None else "- (nothing acquired yet)"),
-            ("owners", f"{st.owners} ({st.alive_owners} alive, {st.dead_owners} dead)"),
+            (
+                "owners",
+                f"{st.owners} ({st.alive_owners} alive, {st.dead_owners} dead; "
+                f"{st.holding_owners} holding locks, {st.waiting_only_owners} only waiting)",
+            ),
             (
                 "locks",
                 f"{st.registered_locks} registered ({st.dead_owner_locks} by dead owners)",
@@ -880,8 +884,25 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: Help of --url / --namespace for the standalone entry, which has no app
+#: settings to default from.
+_STANDALONE_HELP = {
+    "url": "Redis URL of the locks (required here; or set REDISLOCK_URL).",
+    "namespace": "Lock namespace (default: 'redislock'; or set REDISLOCK_NAMESPACE).",
+}
+
+
+def _standalone_help(group: click.Group) -> None:
+    """Describe --url/--namespace without the app-only defaults."""
+    for cmd in [group, *group.commands.values()]:
+        for param in cmd.params:
+            if isinstance(param, click.Option) and param.name in _STANDALONE_HELP:
+                param.help = _STANDALONE_HELP[param.name]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Standalone entry (``python -m celery_redislock``): no Celery app needed."""
+    _standalone_help(redislock)
     redislock.main(
         args=list(argv) if argv is not None else None, prog_name="python -m celery_redislock"
     )

@@ -267,6 +267,10 @@ class Status:
     #: True when ``status(max_owners=N)`` stopped after N owners: the counts
     #: cover those only.
     truncated: bool = False
+    #: Owners holding at least one lock, and owners that hold none and only
+    #: wait (queued requests); the rest are idle (registered, nothing yet).
+    holding_owners: int = 0
+    waiting_only_owners: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -828,6 +832,7 @@ class Inspector:
         fence = self._call("GET", lambda: self.client.get(self.keys.fence))
         version = server.get("redis_version") if isinstance(server, dict) else None
         owners = alive = dead = registered = dead_locks = waiting = 0
+        holding = waiting_only = 0
         truncated = False
         for batch in self.owner_ids():
             if max_owners is not None and owners + len(batch) > max_owners:
@@ -842,7 +847,10 @@ class Inspector:
             for j in range(len(batch)):
                 is_alive, n, w = replies[3 * j], replies[3 * j + 1], replies[3 * j + 2]
                 n = 0 if isinstance(n, Exception) else int(n)
-                waiting += 0 if isinstance(w, Exception) else int(w)
+                w = 0 if isinstance(w, Exception) else int(w)
+                waiting += w
+                holding += 1 if n else 0
+                waiting_only += 1 if w and not n else 0
                 owners += 1
                 registered += n
                 if is_alive and not isinstance(is_alive, Exception):
@@ -877,6 +885,8 @@ class Inspector:
             format_version=self.usage().format_version,
             waiting_requests=waiting,
             truncated=truncated,
+            holding_owners=holding,
+            waiting_only_owners=waiting_only,
         )
 
     # -- release planning ------------------------------------------------

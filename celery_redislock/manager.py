@@ -807,6 +807,10 @@ class LockManager:
             self._ensure_lost_watch()
         token = f"{ident.owner_id}|{request_id}"
         outage = _Outage(deadline, self.owner_ttl)
+        # Whether Redis ever answered this request's script: until it has, the
+        # request is at most possibly there (a script sent as the connection
+        # broke), and its clean-up after a failure is not worth a warning.
+        answered = False
         try:
             reply: Any = None
             while True:
@@ -819,6 +823,7 @@ class LockManager:
                     )
                     if reply is None:  # Redis failed; backed off: run the attempt again
                         continue
+                    answered = True
                     # Past step 1 the script refreshed our liveness: a confirmed
                     # refresh, unless our local deadline had already passed.
                     if int(reply[0]) != -1 and not self._confirm(ident, started, self.owner_ttl):
@@ -927,7 +932,7 @@ class LockManager:
                     depth.count = max(0, depth.count - 1)
                     if gone in depth.leases:
                         depth.leases.remove(gone)
-            self._end_request(ident.owner_id, token, req)
+            self._end_request(ident.owner_id, token, req, quiet=not answered)
             if self._metrics is not None and isinstance(exc, Exception):
                 outcome = "timeout" if isinstance(exc, LockTimeout) else "error"
                 self._metrics.acquired(time.monotonic() - began, outcome)
@@ -1537,14 +1542,21 @@ class LockManager:
         ]
         return self._call("release", keys, args, client=client)
 
-    def _end_request(self, owner_id: str, token: str, req: _Request) -> None:
-        """Release or dequeue a request that is not returning a lease."""
+    def _end_request(self, owner_id: str, token: str, req: _Request, quiet: bool = False) -> None:
+        """Release or dequeue a request that is not returning a lease.
+
+        ``quiet``: Redis never answered the request (it may not be there at
+        all, e.g. Redis was down from the start): a failed clean-up is still
+        retried like any deferred release, but logged at DEBUG, since no
+        grant was ever seen.
+        """
         try:
             self._run_release(owner_id, token, req)
         except BaseException as exc:  # even a second interrupt must not strand a grant
             with self._state_lock:
                 self._orphans[token] = req
-            log_release.warning(
+            log_release.log(
+                logging.DEBUG if quiet else logging.WARNING,
                 "release.deferred token=%s resources=%s error=%r",
                 token,
                 ",".join(req.resources),

@@ -43,8 +43,17 @@ _leases: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
     "celery_redislock_leases", default=()
 )
 
-#: Marks "use the app's redislock_default_timeout".
-_DEFAULT: Any = object()
+
+class _AppDefault:
+    """Marks an option left to the app's ``redislock_*`` setting."""
+
+    def __repr__(self) -> str:
+        return "<app setting>"
+
+
+#: Marks "use the app's setting" (redislock_default_timeout, ...); its repr
+#: keeps ``inspect.signature(locked)`` and ``help(locked)`` readable.
+_DEFAULT: Any = _AppDefault()
 
 
 class TemplateError(LockError, ValueError):

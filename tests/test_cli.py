@@ -69,9 +69,11 @@ def test_status_prints_counts_and_eviction_policy_as_table_and_json(
 ) -> None:
     dead_owner(redis_url, [(["a"], [])])
     lease = managers().acquire(exclusive=["b"], timeout=5)
+    waiter = queued_waiter(managers(), exclusive=["b"])  # holds nothing, only waits
+    wait_until(lambda: "1 request(s) queued" in ok(cli("status")).output, what="the waiter queued")
     out = ok(cli("status")).output
     lines = [" ".join(line.split()) for line in out.splitlines()]
-    assert "owners 2 (1 alive, 1 dead)" in lines
+    assert "owners 3 (2 alive, 1 dead; 2 holding locks, 1 only waiting)" in lines
     assert "locks 2 registered (1 by dead owners)" in lines
     assert f"fence {lease.fencing_token}" in lines
     assert "'noeviction': keys are never evicted" in out
@@ -79,6 +81,22 @@ def test_status_prints_counts_and_eviction_policy_as_table_and_json(
     data = json.loads(ok(cli("status", "--json")).stdout)
     assert data["dead_owner_locks"] == 1 and data["fence"] == lease.fencing_token
     assert data["eviction_policy"] == "noeviction" and data["namespace"] == NS
+    assert data["holding_owners"] == 2 and data["waiting_only_owners"] == 1
+    lease.release()
+    waiter.join(DEADLINE)
+
+
+def test_standalone_help_names_no_app_setting_as_a_default() -> None:
+    """``python -m celery_redislock`` has no app: --url is required there."""
+    for args in ([], ["locks"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "celery_redislock", *args, "--help"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "required here" in out and "REDISLOCK_URL" in out, out
+        assert "redislock_url" not in out and "broker" not in out, out
 
 
 def test_locks_table_shows_resource_mode_owner_state_and_waiters(

@@ -112,3 +112,30 @@ def test_release_refused_by_an_acl_is_reported_once_then_retried_quietly(
     failed = [rec for rec in caplog.records if "release.retry-failed" in rec.getMessage()]
     assert len(failed) == 1 and failed[0].levelno == logging.ERROR, caplog.text
     assert 2 <= mgr.release_retry_failures < mgr.heartbeat.ticks / 4
+
+
+def test_a_request_redis_never_answered_is_cleaned_up_without_a_warning(
+    managers: Managers, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis down from the start: the failed acquire logs no release.deferred.
+
+    The request may still be retried away later (a script sent as a
+    connection broke may have run), so it is kept as an orphan, but no grant
+    was ever seen and a WARNING would send an operator hunting for a lock
+    nobody holds. Once Redis is back, the orphan is gone.
+    """
+    from celery_redislock import RedisUnavailable
+    from tcp_proxy import TcpProxy
+
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    with TcpProxy(port) as proxy:
+        mgr = managers(proxy.url, heartbeat_interval=0.1)
+        proxy.cut()
+        with caplog.at_level(logging.DEBUG, "celery_redislock"):
+            with pytest.raises(RedisUnavailable):
+                mgr.acquire("never", timeout=0)
+        loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not [m for m in loud if m.startswith("release.")], loud
+        assert any(m.startswith("release.deferred ") for m in caplog.messages)
+        proxy.restore()
+        wait_until(lambda: not mgr._orphans, what="the orphaned request to be retried away")

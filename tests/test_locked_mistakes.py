@@ -356,3 +356,14 @@ def other(redis_url: str) -> Iterator[LockManager]:
     mgr = LockManager(redis_url, NS, owner_ttl=1.5)
     yield mgr
     mgr.close()
+
+
+def test_signature_of_locked_shows_readable_defaults() -> None:
+    """Options left to the app's settings read ``<app setting>`` in help()."""
+    import inspect
+
+    from celery_redislock import locked
+
+    text = str(inspect.signature(locked))
+    assert "timeout: 'float | None' = <app setting>" in text
+    assert "object at 0x" not in text
