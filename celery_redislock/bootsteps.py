@@ -64,6 +64,64 @@ def _worker_metrics(mgr: Any, nodename: str, cfg: Any) -> Any:
     return WorkerMetrics(mgr, nodename, cfg.metrics_port, cfg.metrics_address)
 
 
+class _Publisher:
+    """Publishes deferred tasks from the dispatcher thread, on a broker
+    connection of its own (never shared with the worker's event loop)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._conn: Any = None
+
+    def __call__(self, task_id: str, message: dict[str, Any], header: str | None) -> None:
+        from .defer import HEADER
+
+        opts = dict(message.get("options") or {})
+        headers = {HEADER: header} if header is not None else {}
+        if self._conn is None:
+            self._conn = self.app.connection_for_write()
+        try:
+            self.app.send_task(
+                message["name"],
+                args=message.get("args") or [],
+                kwargs=message.get("kwargs") or {},
+                task_id=task_id,
+                headers=headers,
+                connection=self._conn,
+                add_to_parent=False,
+                **opts,
+            )
+        except Exception:
+            conn, self._conn = self._conn, None
+            try:
+                conn.release()
+            except Exception:
+                pass
+            raise
+
+
+def _record_withdrawn(app: Any, task_id: str, why: str, message: dict[str, Any]) -> None:
+    """Write the result of a deferred task taken out of line."""
+    from .exceptions import LockTimeout
+
+    if why == "expired":
+        exc = LockTimeout(tuple(message.get("resources") or ()), message.get("park_ttl"))
+        app.backend.mark_as_failure(task_id, exc)
+    else:
+        app.backend.mark_as_revoked(task_id, reason=why)
+
+
+def _is_revoked(task_id: str) -> bool:
+    from celery.worker import state
+
+    return task_id in state.revoked
+
+
+def _revoked_ids() -> list[str]:
+    from celery.worker import state
+
+    return [str(x) for x in list(state.revoked)]
+
+
 class RedisLockNode(bootsteps.StartStopStep):
     """Runs this worker's incarnation: node record, heartbeat, clean-up.
 
@@ -89,6 +147,7 @@ class RedisLockNode(bootsteps.StartStopStep):
         w.redislock_node = None
         self.locks = RedisLock.of(w.app)
         self.node: Node | None = None
+        self.dispatcher: Any = None
         self._shutdown_done = False
         self._on_shutdown: Callable[..., None] | None = None
         #: The Prometheus endpoint (``redislock_metrics_port``), or None.
@@ -182,6 +241,7 @@ class RedisLockNode(bootsteps.StartStopStep):
                 # Run the skipped check once the heartbeat reaches Redis.
                 node.on_late_start = lambda: self._check_eviction(node, "warn")
         node.start_heartbeat()
+        self._start_dispatcher(w)
         self._hook_pool(w)
         if self.metrics is not None:
             try:
@@ -195,6 +255,23 @@ class RedisLockNode(bootsteps.StartStopStep):
                     ),
                     "the worker",
                 )
+
+    def _start_dispatcher(self, w: Any) -> None:
+        """Start the deferred-task dispatcher thread (docs/defer.md)."""
+        from .defer import Dispatcher
+
+        node, locks = self.node, self.locks
+        assert node is not None and locks is not None
+        self.dispatcher = Dispatcher(
+            node.manager,
+            node.incarnation,
+            publish=_Publisher(w.app),
+            on_withdrawn=lambda tid, why, msg: _record_withdrawn(w.app, tid, why, msg),
+            revoked=_is_revoked,
+            revoked_ids=_revoked_ids,
+        )
+        w.redislock_dispatcher = self.dispatcher
+        self.dispatcher.start()
 
     @staticmethod
     def _check_eviction(node: Node, mode: str) -> None:
@@ -277,6 +354,8 @@ class RedisLockNode(bootsteps.StartStopStep):
                 self.metrics.close()
             except Exception:  # never break Celery's shutdown
                 log.debug("worker.metrics-close-error", exc_info=True)
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
         try:
             if node is not None:
                 node.shutdown()

@@ -488,11 +488,14 @@ def waiters(
                 w.owner_id,
                 _life(w.alive, w.ttl),
                 w.state,
+                f"{w.task_name or '?'} {w.task_id}" if w.task_id else "-",
                 w.token,
             )
             for w in ws
         ]
-        click.echo(_table(("POS", "MODE", "OWNER", "OWNER STATE", "REQUEST", "TOKEN"), rows))
+        click.echo(
+            _table(("POS", "MODE", "OWNER", "OWNER STATE", "REQUEST", "TASK", "TOKEN"), rows)
+        )
 
     _guard(run)
 

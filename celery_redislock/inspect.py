@@ -28,6 +28,7 @@ searched for in the keyspace.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -80,6 +81,18 @@ def _command_name(queued: Any) -> str:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _task_name(raw: str | None) -> str | None:
+    """The task name in a park record's message (JSON), or None."""
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    name = value.get("name") if isinstance(value, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _opt_text(value: Any) -> str | None:
@@ -163,9 +176,13 @@ class Waiter:
     description: str | None
     #: A nested request (made from inside a held lock) sorts before the others.
     nested: bool
-    #: ``queued``; ``granted`` (about to leave the queue); ``expired`` (its
-    #: request record is gone: a stale entry the next script removes).
+    #: ``queued``; ``parked`` (a deferred task, docs/defer.md); ``granted``
+    #: (about to leave the queue); ``expired`` (its request record is gone:
+    #: a stale entry the next script removes).
     state: str
+    #: A parked (deferred) task: its task id and task name, else None.
+    task_id: str | None = None
+    task_name: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -643,11 +660,24 @@ class Inspector:
                 pipe.hget(self.keys.req(token), "state")
             for token, st in zip(batch, self._run(pipe)):
                 states[token] = None if isinstance(st, Exception) else _opt_text(st)
+        parked: dict[str, str | None] = {}  # token -> task name (deferred tasks)
+        deferred = [t for t in tokens if "|task:" in t]
+        for batch in self._batches(deferred):
+            pipe = self._pipe()
+            for token in batch:
+                pipe.hmget(
+                    self.keys.prefix + "defer:" + token.split("|task:", 1)[1], "token", "msg"
+                )
+            for token, got in zip(batch, self._run(pipe)):
+                if isinstance(got, Exception) or _opt_text(got[0]) != token:
+                    continue
+                parked[token] = _task_name(_opt_text(got[1]))
         out: list[Waiter] = []
         for pos, ((member, score), token) in enumerate(zip(parsed, tokens), start=1):
             owner = owner_of_token(token)
             lv = live[owner]
             st = states.get(token)
+            is_parked = token in parked
             out.append(
                 Waiter(
                     resource=resource,
@@ -659,7 +689,15 @@ class Inspector:
                     ttl=lv.ttl,
                     description=lv.description,
                     nested=score < 0,
-                    state={"q": "queued", "g": "granted"}.get(st or "", "expired"),
+                    state=(
+                        "expired"
+                        if st not in ("q", "g")
+                        else "parked"
+                        if is_parked and st == "q"
+                        else {"q": "queued", "g": "granted"}[st or "q"]
+                    ),
+                    task_id=token.split("|task:", 1)[1] if is_parked else None,
+                    task_name=parked.get(token) if is_parked else None,
                 )
             )
         return out

@@ -25,6 +25,13 @@ key                            type    holds
                                        taken by a Celery task (none otherwise)
 ``{ns}:adopted:<task owner>``  hash    who adopted a task owner's locks, and
                                        the grants (TTL; see adopt.lua)
+``{ns}:defer:<task id>``        hash    a deferred task's park record
+                                       (docs/defer.md)
+``{ns}:deferred``              zset    task id -> next look-up (ms)
+``{ns}:dispatch``              list    task ids to dispatch again
+``{ns}:dispatching:<inc>``     list    ids one worker is dispatching
+``{ns}:dispatcher:<inc>``      string  that dispatcher's liveness (TTL)
+``{ns}:dispatchers``           set     incarnations that dispatch
 ``{ns}:fence``                 string  last fencing token
 ``{ns}:seq``                   string  last arrival sequence number
 ``{ns}:format``                string  data-format version of the namespace

@@ -1413,6 +1413,19 @@ class LockManager:
         """
         return self._cleanup(task_owner_id(task_id, attempt), force=True)
 
+    def _hold_in_thread(self, leases: Iterable[Lease]) -> None:
+        """Count adopted ``leases`` as held by the calling thread or greenlet:
+        its nested acquires of their resources re-enter them (``@locked``
+        runs an adopted deferred task's body in this thread)."""
+        depth = self._depth()
+        with self._state_lock:
+            for lease in leases:
+                if lease._released or lease in depth.leases:
+                    continue
+                lease._depth = depth
+                depth.leases.append(lease)
+                depth.count += 1
+
     def adopt(self, task_id: str, attempt: int = 0, *, holder: str | None = None) -> Adoption:
         """Take over every lock task ``task_id``'s owner holds, in this process.
 

@@ -37,6 +37,13 @@ SCRIPT_NAMES = (
     "format",
     "adopt",
     "forget_idle",
+    "defer_park",
+    "defer_adopted",
+    "defer_claim",
+    "defer_granted",
+    "defer_done",
+    "defer_withdraw",
+    "defer_tick",
 )
 
 

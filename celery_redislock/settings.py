@@ -36,9 +36,12 @@ MAX_RECONCILE_INTERVAL = 7 * 86400.0
 #: key may wait in the broker for a worker to start the task.
 DEFAULT_UNIQUE_TTL = 3600.0
 #: Values of ``locked(on_busy=...)``.
-ON_BUSY_MODES = ("wait", "retry", "raise", "skip")
+ON_BUSY_MODES = ("wait", "defer", "retry", "raise", "skip")
 #: Values of ``redislock_on_lost`` and ``locked(on_lost=...)``.
 ON_LOST_MODES = ("fail", "terminate", "ignore")
+#: Bounds of ``redislock_defer_ttl`` and ``redislock_defer_grant_ttl`` (seconds).
+MIN_DEFER_TTL = 1.0
+MAX_DEFER_TTL = 30 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,30 @@ SETTINGS: tuple[Setting, ...] = (
         "None",
         "How long @locked(on_busy='wait') waits when the decorator gives no "
         "timeout; None waits until granted (bounded by the task's time limits). >= 0.",
+    ),
+    Setting(
+        "redislock_default_on_busy",
+        "'wait' | 'defer' | 'retry' | 'raise' | 'skip'",
+        "'wait'",
+        "on_busy of every @locked that does not name one. 'defer': a busy task keeps "
+        "its place in line, frees its pool slot and is dispatched again when the lock "
+        "is handed to it (docs/defer.md).",
+    ),
+    Setting(
+        "redislock_defer_ttl",
+        "float (seconds)",
+        "86400.0",
+        "Longest a deferred task stays parked (then it fails with LockTimeout) when "
+        "@locked gives no timeout; also how long a finished deferred task's record "
+        "keeps stale copies of its message out. 1..2592000.",
+    ),
+    Setting(
+        "redislock_defer_grant_ttl",
+        "float (seconds)",
+        "300.0",
+        "How long a lock handed to a deferred task waits for a worker to adopt it "
+        "(broker transit and queueing); past it the lock is handed on and the task "
+        "published again. 1..2592000.",
     ),
     Setting(
         "redislock_fast_restart_cleanup",
@@ -244,6 +271,9 @@ class Config:
     metrics_port: int | None = None
     metrics_address: str = "0.0.0.0"
     unique_ttl: float = DEFAULT_UNIQUE_TTL
+    default_on_busy: str = "wait"
+    defer_ttl: float = 86400.0
+    defer_grant_ttl: float = 300.0
 
 
 def _number(
@@ -432,6 +462,22 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         maximum=_v.MAX_OWNER_TTL,
     )
     assert unique_ttl is not None
+    on_busy = get("redislock_default_on_busy", None) or "wait"
+    if not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES:
+        raise ConfigurationError(
+            "redislock_default_on_busy",
+            f"must be one of {', '.join(ON_BUSY_MODES)}, not {on_busy!r}",
+        )
+    defer_ttls = []
+    for name, default in (("redislock_defer_ttl", 86400.0), ("redislock_defer_grant_ttl", 300.0)):
+        raw = get(name, None)
+        value = (
+            default
+            if raw is None
+            else _number(name, raw, minimum=MIN_DEFER_TTL, maximum=MAX_DEFER_TTL)
+        )
+        assert value is not None
+        defer_ttls.append(value)
 
     return Config(
         url=url,
@@ -449,6 +495,9 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         unique_ttl=unique_ttl,
+        default_on_busy=on_busy,
+        defer_ttl=defer_ttls[0],
+        defer_grant_ttl=defer_ttls[1],
     )
 
 

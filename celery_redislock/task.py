@@ -11,6 +11,9 @@ the function Celery runs (the other order raises TypeError at import)::
 
 The lock owner is the worker process (its owner id), never the task id: a
 task redelivered after a worker loss is a new request, not the old holder.
+Only ``on_busy="defer"`` waits as a task owner (``task:<task id>``) while the
+task is parked, until the process that runs it adopts the grant
+(docs/defer.md).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import os
 import random
 import signal
 import string
+import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _validate as _v
@@ -425,11 +430,294 @@ def _lost_after_body(lease: Lease, label: str, task_id: str, mode: str, pool_chi
     raise LockLost(lease.resources, lease.owner_id, lease.fencing_token, lease.lost_cause)
 
 
+def _shown(on_busy: Any) -> str:
+    return "the app default" if on_busy is _DEFAULT else repr(on_busy)
+
+
+@dataclass
+class _BodyRun:
+    """How ``@locked`` runs its body once it holds the lease: ``on_lost``
+    (:class:`_LossWatch`, :func:`_lost_after_body`) and the holder record of
+    the acquires the body makes (``holder``: set as the thread's holder while
+    the body runs, None to leave the thread's holder as it is)."""
+
+    mgr: Any
+    label: str
+    task_label: str
+    task_id: str
+    lost_mode: str
+    in_task: bool
+    pool_child_pid: int
+    holder: str | None
+
+
+def _run_body(
+    lease: Lease,
+    run: _BodyRun,
+    fun: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    after: Callable[[], None] | None = None,
+) -> Any:
+    """Run the body holding ``lease``; release it however the body ends,
+    then ``after``; a lease lost meanwhile is handled as ``on_lost`` says."""
+    mgr = run.mgr
+    token = _leases.set(_leases.get() + (lease,))
+    watch = _LossWatch(run.task_label, run.task_id, run.lost_mode, run.pool_child_pid)
+    if run.lost_mode == "terminate" and run.in_task:
+        lease._add_lost_hook(watch)
+    if run.holder is not None:
+        mgr._local.holder = run.holder
+    lost_after = False
+    try:
+        try:
+            result = fun(*args, **kwargs)
+        except BaseException:
+            watch.active = False
+            if lease.lost:
+                log.error(
+                    'locked.lost task=%s id=%s resources=%s cause="%s": the lock was '
+                    "lost while the body ran (the body raised as well)",
+                    run.task_label,
+                    run.task_id,
+                    ",".join(lease.resources),
+                    lease.lost_cause or "unknown",
+                )
+            raise
+        watch.active = False
+        # Read before the release: a loss seen only by the local
+        # deadline (a long pause) is not looked for once released.
+        lost_after = lease.lost
+    finally:
+        watch.active = False
+        if run.holder is not None:
+            mgr._local.holder = None
+        _leases.reset(token)
+        try:
+            lease.release()
+        except LockError as exc:  # the engine retries a deferred release
+            log.error(
+                "locked.release-error task=%s resources=%s error=%r",
+                run.label,
+                ",".join(lease.resources),
+                exc,
+            )
+        if after is not None:
+            after()
+    if lost_after:
+        _lost_after_body(
+            lease,
+            run.task_label,
+            run.task_id,
+            run.lost_mode,
+            run.pool_child_pid == os.getpid(),
+        )
+    return result
+
+
+def _deferrable(task: Any) -> bool:
+    """Whether the call is a task run by a worker (defer needs a message to park)."""
+    request = getattr(task, "request", None) if task is not None else None
+    return bool(
+        request is not None
+        and not getattr(request, "called_directly", True)
+        and getattr(request, "id", None)
+        and not getattr(request, "is_eager", False)
+    )
+
+
+def _grant_header(request: Any) -> tuple[int, int] | None:
+    """``(life, fence)`` of the grant a re-dispatched deferred task carries, or None."""
+    from .defer import HEADER, parse_header
+
+    value = getattr(request, HEADER, None)
+    if value is None:
+        headers = getattr(request, "headers", None) or {}
+        value = headers.get(HEADER) if isinstance(headers, dict) else None
+    return parse_header(value)
+
+
+def _run_adopted(
+    leases: list[Lease],
+    resources: list[str],
+    run: _BodyRun,
+    fun: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    after: Callable[[], None],
+) -> Any:
+    """Run the body with adopted grants: the one for ``resources`` is the
+    task's lease (``current_lease()``); any other grant of the task owner is
+    released with it. The grants count as held by this thread, so the body's
+    nested acquires of their resources re-enter them."""
+    main = next((x for x in leases if set(x.resources) == set(resources)), leases[0])
+    rest = [x for x in leases if x is not main]
+    run.mgr._hold_in_thread(leases)
+
+    def finish() -> None:
+        for lease in rest:
+            try:
+                lease.release()
+            except LockError as exc:
+                log.error("locked.release-error task=%s error=%r", run.label, exc)
+        after()
+
+    return _run_body(main, run, fun, args, kwargs, finish)
+
+
+def _run_deferred(
+    task: Any,
+    locks: RedisLock,
+    label: str,
+    exclusive_names: list[str],
+    shared_names: list[str],
+    timeout: Any,
+    lost_mode: str,
+    fun: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """``on_busy="defer"`` (docs/defer.md): adopt a grant, run, or park and free the slot."""
+    from celery.exceptions import Ignore
+
+    from . import defer
+
+    mgr = locks.manager
+    cfg = locks.config
+    request = task.request
+    task_id = str(request.id)
+    resources = exclusive_names + shared_names
+    if mgr._orphans and not mgr._own_heartbeat:
+        _retry_deferred(mgr)
+    mgr._defer_done_ttl = cfg.defer_ttl  # type: ignore[attr-defined]
+    # Who holds the locks, for operators: the park request, the adopted
+    # grants and the body's own acquires carry this task's holder record.
+    holder = holder_info(task, label, locks.nodename)
+    outer_holder = getattr(mgr._local, "holder", None)
+    run = _BodyRun(
+        mgr,
+        label,
+        str(getattr(task, "name", None) or label),
+        task_id,
+        lost_mode,
+        True,
+        locks._pool_child_pid,
+        holder if outer_holder is None else None,
+    )
+
+    def acquire(timeout: Any) -> Lease:
+        if outer_holder is None:
+            mgr._local.holder = holder
+        try:
+            return mgr.acquire(exclusive_names, shared_names, timeout=timeout)
+        finally:
+            if outer_holder is None:
+                mgr._local.holder = None
+
+    def done_marker(leases: list[Lease]) -> Callable[[], None]:
+        def mark() -> None:
+            try:
+                defer.mark_done(mgr, task_id, leases[0].owner_id)
+            except Exception as exc:  # the record expires on its own
+                log.warning("defer.done-error id=%s error=%r", task_id, exc)
+
+        return mark
+
+    grant = _grant_header(request)
+    if grant is not None:
+        life, fence = grant
+        outcome, leases = defer.adopt(mgr, task_id, life, holder=holder)
+        if leases:
+            return _run_adopted(leases, resources, run, fun, args, kwargs, done_marker(leases))
+        log.info(
+            "defer.not-adopted task=%s id=%s life=%d fence=%d why=%s: parking this copy "
+            "(dropped if the task is in line or done)",
+            label,
+            task_id,
+            life,
+            fence,
+            outcome,
+        )
+        lease = None  # a copy of a dispatched message never tries once: park decides
+    else:
+        # A new arrival: try once, as on_busy="raise" does.
+        try:
+            lease = acquire(0)
+        except LockTimeout:
+            lease = None
+        if lease is not None:
+            return _run_body(lease, run, fun, args, kwargs)
+    try:
+        message = defer.capture_message(task)
+        park_ttl = cfg.defer_ttl if timeout is _DEFAULT or timeout is None else float(timeout)
+        left = defer.expires_in(message["options"].get("expires"))
+        if left is not None:
+            park_ttl = min(park_ttl, max(left, 0.001))
+        message["resources"] = resources
+        message["park_ttl"] = park_ttl
+        message["grant_ttl"] = cfg.defer_grant_ttl
+        req = mgr._request(exclusive_names, shared_names)
+        message["modes"] = req.modes
+        message["resources"] = list(req.resources)
+        result = defer.park(
+            mgr,
+            task_id,
+            req,
+            message,
+            park_ttl=max(park_ttl, 0.001),
+            grant_ttl=cfg.defer_grant_ttl,
+            label=f"{task.name} {task_id}",
+            holder=holder,
+        )
+    except (TypeError, ValueError) as exc:
+        log.warning(
+            "locked.defer-unserializable task=%s id=%s error=%r: waiting instead",
+            label,
+            task_id,
+            exc,
+        )
+        wait = cfg.default_timeout if timeout is _DEFAULT else timeout
+        # The body has not started: this wait may give way to a warm
+        # shutdown, as @locked's own wait does.
+        mgr._local.halt_ok = True
+        try:
+            lease = acquire(wait)
+        except ShuttingDown as exc:
+            _hand_back(task, label, exc)
+            raise
+        finally:
+            mgr._local.halt_ok = False
+        return _run_body(lease, run, fun, args, kwargs)
+    if result.outcome == "granted" and result.leases:
+        return _run_adopted(
+            result.leases, resources, run, fun, args, kwargs, done_marker(result.leases)
+        )
+    if result.outcome == "duplicate":
+        log.warning(
+            "defer.duplicate task=%s id=%s state=%s: this task is already deferred; "
+            "dropping this copy",
+            label,
+            task_id,
+            result.state,
+        )
+        raise Ignore()
+    log.info("locked.deferred task=%s id=%s resources=%s", label, task_id, ",".join(resources))
+    try:
+        task.update_state(
+            task_id=task_id,
+            state=defer.DEFERRED,
+            meta={"resources": resources, "parked_at": time.time()},
+        )
+    except Exception as exc:  # the task stays parked; only the visible state is missing
+        log.warning("defer.state-error id=%s error=%r", task_id, exc)
+    raise Ignore()
+
+
 def locked(
     *exclusive: str,
     shared: str | Iterable[str] = (),
     timeout: float | None = _DEFAULT,
-    on_busy: str = "wait",
+    on_busy: str = _DEFAULT,
     retry_countdown: float = _DEFAULT,
     retry_backoff: float = _DEFAULT,
     retry_backoff_max: float = _DEFAULT,
@@ -462,6 +750,12 @@ def locked(
             task leaves the queue and loses its place in line.
             ``"raise"``: try once, raise :class:`LockTimeout`.
             ``"skip"``: try once, log ``locked.skipped`` and return None.
+            ``"defer"``: try once; if busy, keep the place in line as a parked
+            request, free the pool slot (result state ``DEFERRED``) and run
+            when the lock is handed over: the task is published again with
+            the same id (docs/defer.md). ``timeout``: the longest it stays
+            parked (default ``redislock_defer_ttl``).
+            Default: the app's ``redislock_default_on_busy`` (``"wait"``).
         retry_countdown, retry_backoff, retry_backoff_max, retry_jitter:
             countdown of ``on_busy="retry"`` (only allowed with it):
             ``retry_countdown`` (default 5 s, >= 0) ``* retry_backoff``
@@ -513,7 +807,7 @@ def locked(
         raise ConfigurationError(
             "locked(on_lost=)", f"must be one of {', '.join(ON_LOST_MODES)}, not {on_lost!r}"
         )
-    if not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES:
+    if on_busy is not _DEFAULT and (not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES):
         raise ConfigurationError(
             "locked(on_busy=)", f"must be one of {', '.join(ON_BUSY_MODES)}, not {on_busy!r}"
         )
@@ -522,9 +816,10 @@ def locked(
         timeout = _v.seconds("locked(timeout=)", timeout, allow_none=True, allow_inf=True)
         if timeout is not None and math.isinf(timeout):
             timeout = None
-    if on_busy != "wait" and timeout is not _DEFAULT:
+    if on_busy not in ("wait", "defer", _DEFAULT) and timeout is not _DEFAULT:
         raise ConfigurationError(
-            "locked(timeout=)", f"applies to on_busy='wait' only (on_busy={on_busy!r} tries once)"
+            "locked(timeout=)",
+            f"applies to on_busy='wait' or 'defer' only (on_busy={on_busy!r} tries once)",
         )
     retry_opts = {
         "retry_countdown": retry_countdown,
@@ -589,7 +884,22 @@ def locked(
             shared_names = [n for n in _format(sh, mapping, label) if n not in exclusive_names]
             task = current_task._get_current_object() if current_task else None
             locks = _find_locks(task)
-            if on_busy == "wait":
+            mode = locks.config.default_on_busy if on_busy is _DEFAULT else on_busy
+            if mode == "defer" and _deferrable(task):
+                lost = locks.config.on_lost if on_lost is _DEFAULT else on_lost
+                return _run_deferred(
+                    task,
+                    locks,
+                    label,
+                    exclusive_names,
+                    shared_names,
+                    timeout,
+                    lost,
+                    fun,
+                    args,
+                    kwargs,
+                )
+            if mode in ("wait", "defer"):
                 wait = locks.config.default_timeout if timeout is _DEFAULT else timeout
             else:
                 wait = 0
@@ -622,14 +932,14 @@ def locked(
                 _hand_back(task, label, exc)
                 raise
             except LockTimeout as exc:
-                if on_busy == "skip":
+                if mode == "skip":
                     log.info(
                         "locked.skipped task=%s resources=%s",
                         label,
                         ",".join(exclusive_names + shared_names),
                     )
                     return None
-                if on_busy == "retry":
+                if mode == "retry":
                     if task is None or not hasattr(task, "retry"):
                         raise
                     retries = int(getattr(task.request, "retries", 0) or 0)
@@ -660,57 +970,25 @@ def locked(
                         )
                     raise task.retry(**opts) from exc
                 raise
-            token = _leases.set(_leases.get() + (lease,))
-            watch = _LossWatch(task_label, task_id, lost_mode, locks._pool_child_pid)
-            if lost_mode == "terminate" and in_task:
-                lease._add_lost_hook(watch)
-            if in_task and outer_holder is None:
-                mgr._local.holder = holder_info(task, label, locks.nodename)
-            lost_after = False
-            try:
-                try:
-                    result = fun(*args, **kwargs)
-                except BaseException:
-                    watch.active = False
-                    if lease.lost:
-                        log.error(
-                            'locked.lost task=%s id=%s resources=%s cause="%s": the lock was '
-                            "lost while the body ran (the body raised as well)",
-                            task_label,
-                            task_id,
-                            ",".join(lease.resources),
-                            lease.lost_cause or "unknown",
-                        )
-                    raise
-                watch.active = False
-                # Read before the release: a loss seen only by the local
-                # deadline (a long pause) is not looked for once released.
-                lost_after = lease.lost
-            finally:
-                watch.active = False
-                if in_task and outer_holder is None:
-                    mgr._local.holder = None
-                _leases.reset(token)
-                try:
-                    lease.release()
-                except LockError as exc:  # the engine retries a deferred release
-                    log.error(
-                        "locked.release-error task=%s resources=%s error=%r",
-                        label,
-                        ",".join(lease.resources),
-                        exc,
-                    )
-            if lost_after:
-                _lost_after_body(
-                    lease, task_label, task_id, lost_mode, locks._pool_child_pid == os.getpid()
-                )
-            return result
+            run = _BodyRun(
+                mgr,
+                label,
+                task_label,
+                task_id,
+                lost_mode,
+                in_task,
+                locks._pool_child_pid,
+                holder_info(task, label, locks.nodename)
+                if in_task and outer_holder is None
+                else None,
+            )
+            return _run_body(lease, run, fun, args, kwargs)
 
         wrapper.__signature__ = sig  # type: ignore[attr-defined]
         wrapper.__redislock__ = {  # type: ignore[attr-defined]
             "exclusive": ex,
             "shared": sh,
-            "on_busy": on_busy,
+            "on_busy": None if on_busy is _DEFAULT else on_busy,
             "on_lost": None if on_lost is _DEFAULT else on_lost,
         }
         return wrapper  # type: ignore[return-value]

@@ -16,7 +16,10 @@ narrated timeline and checks that each part of the story really happened:
    migration is redelivered and completes;
 4. a whole worker SIGKILLed and restarted at once under the same node name:
    the new worker frees its predecessor's locks at start-up, long before the
-   predecessor's liveness would have expired.
+   predecessor's liveness would have expired;
+5. deferred tasks: builds of one repository, more than there are pool
+   slots, wait in line without holding a slot (``on_busy="defer"``): a
+   report sent after them runs at once.
 
 Exits 0 when the story happened as narrated, 1 otherwise (it is a smoke test
 too), and always stops every process it started.
@@ -274,7 +277,7 @@ class Demo:
         sys.path.insert(0, str(HERE))
         from proj import app
         from proj.producer import send_contention
-        from proj.tasks import migrate, reindex, sync
+        from proj.tasks import build, migrate, reindex, report, sync
 
         self.worker = self.start_worker("worker")
         beat_argv = [*CELERY, "-A", "proj", "beat", "-l", "INFO"]
@@ -292,6 +295,7 @@ class Demo:
         self.contention(send_contention)
         self.crash(migrate, sync)
         self.restart(app, migrate, sync, reindex)
+        self.deferred(build, report)
         return self.finish()
 
     def contention(self, send_contention: Callable[[], list[Any]]) -> None:
@@ -441,6 +445,44 @@ class Demo:
         ok = self.wait(fresh.ready, 30, "reindex-4c")
         self.pump()
         self.check(bool(ok) and fresh.successful(), "the new reindex(4) ran to the end")
+
+    def deferred(self, build: Any, report: Any) -> None:
+        n = CONCURRENCY + 3
+        self.chapter(f"5. Deferred: {n} builds of repo:5 on {CONCURRENCY} pool slots")
+        self.say(f'producer: build-1..{n} want repo:5, on_busy="defer"; then a report')
+        builds = [
+            build.apply_async(args=(5,), kwargs={"label": f"build-{i}"}) for i in range(1, n + 1)
+        ]
+        parked = self.wait(
+            lambda: sum(r.state == "DEFERRED" for r in builds) >= n - 2,
+            30,
+            "the busy builds to be deferred",
+        )
+        if parked:
+            self.say(
+                f"{sum(r.state == 'DEFERRED' for r in builds)} builds are DEFERRED: in repo:5's "
+                f"queue ({self.r.zcard(PREFIX + 'q:repo:5')} entries), holding no pool slot"
+            )
+        rep = report.apply_async(args=("origin",), kwargs={"seconds": 0.2, "label": "report-5"})
+        self.wait(lambda: rep.ready() and all(r.ready() for r in builds), 60, "the builds")
+        self.pump()
+        self.check(
+            all(r.successful() for r in builds + [rep]), "every build and the report succeeded"
+        )
+        spans = sorted(
+            (self.by_label(f"build-{i}")[0]["t"], self.by_label(f"build-{i}", "end")[0]["t"])
+            for i in range(1, n + 1)
+            if self.by_label(f"build-{i}") and self.by_label(f"build-{i}", "end")
+        )
+        self.check(
+            len(spans) == n and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])),
+            "each build ran once, one after another (repo:5 exclusive)",
+        )
+        rep_end = self.by_label("report-5", "end")
+        self.check(
+            bool(rep_end) and len(spans) == n and rep_end[0]["t"] < spans[-1][0],
+            "the report did not wait for the builds: their pool slots were free",
+        )
 
     def finish(self) -> int:
         beat = next((p for p in self.procs if p.name == "beat"), None)

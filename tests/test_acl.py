@@ -36,6 +36,7 @@ from celery_redislock import (
     PermissionDenied,
     ShuttingDown,
     check_eviction,
+    defer,
 )
 from celery_redislock.cli import redislock
 from celery_redislock.node import Node, group_key, halt_key, new_incarnation
@@ -203,6 +204,25 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
         adopted.release()
         holder.acquire_for_task("t3", "unique:b", ttl=30)
         holder.release_task("t3")
+
+        # Deferred tasks (docs/defer.md): park, hand-off, dispatch, adopt,
+        # done, the dispatcher's upkeep, and a withdrawal.
+        busy = holder.acquire(exclusive=["d"], timeout=5)
+        dreq = holder._request(["d"], [])
+        msg = {"name": "t", "args": [], "kwargs": {}, "options": {}, "resources": ["d"]}
+        assert defer.park(holder, "d1", dreq, msg, park_ttl=30, grant_ttl=30).outcome == "parked"
+        defer.park(holder, "d2", dreq, msg, park_ttl=30, grant_ttl=30)
+        busy.release()  # handed to d1: its id goes to the dispatch list
+        sent: list[Any] = []
+        dispatcher = defer.Dispatcher(
+            holder, "acl-inc", publish=lambda *a: sent.append(a), on_withdrawn=lambda *a: None
+        )
+        dispatcher.step()  # upkeep, BLMOVE, claim, publish, LREM
+        assert sent
+        [dleased] = defer.adopt(waiter, "d1", 0)[1]
+        dleased.release()  # handed to d2
+        defer.mark_done(waiter, "d1", waiter.owner_id)
+        defer.withdraw(holder, "d2")
 
         dead = manager(owner_ttl=0.3, heartbeat=False)
         dead.acquire(exclusive=["c"], timeout=5)

@@ -150,3 +150,18 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
     table = memory.markdown(report)
     assert f"redis-server {report.redis_version}" in table
     assert "celery-redislock / python-redis-lock" in table
+
+
+def test_defer_benchmark_runs_each_mode_against_a_real_worker(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from benchmarks import defer as defer_bench
+
+    results = defer_bench.run(redis_url, tmp_path, n_long=2, n_short=2, long_s=0.1, short_s=0.01)
+
+    assert [r.mode for r in results] == list(defer_bench.MODES)
+    for r in results:
+        assert sorted(t.tag for t in r.tasks) == ["L0", "L1", "S0", "S1"]
+    assert results[0].long_in_order  # defer keeps the FIFO order (a correctness check)
+    table = defer_bench.markdown(results)
+    assert all(mode in table for mode in defer_bench.MODES)

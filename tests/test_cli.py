@@ -22,7 +22,7 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
-from celery_redislock import FORMAT_VERSION, LockManager
+from celery_redislock import FORMAT_VERSION, LockManager, defer
 from celery_redislock.cli import redislock
 from test_inspect import (
     DEADLINE,
@@ -166,6 +166,29 @@ def test_waiters_lists_the_queue_in_serving_order(
     lease.release()
     t.join(DEADLINE)
     assert ok(cli("waiters", "q")).output.strip() == "nobody waits for q"
+
+
+def test_waiters_shows_a_parked_task_with_its_name_and_id_in_its_place(
+    cli: Callable[..., Result], managers: Callable[..., LockManager]
+) -> None:
+    mgr = managers()
+    lease = mgr.acquire(exclusive=["q"], timeout=5)
+    w = managers()
+    t = queued_waiter(w, exclusive=["q"])
+    wait_until(lambda: json.loads(cli("waiters", "q", "--json").stdout), what="queued")
+    msg = {"name": "proj.sync", "args": [], "kwargs": {}, "options": {}, "resources": ["q"]}
+    req = mgr._request(["q"], [])
+    assert defer.park(mgr, "tid-1", req, msg, park_ttl=60, grant_ttl=60).outcome == "parked"
+    data = json.loads(ok(cli("waiters", "q", "--json")).stdout)
+    assert [(d["position"], d["state"], d["task_id"], d["task_name"]) for d in data] == [
+        (1, "queued", None, None),
+        (2, "parked", "tid-1", "proj.sync"),
+    ]
+    lines = ok(cli("waiters", "q")).output.splitlines()
+    assert "TASK" in lines[0] and "proj.sync tid-1" in lines[2]
+    lease.release()
+    t.join(DEADLINE)
+    defer.withdraw(mgr, "tid-1")
 
 
 # -- release ------------------------------------------------------------------

@@ -342,6 +342,8 @@ def test_inspector_needs_a_lock_manager() -> None:
         ({"on_busy": "retry", "max_retries": True}, "locked(max_retries=)"),
         ({"shared": 5}, "locked(shared=)"),
         ({"on_busy": ["wait"]}, "locked(on_busy=)"),
+        ({"on_busy": "skip", "timeout": 5}, "locked(timeout=)"),
+        ({"on_busy": "defer", "retry_countdown": 1}, "locked(retry_countdown=)"),
     ],
 )
 def test_locked_refuses_bad_arguments_at_decoration(kwargs: dict[str, Any], setting: str) -> None:
@@ -353,6 +355,8 @@ def test_locked_refuses_bad_arguments_at_decoration(kwargs: dict[str, Any], sett
 def test_locked_accepts_an_infinite_timeout_as_none() -> None:
     locked("repo:{x}", timeout=math.inf)
     locked("repo:{x}", on_busy="retry", max_retries=None, retry_countdown=0)
+    locked("repo:{x}", on_busy="defer", timeout=3600)  # the longest it stays parked
+    locked("repo:{x}", timeout=30)  # the app's default mode decides at call time
 
 
 # -- settings --------------------------------------------------------------------
@@ -381,6 +385,12 @@ def test_locked_accepts_an_infinite_timeout_as_none() -> None:
         ("redislock_on_lost", "kill"),
         ("redislock_on_lost", ["fail"]),
         ("redislock_namespace", 5),
+        ("redislock_default_on_busy", "later"),
+        ("redislock_default_on_busy", ["defer"]),
+        ("redislock_defer_ttl", 0.5),
+        ("redislock_defer_ttl", math.inf),
+        ("redislock_defer_grant_ttl", -1),
+        ("redislock_defer_grant_ttl", "soon"),
     ],
 )
 def test_every_setting_refuses_out_of_range_or_mistyped_values(name: str, value: Any) -> None:
@@ -397,6 +407,8 @@ def test_settings_accept_their_boundaries(caplog: pytest.LogCaptureFixture) -> N
     assert (cfg.reconcile_interval, cfg.default_timeout) == (1.0, 0.0)
     assert load_config({**base, "redislock_default_timeout": "inf"}).default_timeout is None
     assert load_config({**base, "redislock_reconcile_interval": 0}).reconcile_interval is None
+    cfg = load_config({**base, "redislock_default_on_busy": "defer", "redislock_defer_ttl": 1})
+    assert (cfg.default_on_busy, cfg.defer_ttl, cfg.defer_grant_ttl) == ("defer", 1.0, 300.0)
     with caplog.at_level(logging.WARNING, "celery_redislock.heartbeat"):
         load_config({**base, "redislock_heartbeat_interval": 0.05})
     assert any("redislock_heartbeat_interval=0.05s" in r.getMessage() for r in caplog.records)

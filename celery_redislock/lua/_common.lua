@@ -67,9 +67,51 @@ local function owner_pttl(prefix, owner)
   return t
 end
 
+-- Deferred tasks (docs/defer.md): a parked request belongs to a task owner
+-- ('task:<task id>', or 'task+<n>:<task id>' for the n-th life of the
+-- task's park record) with the token '<task owner>|task:<task id>', and has a
+-- park record {ns}:defer:<task id> naming that token. Nobody blocks on its
+-- wake list: its wake-ups and grants go to the namespace's dispatch list
+-- {ns}:dispatch (task ids), which the workers' dispatchers BLMOVE from.
+-- Returns the task id of a parked request's TOKEN, or nil (any other token,
+-- including a task owner's grant that no park record names).
+local function parked_task(prefix, token)
+  local i = string.find(token, '|task:', 1, true)
+  if not i then return nil end
+  local tid = string.sub(token, i + 6)
+  if redis.call('HGET', prefix .. 'defer:' .. tid, 'token') ~= token then return nil end
+  return tid
+end
+
+-- Redis TIME in milliseconds plus ADD_MS (a string), as a decimal string.
+local function time_ms_plus(add_ms)
+  local t = redis.call('TIME')
+  return int(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(add_ms))
+end
+
+-- The parked request of task TID was granted with FENCE: the record becomes
+-- 'granted', the task owner OWNER lives for the grant TTL (the record's
+-- gttl, ms) and its next look-up ({ns}:deferred) is that deadline, and the
+-- task id goes to the dispatch list.
+local function defer_granted(prefix, tid, owner, fence)
+  local rec = prefix .. 'defer:' .. tid
+  local gttl = redis.call('HGET', rec, 'gttl') or '300000'
+  redis.call('HSET', rec, 'state', 'granted', 'fence', fence)
+  redis.call('PEXPIRE', prefix .. 'alive:' .. owner, gttl)
+  redis.call('ZADD', prefix .. 'deferred', time_ms_plus(gttl), tid)
+  redis.call('LPUSH', prefix .. 'dispatch', tid)
+end
+
 -- Push a wake-up to one request's wake list: at most one element, expiring.
+-- A parked request's wake-up goes to the dispatch list instead (its
+-- dispatcher runs its acquire script for it).
 -- TTL_MS: a string (see above), as in every helper below.
 local function wake(prefix, token, ttl_ms)
+  local tid = parked_task(prefix, token)
+  if tid then
+    redis.call('LPUSH', prefix .. 'dispatch', tid)
+    return
+  end
   local k = prefix .. 'wake:' .. token
   redis.call('LPUSH', k, '1')
   redis.call('LTRIM', k, '0', '0')
@@ -293,9 +335,15 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   -- A task's request carries who it is: kept beside the grant for operators.
   local holder = redis.call('HGET', prefix .. 'req:' .. token, 'holder')
   if holder then redis.call('SET', prefix .. 'holder:' .. token, holder) end
-  -- LPUSH puts the grant at the head, where BLPOP pops first; a stale plain
-  -- wake behind it is deleted with the request's other keys at release.
-  redis.call('LPUSH', prefix .. 'wake:' .. token, 'g' .. fence)
+  local tid = parked_task(prefix, token)
+  if tid then
+    -- A parked task: its grant goes to the dispatch list (docs/defer.md).
+    defer_granted(prefix, tid, owner, fence)
+  else
+    -- LPUSH puts the grant at the head, where BLPOP pops first; a stale plain
+    -- wake behind it is deleted with the request's other keys at release.
+    redis.call('LPUSH', prefix .. 'wake:' .. token, 'g' .. fence)
+  end
   -- Leaving its other queues may let requests behind it follow (shared
   -- behind shared): wake those, without a further hand-off (bounded work).
   -- The served queue is the caller's to go on with.

@@ -104,3 +104,16 @@ def reindex(self: Any, repo_id: int, seconds: float = 60.0, label: str = "") -> 
     time.sleep(seconds)
     _event(self, "end")
     return f"repo {repo_id} reindexed"
+@app.task(bind=True, acks_late=True)
+@locked("repo:{repo_id}", on_busy="defer")
+def build(self: Any, repo_id: int, seconds: float = 0.4, label: str = "") -> str:
+    """Build one repository; when the repository is busy the task is deferred.
+
+    It keeps its place in repo:<repo_id>'s queue but gives its pool slot
+    back (its result shows state DEFERRED), and is dispatched again, under
+    the same task id, when the lock is handed to it.
+    """
+    _event(self, "start", resources=[f"repo:{repo_id}"])
+    time.sleep(seconds)
+    _event(self, "end")
+    return f"repo {repo_id} built"

@@ -20,6 +20,7 @@ test (each test gets its own broker queue, lock namespace and TTLs):
                         process forks a helper (:func:`_helper`) holding it
 ``E2E_WAIT_REPLICAS``   ``redislock_wait_replicas``; ``E2E_WAIT_TIMEOUT``: ``_wait_timeout``
 ``E2E_METRICS_PORT``    ``redislock_metrics_port`` (the worker's Prometheus endpoint)
+``E2E_DEFER_TTL``       ``redislock_defer_ttl``; ``E2E_DEFER_GRANT_TTL``: ``_defer_grant_ttl``
 ======================  =========================================================
 
 Every key the tasks write for the test lives under ``e2e:`` (outside the lock
@@ -72,6 +73,8 @@ def _build() -> Celery:
         ("E2E_HEARTBEAT", "redislock_heartbeat_interval"),
         ("E2E_RECONCILE", "redislock_reconcile_interval"),
         ("E2E_UNIQUE_TTL", "redislock_unique_ttl"),
+        ("E2E_DEFER_TTL", "redislock_defer_ttl"),
+        ("E2E_DEFER_GRANT_TTL", "redislock_defer_grant_ttl"),
     ):
         value = _env_float(env)
         if value is not None:
@@ -356,3 +359,100 @@ def _fork_main_helper(sender: Any = None, **_: Any) -> None:
 signals.worker_ready.connect(_fork_main_helper, weak=False)
 
 unique_hold = unique_tasks.define(app, data)
+
+# -- deferred tasks (on_busy="defer", docs/defer.md) ---------------------------
+
+
+@app.task(name="e2e.dhold", bind=True, acks_late=True)
+@locked("res:{res}", on_busy="defer")
+def dhold(self: Any, res: str, tag: str) -> dict[str, Any]:
+    """Like ``hold``, deferred when busy: holds ``res:<res>`` until ``e2e:go:<tag>``."""
+    r = data()
+    info = _lease_info()
+    info["attempt"] = int(r.incr(f"e2e:attempts:{tag}"))
+    r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
+    r.rpush(f"e2e:order:{res}", tag)
+    r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
+    r.rpush(f"e2e:done:{tag}", json.dumps(info))
+    return info
+
+
+@app.task(name="e2e.dwrite", bind=True, acks_late=True)
+@locked("res:{res}", on_busy="defer")
+def dwrite(self: Any, res: str, tag: str, pause: float = 0.0) -> dict[str, Any]:
+    """Deferred when busy: appends ``tag`` to ``e2e:order:<res>`` (and counts runs)."""
+    r = data()
+    if r.incr(f"e2e:inside:w:{res}") != 1:
+        r.rpush("e2e:violations", f"dwrite {res} {tag}")
+    try:
+        r.incr(f"e2e:runs:{tag}")
+        r.rpush(f"e2e:order:{res}", tag)
+        if pause:
+            time.sleep(pause)
+        return _lease_info()
+    finally:
+        r.decr(f"e2e:inside:w:{res}")
+
+
+@app.task(name="e2e.wwrite", bind=True, acks_late=True)
+@locked("res:{res}", on_busy="wait", timeout=120)
+def wwrite(self: Any, res: str, tag: str) -> dict[str, Any]:
+    """Waits when busy (holding its pool slot): appends ``tag`` to ``e2e:order:<res>``."""
+    r = data()
+    if r.incr(f"e2e:inside:w:{res}") != 1:
+        r.rpush("e2e:violations", f"wwrite {res} {tag}")
+    try:
+        r.incr(f"e2e:runs:{tag}")
+        r.rpush(f"e2e:order:{res}", tag)
+        return _lease_info()
+    finally:
+        r.decr(f"e2e:inside:w:{res}")
+
+
+def _kill_before_adopt(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """``task_prerun`` in the pool child: a re-dispatched deferred task whose id
+    the test marked (``e2e:kill-before-adopt:<id>`` = ``child`` or ``worker``)
+    is SIGKILLed before it adopts its grant (the child alone, or the whole
+    worker's process group). One shot: the marker is deleted first."""
+    request = getattr(sender, "request", None)
+    if request is None or getattr(request, "redislock_defer", None) is None:
+        return
+    how = data().getdel(f"e2e:kill-before-adopt:{task_id}")
+    if how == "child":
+        os.kill(os.getpid(), 9)
+    elif how == "worker":
+        os.killpg(os.getpgid(0), 9)
+
+
+signals.task_prerun.connect(_kill_before_adopt, weak=False)
+
+
+# -- the head-of-line benchmark (benchmarks/defer.py) -------------------------
+
+
+def _bench_body(res: str, tag: str, seconds: float) -> float:
+    time.sleep(seconds)
+    now = time.time()
+    data().rpush("e2e:bench-finish", json.dumps({"tag": tag, "res": res, "at": now}))
+    return now
+
+
+@app.task(name="e2e.bench_defer", bind=True, acks_late=True)
+@locked("bench:{res}", on_busy="defer")
+def bench_defer(self: Any, res: str, tag: str, seconds: float) -> float:
+    """Benchmark task, deferred when busy."""
+    return _bench_body(res, tag, seconds)
+
+
+@app.task(name="e2e.bench_wait", bind=True, acks_late=True)
+@locked("bench:{res}", on_busy="wait", timeout=300)
+def bench_wait(self: Any, res: str, tag: str, seconds: float) -> float:
+    """Benchmark task, waiting in its pool slot when busy."""
+    return _bench_body(res, tag, seconds)
+
+
+@app.task(name="e2e.bench_retry", bind=True, acks_late=True, max_retries=None)
+@locked("bench:{res}", on_busy="retry", retry_countdown=0.2, retry_backoff=1.5)
+def bench_retry(self: Any, res: str, tag: str, seconds: float) -> float:
+    """Benchmark task, retried later (leaving the line) when busy."""
+    return _bench_body(res, tag, seconds)

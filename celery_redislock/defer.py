@@ -1,0 +1,669 @@
+"""Deferred tasks (``@locked(on_busy="defer")``): park, dispatch, adopt.
+
+A task whose resources are busy keeps its place in their FIFO queues as a
+request of the *task owner* ``task:<task id>`` and frees its pool slot; its
+message is stored in Redis beside the request (the park record). When a
+release hands the request its locks, the task id is pushed onto
+``{ns}:dispatch``; a worker's main process (:class:`Dispatcher`) publishes
+the task again with the same id and the grant's fence in a header, and the
+pool child that receives it adopts the grant (:func:`adopt`) before the
+body runs. docs/defer.md gives the algorithm and its races (D1-D11).
+
+Engine side (:func:`park`, :func:`adopt`, :func:`mark_done`,
+:func:`withdraw`) needs no Celery; the :class:`Dispatcher` publishes with
+the Celery app.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kombu.utils import json as kjson
+
+from ._threads import real_sleep, start_os_thread
+from .connect import clone_client
+from .exceptions import LockError, RedisUnavailable
+from .keys import task_owner_id, task_token
+from .lease import Lease
+from .manager import REDIS_DOWN_ERRORS, LockManager, _Request, _text
+
+log = logging.getLogger("celery_redislock.defer")
+
+#: Message header carrying the fence of the grant a re-dispatched task adopts.
+HEADER = "redislock_defer"
+#: State stored in the result backend while a task is parked.
+DEFERRED = "DEFERRED"
+#: Errors that mean Redis is out of reach (the dispatcher retries).
+_DOWN: tuple[type[BaseException], ...] = (RedisUnavailable, *REDIS_DOWN_ERRORS)
+#: Most due ids one upkeep returns.
+DUE_BATCH = 64
+
+
+def task_owner(task_id: str, life: int = 0) -> str:
+    """The task owner of a park record's ``life``: ``task:<task id>`` (life 0),
+    ``task+<life>:<task id>`` (:func:`keys.task_owner_id`); ValueError if unusable."""
+    return task_owner_id(task_id, life)
+
+
+def record_key(mgr: LockManager, task_id: str) -> str:
+    """``{ns}:defer:<task id>``: the park record."""
+    return f"{mgr.keys.prefix}defer:{task_id}"
+
+
+def deferred_key(mgr: LockManager) -> str:
+    """``{ns}:deferred``: task id -> next look-up (ms, Redis TIME)."""
+    return f"{mgr.keys.prefix}deferred"
+
+
+def dispatch_key(mgr: LockManager) -> str:
+    """``{ns}:dispatch``: task ids to dispatch."""
+    return f"{mgr.keys.prefix}dispatch"
+
+
+def _ms(seconds: float) -> str:
+    return str(max(1, int(seconds * 1000)))
+
+
+@dataclass
+class ParkResult:
+    """What :func:`park` did: ``parked``, ``granted`` (with the adopted
+    leases, unless a dispatcher parked it) or ``duplicate``."""
+
+    outcome: str
+    leases: list[Lease] = field(default_factory=list)
+    state: str = ""
+
+
+def _attempt_as_task(
+    mgr: LockManager,
+    token: str,
+    req: _Request,
+    *,
+    liveness_ms: str,
+    register: str,
+    holder: str = "",
+) -> Any:
+    """acquire.lua as the task owner of ``token`` (queue when blocked); its raw reply:
+    ``{1, fence, ...}``, ``{0, wait_ms, why, reclaimed}`` or ``{-1}``.
+
+    ``holder``: the task's holder record (task name, id, node), kept with the
+    queued request and beside its grant (``{ns}:holder:<token>``)."""
+    owner = token.split("|", 1)[0]
+    keys = [
+        mgr.keys.fence,
+        mgr.keys.seq,
+        mgr.keys.owners,
+        mgr.keys.held(owner),
+        mgr.keys.alive(owner),
+        mgr.keys.req(token),
+        mgr.keys.wake(token),
+        *req.lock_keys,
+        *req.queue_keys,
+    ]
+    args = [
+        owner,
+        token,
+        req.modes,
+        "1",
+        "0",
+        liveness_ms,
+        register,
+        mgr.keys.prefix,
+        liveness_ms,  # the queued request's state lives as long as the park
+        str(mgr.queue_scan_limit),
+        "",
+        holder,
+    ]
+    return mgr._call("acquire", keys, args)
+
+
+def park(
+    mgr: LockManager,
+    task_id: str,
+    req: _Request,
+    message: dict[str, Any],
+    *,
+    park_ttl: float,
+    grant_ttl: float,
+    label: str = "",
+    adopt_now: bool = True,
+    min_life: int = 0,
+    holder: str | None = None,
+) -> ParkResult:
+    """Queue ``req`` for a task owner of ``task_id`` and store its message.
+
+    Two round trips: the park record (``defer_park.lua``, which picks the
+    record's life and so its task owner), then the request (``acquire.lua``
+    as that task owner). If the locks were freed meanwhile the request is
+    granted at once and adopted here (:func:`adopt`), or, with
+    ``adopt_now=False`` (a dispatcher parking a task again), dispatched.
+    Raises ValueError for a task id that cannot name an owner, TypeError
+    when the message does not encode as JSON, and the engine's errors; on
+    any error after the record was written, the task is withdrawn again.
+    ``holder``: the task's holder record (default: the message's
+    ``holder``); it is kept in the message, so a dispatcher re-attempting
+    or parking the task again records it too.
+    """
+    task_owner(task_id)  # validates the id before anything is written
+    if holder is None:
+        holder = str(message.get("holder") or "")
+    elif holder:
+        message = {**message, "holder": holder}
+    msg = kjson.dumps(message)
+    reply = mgr._call(
+        "defer_park",
+        [record_key(mgr, task_id), deferred_key(mgr)],
+        [
+            task_id,
+            str(min_life),
+            req.modes,
+            "\n".join(req.resources),
+            msg,
+            _ms(grant_ttl),
+            mgr.keys.prefix,
+            _ms(min(park_ttl, mgr.owner_ttl)),
+            _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
+        ],
+    )
+    if int(reply[0]) == 0:
+        return ParkResult("duplicate", state=_text(reply[1]))
+    token, life = _text(reply[2]), int(reply[3])
+    try:
+        got = _attempt_as_task(
+            mgr, token, req, liveness_ms=_ms(park_ttl), register=f"task {label}", holder=holder
+        )
+        code = int(got[0])
+        if code == 1 and not adopt_now:  # a dispatcher re-parking: dispatch it
+            mgr._call(
+                "defer_granted",
+                [record_key(mgr, task_id)],
+                [task_id, mgr.keys.prefix, _text(got[1])],
+            )
+            return ParkResult("granted")
+        if code == 1:
+            outcome, leases = adopt(mgr, task_id, life, holder=holder or None)
+            if not leases:
+                raise LockError(f"deferred task {task_id}: immediate grant not adopted ({outcome})")
+            return ParkResult("granted", leases=leases)
+        if code == -1:
+            raise LockError(f"deferred task {task_id}: its task owner is tombstoned")
+    except BaseException:
+        try:
+            withdraw(mgr, task_id)
+        except Exception as exc:  # its park TTL ends it
+            log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
+        raise
+    return ParkResult("parked")
+
+
+def adopt(
+    mgr: LockManager, task_id: str, life: int, *, holder: str | None = None
+) -> tuple[str, list[Lease]]:
+    """Take over the grant of life ``life`` of the deferred task ``task_id``.
+
+    The engine's :meth:`LockManager.adopt` moves every grant of that life's
+    task owner to this process's owner (same fence); then the park record
+    says who runs the task (``defer_adopted.lua``). Two round trips.
+
+    Returns ``("adopted", leases)``, or ``(why, [])`` when that task owner
+    has nothing to adopt (``expired``: its grant TTL ran out, or it was
+    withdrawn; ``tombstoned``; ``adopted-elsewhere``): the caller parks the
+    message, and the park record decides whether it is a duplicate.
+    """
+    adoption = mgr.adopt(task_id, life, holder=holder)
+    if not adoption.adopted:
+        return adoption.status, []
+    owner = task_owner(task_id, life)
+    token = task_token(owner, task_id)
+    try:
+        mgr._call(
+            "defer_adopted",
+            [record_key(mgr, task_id), deferred_key(mgr)],
+            [task_id, token, adoption.by or "", _ms(_done_ttl(mgr))],
+        )
+    except BaseException:
+        for lease in adoption.leases:
+            lease.release()
+        raise
+    log.info(
+        "defer.adopted id=%s life=%d owner=%s grants=%d",
+        task_id,
+        life,
+        adoption.by,
+        len(adoption.leases),
+    )
+    return "adopted", list(adoption.leases)
+
+
+#: Seconds a 'done' or 'adopted' record is kept (set by the app; default 1 day).
+DONE_TTL = 86400.0
+
+
+def _done_ttl(mgr: LockManager) -> float:
+    return float(getattr(mgr, "_defer_done_ttl", DONE_TTL))
+
+
+def mark_done(mgr: LockManager, task_id: str, owner: str) -> None:
+    """The adopted task's body ended: keep a ``done`` record (one round trip)."""
+    mgr._call("defer_done", [record_key(mgr, task_id)], [owner, _ms(_done_ttl(mgr))])
+
+
+def withdraw(
+    mgr: LockManager, task_id: str, *, only_dead: bool = False, client: Any = None
+) -> list[str]:
+    """Take a parked or granted task out of line (``defer_withdraw.lua``).
+
+    Returns the reply as text: ``[state, msg, life]`` when withdrawn,
+    ``["alive", state, pttl]`` (``only_dead``), or ``[state]``/``["none"]``.
+    """
+    reply = mgr._call(
+        "defer_withdraw",
+        [record_key(mgr, task_id), deferred_key(mgr), mgr.keys.owners],
+        [
+            task_id,
+            mgr.keys.prefix,
+            str(mgr._req_ttl_ms),
+            str(mgr.queue_scan_limit),
+            "dead" if only_dead else "any",
+        ],
+        client=client,
+    )
+    return [_text(x) for x in reply]
+
+
+def capture_message(task: Any) -> dict[str, Any]:
+    """What re-publishing ``task``'s current request needs (JSON-encodable)."""
+    req = task.request
+    info = dict(getattr(req, "delivery_info", None) or {})
+    opts: dict[str, Any] = {}
+    exchange, routing_key = info.get("exchange"), info.get("routing_key")
+    if exchange:
+        opts["exchange"] = exchange
+        if routing_key:
+            opts["routing_key"] = routing_key
+    elif routing_key:
+        opts["queue"] = routing_key
+    if info.get("priority") is not None:
+        opts["priority"] = info["priority"]
+    for attr, opt in (
+        ("expires", "expires"),
+        ("retries", "retries"),
+        ("root_id", "root_id"),
+        ("parent_id", "parent_id"),
+        ("group", "group_id"),
+        ("callbacks", "link"),
+        ("errbacks", "link_error"),
+        ("chain", "chain"),
+    ):
+        value = getattr(req, attr, None)
+        if value:
+            opts[opt] = value
+    limits = getattr(req, "timelimit", None) or (None, None)
+    if limits[0]:
+        opts["time_limit"] = limits[0]
+    if limits[1]:
+        opts["soft_time_limit"] = limits[1]
+    return {
+        "name": task.name,
+        "args": list(req.args or ()),
+        "kwargs": dict(req.kwargs or {}),
+        "options": opts,
+    }
+
+
+def expires_in(expires: Any) -> float | None:
+    """Seconds until a message's ``expires`` (ISO text or datetime), None if none."""
+    if not expires:
+        return None
+    if isinstance(expires, str):
+        try:
+            expires = datetime.datetime.fromisoformat(expires)
+        except ValueError:
+            return None
+    if not isinstance(expires, datetime.datetime):
+        return None
+    if expires.tzinfo is None:
+        expires = expires.replace(tzinfo=datetime.timezone.utc)
+    return float((expires - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
+class Dispatcher:
+    """Re-publishes deferred tasks whose request was handed its locks.
+
+    Runs in a worker's main process, in a real OS thread of its own (any
+    pool: prefork, threads, solo, gevent), on connections of its own (Redis
+    and broker). It blocks in ``BLMOVE {ns}:dispatch -> {ns}:dispatching:<inc>``
+    (pushed by the scripts, never polled) and, every ``interval``, runs the
+    upkeep (``defer_tick.lua``, one round trip): its liveness, the recovery
+    of dead dispatchers' lists and the due look-ups (park TTLs, grant TTLs,
+    re-attempts at a blocker's liveness deadline). See docs/defer.md.
+
+    Args:
+        manager: the main process's manager (namespace, TTLs).
+        incarnation: this worker start's id.
+        publish: ``publish(task_id, message, header or None)`` sends the
+            task; the header (``"<life>:<fence>"``) names the grant to adopt.
+        on_withdrawn: ``on_withdrawn(task_id, why, message)``, why in
+            ``expired`` (park TTL: fail it), ``revoked``.
+        revoked: returns whether a task id was revoked (Celery's revoked set).
+        revoked_ids: returns the ids revoked so far (scanned every upkeep).
+    """
+
+    def __init__(
+        self,
+        manager: LockManager,
+        incarnation: str,
+        *,
+        publish: Callable[[str, dict[str, Any], str | None], None],
+        on_withdrawn: Callable[[str, str, dict[str, Any]], None],
+        revoked: Callable[[str], bool] = lambda _id: False,
+        revoked_ids: Callable[[], list[str]] = list,
+    ) -> None:
+        # A manager of its own, on a private connection pool: this thread
+        # never shares a socket with the worker's (a gevent-patched socket
+        # must not be used from two OS threads). It never registers an owner.
+        self.manager = LockManager(
+            clone_client(manager.client),
+            manager.namespace,
+            owner_ttl=manager.owner_ttl,
+            heartbeat_interval=manager.heartbeat_interval,
+            queue_scan_limit=manager.queue_scan_limit,
+            heartbeat=False,
+            eviction_check="ignore",
+        )
+        self.manager._defer_done_ttl = _done_ttl(manager)  # type: ignore[attr-defined]
+        self.incarnation = incarnation
+        self._publish = publish
+        self._on_withdrawn = on_withdrawn
+        self._revoked = revoked
+        self._revoked_ids = revoked_ids
+        self._seen_revoked: set[str] = set()
+        prefix = manager.keys.prefix
+        self.dispatching_key = f"{prefix}dispatching:{incarnation}"
+        self._alive_key = f"{prefix}dispatcher:{incarnation}"
+        self._set_key = f"{prefix}dispatchers"
+        self.interval = manager.heartbeat_interval
+        self._stop = threading.Event()
+        self._thread_started = False
+        self._offset_ms = 0.0
+        self._next_upkeep = 0.0
+        self.dispatched = 0
+        self.pid = os.getpid()
+
+    # -- thread -----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the dispatcher thread (idempotent)."""
+        if self._thread_started:
+            return
+        self._thread_started = True
+        start_os_thread(self._run, "redislock-dispatch")
+
+    def stop(self) -> None:
+        """Ask the thread to stop (it ends within one blocking wait)."""
+        self._stop.set()
+
+    def _redis(self) -> Any:
+        return self.manager.client
+
+    def _run(self) -> None:
+        outage = False
+        while not self._stop.is_set() and os.getpid() == self.pid:
+            try:
+                self.step()
+                if outage:
+                    outage = False
+                    log.info("defer.dispatch-resumed")
+            except _DOWN as exc:
+                if not outage:
+                    outage = True
+                    log.warning("defer.dispatch-unavailable error=%s: retrying", exc)
+                real_sleep(1.0)
+            except Exception:
+                log.exception("defer.dispatch-error")
+                real_sleep(1.0)
+        if os.getpid() == self.pid:
+            self.manager.client.close()
+
+    def step(self) -> None:
+        """One pass: the upkeep when due, then one blocking pop (and its dispatch)."""
+        now = time.monotonic()
+        if now >= self._next_upkeep:
+            self._next_upkeep = now + self.interval
+            self.upkeep()
+        block = max(0.05, min(self.manager._block_cap, self._next_upkeep - time.monotonic()))
+        got = self._redis().blmove(
+            dispatch_key(self.manager), self.dispatching_key, block, "RIGHT", "LEFT"
+        )
+        if got is None:
+            return
+        task_id = _text(got)
+        try:
+            self.handle(task_id)
+        finally:
+            self._redis().lrem(self.dispatching_key, 1, task_id)
+
+    # -- work -------------------------------------------------------------
+
+    def upkeep(self) -> None:
+        """``defer_tick.lua``, then the due look-ups and new revokes."""
+        mgr = self.manager
+        local_ms = time.time() * 1000
+        reply = mgr._call(
+            "defer_tick",
+            [self._set_key, self._alive_key, dispatch_key(mgr), deferred_key(mgr)],
+            [
+                self.incarnation,
+                mgr.keys.prefix,
+                _ms(mgr.owner_ttl),
+                str(DUE_BATCH),
+                _ms(mgr.owner_ttl),
+            ],
+            client=self._redis(),
+        )
+        self._offset_ms = float(_text(reply[0])) - local_ms
+        moved = int(reply[1])
+        if moved:
+            log.warning(
+                "defer.recovered ids=%d: ids left in a dispatching list (a dead worker's, "
+                "or this one's after an error) went back to the dispatch list",
+                moved,
+            )
+        for raw in reply[2]:
+            self.due(_text(raw))
+        for task_id in self._new_revokes():
+            self._withdraw(task_id, "revoked")
+
+    def _new_revokes(self) -> list[str]:
+        try:
+            ids = [str(x) for x in self._revoked_ids()]
+        except Exception:
+            return []
+        new = [x for x in ids if x not in self._seen_revoked]
+        self._seen_revoked.update(new)
+        if len(self._seen_revoked) > 100000:
+            self._seen_revoked = set(ids)
+        return new
+
+    def due(self, task_id: str) -> None:
+        """A task's look-up came due: withdraw it if dead, else look at it."""
+        got = withdraw(self.manager, task_id, only_dead=True, client=self._redis())
+        state = got[0]
+        if state == "alive":
+            self.handle(task_id)
+        elif state == "parked":
+            self._withdrawn(task_id, "expired", got[1])
+        elif state == "granted":
+            message, life = _loads(got[1]), int(got[2])
+            log.warning(
+                "defer.regrant id=%s: the grant was not adopted within the grant TTL; "
+                "locks handed on, task parked again at the back of the line",
+                task_id,
+            )
+            if message is not None:
+                self._repark(task_id, message, life + 1)
+
+    def _repark(self, task_id: str, message: dict[str, Any], life: int) -> None:
+        """Park a task whose grant was never adopted again, as a new request.
+
+        A new record (so a late copy of the lost message finds a record that
+        is not its own and is dropped); if the locks are free it is granted
+        and dispatched at once.
+        """
+        mgr = self.manager
+        names = list(message.get("resources") or ())
+        modes = str(message.get("modes") or "x" * len(names))
+        req = mgr._request(
+            [n for n, m in zip(names, modes) if m == "x"],
+            [n for n, m in zip(names, modes) if m == "s"],
+        )
+        park_ttl = float(message.get("park_ttl") or 86400.0)
+        left = expires_in(message.get("options", {}).get("expires"))
+        if left is not None:
+            if left <= 0:
+                self._withdrawn(task_id, "expired-message", kjson.dumps(message))
+                return
+            park_ttl = min(park_ttl, left)
+        result = park(
+            mgr,
+            task_id,
+            req,
+            message,
+            park_ttl=park_ttl,
+            grant_ttl=float(message.get("grant_ttl") or 300.0),
+            label=f"{message.get('name', '?')} {task_id}",
+            adopt_now=False,
+            min_life=life,
+        )
+        log.info("defer.reparked id=%s outcome=%s", task_id, result.outcome)
+
+    def handle(self, task_id: str) -> None:
+        """Dispatch one task id popped from the dispatch list."""
+        mgr = self.manager
+        reply = mgr._call(
+            "defer_claim",
+            [record_key(mgr, task_id)],
+            [task_id, mgr.keys.prefix],
+            client=self._redis(),
+        )
+        kind = _text(reply[0])
+        if kind == "publish":
+            fence, message, life = int(reply[1]), _loads(_text(reply[2])), _text(reply[3])
+            if message is None:
+                return
+            if self._withdrawn_if_gone(task_id, message):
+                return
+            try:
+                self._publish(task_id, message, f"{life}:{fence}")
+            except Exception:
+                # Not sent (the broker refused or is down): un-claim it and
+                # put the id back, so that a later pass publishes it.
+                pipe = self._redis().pipeline(transaction=False)
+                pipe.hdel(record_key(mgr, task_id), "sent")
+                pipe.lpush(dispatch_key(mgr), task_id)
+                pipe.execute()
+                raise
+            self.dispatched += 1
+            log.info("defer.dispatch id=%s fence=%d", task_id, fence)
+        elif kind == "parked":
+            token, modes, res = (_text(x) for x in reply[1:4])
+            pttl, message = int(reply[4]), _loads(_text(reply[5]))
+            if message is not None and self._withdrawn_if_gone(task_id, message):
+                return
+            if pttl == -2:
+                self.due(task_id)
+                return
+            holder = str((message or {}).get("holder") or "")
+            self._attempt(task_id, token, modes, res, pttl, holder)
+
+    def _attempt(
+        self, task_id: str, token: str, modes: str, res: str, pttl: int, holder: str = ""
+    ) -> None:
+        mgr = self.manager
+        names = res.split("\n")
+        req = mgr._request(
+            [n for n, m in zip(names, modes) if m == "x"],
+            [n for n, m in zip(names, modes) if m == "s"],
+        )
+        ttl = str(pttl if pttl > 0 else 1)
+        got = _attempt_as_task(mgr, token, req, liveness_ms=ttl, register="", holder=holder)
+        code = int(got[0])
+        if code == 1:
+            mgr._call(
+                "defer_granted",
+                [record_key(mgr, task_id)],
+                [task_id, mgr.keys.prefix, _text(got[1])],
+            )
+        elif code == 0:
+            wait_ms = int(got[1])
+            delay = mgr.owner_ttl * 1000 if wait_ms < 0 else min(wait_ms + 10, mgr.owner_ttl * 1000)
+            delay = min(delay, max(pttl, 1))
+            score = int(time.time() * 1000 + self._offset_ms + delay)
+            self._redis().zadd(deferred_key(mgr), {task_id: score}, xx=True)
+        else:
+            self.due(task_id)
+
+    def _withdrawn_if_gone(self, task_id: str, message: dict[str, Any]) -> bool:
+        if self._revoked(task_id):
+            self._withdraw(task_id, "revoked")
+            return True
+        left = expires_in(message.get("options", {}).get("expires"))
+        if left is not None and left <= 0:
+            self._withdraw(task_id, "expired-message")
+            return True
+        return False
+
+    def _withdraw(self, task_id: str, why: str) -> None:
+        got = withdraw(self.manager, task_id, client=self._redis())
+        if got[0] in ("parked", "granted"):
+            self._withdrawn(task_id, why, got[1])
+
+    def _withdrawn(self, task_id: str, why: str, raw: str) -> None:
+        message = _loads(raw) or {}
+        log.warning("defer.%s id=%s task=%s", why, task_id, message.get("name", "?"))
+        try:
+            self._on_withdrawn(task_id, why, message)
+        except Exception:
+            log.exception("defer.withdrawn-hook-error id=%s", task_id)
+
+
+def parse_header(value: Any) -> tuple[int, int] | None:
+    """``(life, fence)`` of a :data:`HEADER` value ``"<life>:<fence>"``, else None."""
+    if not isinstance(value, (str, bytes)):
+        return None
+    text = value.decode() if isinstance(value, bytes) else value
+    life, sep, fence = text.partition(":")
+    if not sep or not life.isdigit() or not fence.isdigit():
+        return None
+    return int(life), int(fence)
+
+
+def _loads(raw: str) -> dict[str, Any] | None:
+    try:
+        value = kjson.loads(raw)
+    except Exception:
+        log.error("defer.bad-message %r", raw[:200])
+        return None
+    return value if isinstance(value, dict) else None
+
+
+__all__ = [
+    "DEFERRED",
+    "HEADER",
+    "parse_header",
+    "Dispatcher",
+    "ParkResult",
+    "adopt",
+    "capture_message",
+    "mark_done",
+    "park",
+    "task_owner",
+    "withdraw",
+]

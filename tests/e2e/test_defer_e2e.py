@@ -1,0 +1,194 @@
+"""End-to-end: ``@locked(on_busy="defer")`` with real ``celery worker -P prefork``.
+
+docs/defer.md gives the algorithm and its races (D1-D11). Pinned here:
+
+- parked tasks keep their FIFO place among parked and waiting requests and
+  free their pool slot (a task on another resource runs while the long one
+  holds); each runs once, under its own task id (AsyncResult: DEFERRED, then
+  SUCCESS);
+- revoking a parked task takes it out of the queue (REVOKED, never runs);
+- SIGKILL of the whole worker while a task is parked (D4): another worker
+  runs it once the dead holder's liveness ran out;
+- SIGKILL of the adopting child before it adopts (D7: the message comes
+  back, the copy adopts) and of the whole worker while the grant is in
+  transit (D6: the grant TTL runs out, the task is parked again and another
+  worker runs it); each runs exactly once;
+- the threads, solo and gevent pools dispatch from their main process too.
+
+The first two share one worker (module fixture); the SIGKILL tests start
+their own.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_redislock import LockManager
+from redis_server import RedisServer
+
+from .harness import Cluster, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def shared(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """One prefork worker (-c 3) for the tests that kill nothing."""
+    c = Cluster(
+        redis_server.url, tmp_path_factory.mktemp("defer-shared"), owner_ttl=5, heartbeat=0.5
+    )
+    try:
+        c.start_worker("defer-shared", concurrency=3)
+        yield c
+    finally:
+        c.close()
+
+
+def _deferred(c: Cluster, result: Any) -> bool:
+    return bool(result.state == "DEFERRED")
+
+
+def _queue(c: Cluster, resource: str) -> list[str]:
+    return [str(m) for m in c.lock_redis.zrange(c.key("q", resource), 0, -1)]
+
+
+def _runs(c: Cluster, tag: str) -> int:
+    return int(c.data.get(f"e2e:runs:{tag}") or 0)
+
+
+def test_parked_tasks_keep_their_fifo_place_among_waiters_and_free_their_pool_slot(
+    shared: Cluster,
+) -> None:
+    c = shared
+    holder = c.send("dhold", "fifo", "fifo-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:fifo-h"), 60, "holder", on_timeout=c.report)
+    d1 = c.send("dwrite", "fifo", "d1")
+    wait_for(lambda: _deferred(c, d1), 60, "d1 parked", on_timeout=c.report)
+    assert d1.info["resources"] == ["res:fifo"]
+    w2 = c.send("wwrite", "fifo", "w2")  # waits in its pool slot
+    wait_for(lambda: len(_queue(c, "res:fifo")) == 2, 60, "w2 queued", on_timeout=c.report)
+    d3 = c.send("dwrite", "fifo", "d3")
+    wait_for(lambda: _deferred(c, d3), 60, "d3 parked", on_timeout=c.report)
+    queue = _queue(c, "res:fifo")
+    assert [m.split("|")[0][1:].startswith("task:") for m in queue] == [True, False, True]
+    assert queue[0][1:].startswith(f"task:{d1.id}|") and queue[2][1:].startswith(f"task:{d3.id}|")
+
+    # Two slots are taken (the holder, the waiting w2); the third is free
+    # although two more tasks wait for res:fifo: tasks on other resources run.
+    others = [c.send("dwrite", f"other{i}", f"o{i}") for i in range(4)]
+    for r in others:
+        r.get(timeout=60)
+    assert not c.data.llen("e2e:done:fifo-h"), "the holder finished early"
+    assert d1.state == "DEFERRED" and d3.state == "DEFERRED"
+
+    c.go("fifo-h")
+    holder.get(timeout=60)
+    for r in (d1, w2, d3):
+        r.get(timeout=60)
+    assert c.data.lrange("e2e:order:fifo", 0, -1) == ["fifo-h", "d1", "w2", "d3"]
+    assert [_runs(c, t) for t in ("d1", "w2", "d3")] == [1, 1, 1]
+    assert d1.state == "SUCCESS" and d3.state == "SUCCESS"
+    assert c.data.lrange("e2e:violations", 0, -1) == []
+    wait_for(lambda: not c.namespace_keys("lock"), 30, "locks released", on_timeout=c.report)
+    assert c.lock_redis.zcard(c.key("deferred")) == 0
+    records = {k: c.lock_redis.hget(k, "state") for k in c.namespace_keys("defer")}
+    assert set(records.values()) == {"done"}, records
+
+
+def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> None:
+    c = shared
+    c.send("dhold", "rv", "rv-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:rv-h"), 60, "holder", on_timeout=c.report)
+    doomed = c.send("dwrite", "rv", "rv-doomed")
+    wait_for(lambda: _deferred(c, doomed), 60, "parked", on_timeout=c.report)
+    assert len(_queue(c, "res:rv")) == 1
+    c.producer.control.revoke(doomed.id)
+    wait_for(lambda: not _queue(c, "res:rv"), 60, "left the queue", on_timeout=c.report)
+    wait_for(lambda: doomed.state == "REVOKED", 30, "REVOKED", on_timeout=c.report)
+    assert not c.lock_redis.exists(c.key("defer", doomed.id))
+    c.go("rv-h")
+    after = c.send("dwrite", "rv", "rv-after")
+    after.get(timeout=60)
+    assert _runs(c, "rv-doomed") == 0
+    assert c.data.lrange("e2e:order:rv", 0, -1) == ["rv-h", "rv-after"]
+
+
+def test_parked_task_outlives_its_sigkilled_worker_and_runs_once_on_another(
+    cluster: Callable[..., Cluster],
+) -> None:
+    c = cluster(owner_ttl=2, heartbeat=0.5)
+    w1 = c.start_worker("park-w1", concurrency=2)
+    c.send("hold", "pk", "pk-h")
+    c.wait_held("pk-h")
+    parked = c.send("dwrite", "pk", "pk-d")
+    wait_for(lambda: _deferred(c, parked), 60, "parked", on_timeout=c.report)
+    w1.kill_group(signal.SIGKILL)
+    w1.wait(30)
+    # The holder died with the worker; the parked request does not depend on it.
+    c.start_worker("park-w2", concurrency=2)
+    parked.get(timeout=90)
+    assert _runs(c, "pk-d") == 1
+    assert c.data.lrange("e2e:order:pk", 0, -1) == ["pk-d"]
+
+
+def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs_once(
+    cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    c = cluster(owner_ttl=2, heartbeat=0.5, defer_grant_ttl=4)
+    w1 = c.start_worker("transit-w1", concurrency=2)
+
+    # D7: the child that receives the re-dispatched task dies before adopting.
+    c.send("dhold", "tc", "tc-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:tc-h"), 60, "holder", on_timeout=c.report)
+    child_victim = c.send("dwrite", "tc", "tc-d")
+    wait_for(lambda: _deferred(c, child_victim), 60, "parked", on_timeout=c.report)
+    c.data.set(f"e2e:kill-before-adopt:{child_victim.id}", "child")
+    c.go("tc-h")
+    child_victim.get(timeout=90)
+    assert not c.data.exists(f"e2e:kill-before-adopt:{child_victim.id}"), "the hook never fired"
+    assert _runs(c, "tc-d") == 1
+
+    # D6: the whole worker dies while the grant is in transit.
+    c.send("dhold", "tw", "tw-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:tw-h"), 60, "holder", on_timeout=c.report)
+    worker_victim = c.send("dwrite", "tw", "tw-d")
+    wait_for(lambda: _deferred(c, worker_victim), 60, "parked", on_timeout=c.report)
+    c.data.set(f"e2e:kill-before-adopt:{worker_victim.id}", "worker")
+    c.go("tw-h")
+    w1.wait(60)  # the hook killed the worker's process group
+    assert not c.data.exists(f"e2e:kill-before-adopt:{worker_victim.id}")
+    w2 = c.start_worker("transit-w2", concurrency=2)
+    worker_victim.get(timeout=90)
+    assert w2.log_lines("defer.regrant", worker_victim.id), w2.tail()
+    assert _runs(c, "tw-d") == 1
+    assert c.data.lrange("e2e:order:tw", 0, -1) == ["tw-h", "tw-d"]
+    assert w1.log_lines("defer.dispatch", worker_victim.id)
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo", "gevent"])
+def test_other_pools_park_dispatch_and_adopt_deferred_tasks(
+    cluster: Callable[..., Cluster], pool: str
+) -> None:
+    c = cluster(owner_ttl=5, heartbeat=0.5)
+    c.start_worker(f"defer-{pool}", pool=pool, concurrency=2)
+    holder = LockManager(c.lock_url, c.namespace, owner_ttl=5)
+    try:
+        lease = holder.acquire("res:p", timeout=5)
+        parked = []
+        for i in range(2):  # one after the other: their order in line is known
+            parked.append(c.send("dwrite", "p", f"{pool}-{i}"))
+            wait_for(lambda: _deferred(c, parked[-1]), 60, "parked", on_timeout=c.report)
+        lease.release()
+        for r in parked:
+            r.get(timeout=60)
+    finally:
+        holder.close()
+    assert c.data.lrange("e2e:order:p", 0, -1) == [f"{pool}-0", f"{pool}-1"]
+    assert [_runs(c, f"{pool}-{i}") for i in range(2)] == [1, 1]

@@ -1,0 +1,356 @@
+"""Deferred tasks on the engine side (docs/defer.md), against a real redis-server.
+
+No Celery worker here: the park record, the hand-off to a parked request
+(dispatch list, not a wake list), adoption, withdrawal, the upkeep's
+recovery of a dead dispatcher's list and the re-parking of a grant nobody
+adopted. tests/e2e/test_defer_e2e.py runs the same path with real workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redislock import LockManager
+from celery_redislock.defer import Dispatcher, adopt, mark_done, park, withdraw
+from engine_helpers import Managers, namespace_keys, wait_until
+
+NS = "t"
+P = "{t}:"
+
+
+@pytest.fixture
+def managers(redis_url: str) -> Iterator[Managers]:
+    m = Managers(redis_url, namespace=NS)
+    yield m
+    m.close_all()
+
+
+@pytest.fixture
+def rs(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield c
+    c.close()
+
+
+def _park(mgr: LockManager, task_id: str, *res: str, grant_ttl: float = 60.0) -> str:
+    req = mgr._request(list(res), [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": list(res)}
+    result = park(mgr, task_id, req, message, park_ttl=600, grant_ttl=grant_ttl)
+    return result.outcome
+
+
+class _Sent:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str | None]] = []
+
+    def __call__(self, task_id: str, message: dict[str, Any], header: str | None) -> None:
+        self.sent.append((task_id, header))
+
+
+def _dispatcher(mgr: LockManager, inc: str = "inc1") -> tuple[Dispatcher, _Sent]:
+    sent = _Sent()
+    return Dispatcher(mgr, inc, publish=sent, on_withdrawn=lambda *a: None), sent
+
+
+def test_release_hands_a_parked_request_its_locks_and_pushes_the_task_id_to_dispatch(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    assert _park(mgr, "t1", "a", grant_ttl=60) == "parked"
+    entries = rs.zrange(f"{P}q:a", 0, -1)
+    assert entries == ["xtask:t1|task:t1"]
+    assert rs.hget(f"{P}defer:t1", "state") == "parked"
+
+    holder.release()
+    token = entries[0][1:]
+    assert rs.hget(f"{P}lock:a", token) is not None
+    assert rs.lrange(f"{P}dispatch", 0, -1) == ["t1"]
+    assert not rs.exists(f"{P}wake:{token}")
+    record = rs.hgetall(f"{P}defer:t1")
+    assert record["state"] == "granted" and rs.hget(f"{P}lock:a", token) == "x" + record["fence"]
+    assert 0 < rs.pttl(f"{P}alive:task:t1") <= 60_000
+
+
+def test_adopt_moves_the_grant_to_the_adopting_owner_with_its_fence_once(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, child = managers(), managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a")
+    holder.release()
+    fence = int(rs.hget(f"{P}defer:t1", "fence") or 0)
+
+    assert adopt(child, "t1", 1) == ("expired", [])  # another life's copy: nothing
+    outcome, leases = adopt(child, "t1", 0)
+    assert outcome == "adopted" and len(leases) == 1
+    lease = leases[0]
+    assert lease.fencing_token == fence and lease.owner_id == child.owner_id
+    assert rs.hgetall(f"{P}lock:a") == {lease.token: f"x{fence}"}
+    assert rs.hget(f"{P}defer:t1", "state") == "adopted"
+    assert rs.hget(f"{P}defer:t1", "owner") == child.owner_id
+    assert rs.zcard(f"{P}deferred") == 0
+    # A second copy of the message: adopted already (by a live owner).
+    assert adopt(managers(), "t1", 0)[1] == []
+    assert _park(managers(), "t1", "a") == "duplicate"
+
+    lease.release()
+    mark_done(child, "t1", child.owner_id)
+    assert rs.hget(f"{P}defer:t1", "state") == "done"
+    assert _park(managers(), "t1", "a") == "duplicate"
+    assert not rs.exists(f"{P}lock:a")
+
+
+def test_parked_requests_keep_their_fifo_place_among_waiting_threads(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, waiter_mgr = managers(), managers()
+    holder = mgr.acquire("a")
+    assert _park(mgr, "t1", "a") == "parked"
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(waiter_mgr.acquire("a", timeout=30)))
+    thread.start()
+    wait_until(lambda: rs.zcard(f"{P}q:a") == 2, what="thread queued")
+    assert _park(mgr, "t2", "a") == "parked"
+
+    holder.release()
+    assert rs.hget(f"{P}defer:t1", "state") == "granted" and not got
+    _, first = adopt(managers(), "t1", 0)
+    assert len(first) == 1
+    first[0].release()
+    thread.join(20)
+    assert got and rs.hget(f"{P}defer:t2", "state") == "parked"
+    got[0].release()
+    assert rs.hget(f"{P}defer:t2", "state") == "granted"
+    assert rs.lrange(f"{P}dispatch", 0, -1) == ["t2", "t1"]
+
+
+def test_dispatcher_publishes_each_grant_once_with_its_fence(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a")
+    holder.release()
+    fence = int(rs.hget(f"{P}defer:t1", "fence") or 0)
+    rs.lpush(f"{P}dispatch", "t1")  # a second push of the same id
+    dispatcher, sent = _dispatcher(mgr)
+    dispatcher.step()
+    dispatcher.step()
+    assert sent.sent == [("t1", f"0:{fence}")]
+    assert rs.llen(f"{P}dispatch") == 0 and rs.llen(dispatcher.dispatching_key) == 0
+
+
+def test_a_dead_dispatchers_in_progress_list_is_moved_back_to_dispatch(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    rs.rpush(f"{P}dispatching:dead", "x1", "x2")
+    rs.sadd(f"{P}dispatchers", "dead")  # its liveness key {t}:dispatcher:dead is gone
+    rs.set(f"{P}dispatcher:live", "1", px=60_000)
+    rs.sadd(f"{P}dispatchers", "live")
+    rs.rpush(f"{P}dispatching:live", "y1")
+    dispatcher, _ = _dispatcher(mgr, "inc2")
+    dispatcher.upkeep()
+    assert sorted(rs.lrange(f"{P}dispatch", 0, -1)) == ["x1", "x2"]
+    assert not rs.exists(f"{P}dispatching:dead")
+    assert rs.smembers(f"{P}dispatchers") == {"live", "inc2"}
+    assert rs.lrange(f"{P}dispatching:live", 0, -1) == ["y1"]
+
+
+def test_a_grant_nobody_adopts_is_handed_on_and_the_task_parked_again_behind(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, waiter_mgr = managers(), managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a", grant_ttl=0.3)
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(waiter_mgr.acquire("a", timeout=30)))
+    thread.start()
+    wait_until(lambda: rs.zcard(f"{P}q:a") == 2, what="thread queued")
+    holder.release()
+    old_token = rs.hget(f"{P}defer:t1", "token")
+    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
+    dispatcher, sent = _dispatcher(mgr)
+    dispatcher.due("t1")
+    thread.join(20)
+    assert got, "the waiter behind was not handed the lock"
+    record = rs.hgetall(f"{P}defer:t1")
+    assert record["state"] == "parked" and record["life"] == "1"
+    assert record["token"] == "task+1:t1|task:t1" != old_token
+    assert rs.zrange(f"{P}q:a", 0, -1) == ["x" + record["token"]]
+    got[0].release()
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+
+
+def test_withdrawing_a_parked_task_leaves_nothing_of_it(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire(["a", "b"])
+    before = namespace_keys(rs)
+    _park(mgr, "t1", "a", "b")
+    assert withdraw(mgr, "t1")[0] == "parked"
+    # Only the arrival counter is new (a contended stream exists only while a
+    # holder watches for contenders).
+    assert namespace_keys(rs) - before == {f"{P}seq"}
+    assert rs.zcard(f"{P}deferred") == 0 and not rs.exists(f"{P}q:a", f"{P}q:b")
+    assert withdraw(mgr, "t1") == ["none"]
+    holder.release()
+
+
+def test_a_task_parked_past_its_park_ttl_is_withdrawn_and_reported_expired(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
+    assert park(mgr, "t1", req, message, park_ttl=0.3, grant_ttl=60).outcome == "parked"
+    withdrawn: list[tuple[str, str]] = []
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=_Sent(),
+        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
+    )
+    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="park TTL ran out")
+    wait_until(lambda: dispatcher.upkeep() or withdrawn, what="upkeep found it due")
+    assert withdrawn == [("t1", "expired")]
+    assert not rs.exists(f"{P}defer:t1") and rs.zcard(f"{P}q:a") == 0
+    holder.release()
+
+
+def test_a_revoked_parked_task_is_withdrawn_by_the_next_upkeep(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a")
+    _park(mgr, "t2", "a")
+    revoked: set[str] = set()
+    withdrawn: list[tuple[str, str]] = []
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=_Sent(),
+        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
+        revoked=revoked.__contains__,
+        revoked_ids=lambda: sorted(revoked),
+    )
+    revoked.add("t1")
+    dispatcher.upkeep()
+    assert withdrawn == [("t1", "revoked")]
+    assert [m.split("|")[0] for m in rs.zrange(f"{P}q:a", 0, -1)] == ["xtask:t2"]
+    holder.release()  # goes to t2, the revoked t1 is not in line
+    assert rs.hget(f"{P}defer:t2", "state") == "granted"
+
+
+def test_a_grant_whose_message_expired_is_withdrawn_not_published(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, waiter_mgr = managers(), managers()
+    holder = mgr.acquire("a")
+    req = mgr._request(["a"], [])
+    past = "2000-01-01T00:00:00+00:00"
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {"expires": past}}
+    assert park(mgr, "t1", req, message, park_ttl=60, grant_ttl=60).outcome == "parked"
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(waiter_mgr.acquire("a", timeout=30)))
+    thread.start()
+    wait_until(lambda: rs.zcard(f"{P}q:a") == 2, what="thread queued")
+    holder.release()  # handed to t1, whose message has expired
+    withdrawn: list[tuple[str, str]] = []
+    sent = _Sent()
+    dispatcher = Dispatcher(
+        mgr, "inc1", publish=sent, on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why))
+    )
+    dispatcher.step()
+    thread.join(20)
+    assert sent.sent == [] and withdrawn == [("t1", "expired-message")]
+    assert got, "the lock went on to the waiter behind"
+    got[0].release()
+
+
+def test_a_parked_task_carries_its_holder_record_through_hand_off_dispatch_and_adopt(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, child = managers(), managers()
+    first = "t.task\nt1\ncelery@parker"
+    req = mgr._request(["a", "b"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+    holder = mgr.acquire("a")
+    assert park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder=first).outcome == (
+        "parked"
+    )
+    token = "task:t1|task:t1"
+    assert rs.hget(f"{P}req:{token}", "holder") == first
+    # The release hands the grant over (try_handoff): the record follows it.
+    holder.release()
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    assert rs.get(f"{P}holder:{token}") == first
+    # The adopting process records itself (its node) at the new token.
+    second = "t.task\nt1\ncelery@runner"
+    outcome, leases = adopt(child, "t1", 0, holder=second)
+    assert outcome == "adopted" and len(leases) == 1
+    assert rs.get(f"{P}holder:{leases[0].token}") == second
+    assert not rs.exists(f"{P}holder:{token}")
+    leases[0].release()
+    assert not rs.exists(f"{P}holder:{leases[0].token}")
+
+
+def test_the_dispatcher_granting_a_parked_task_writes_its_holder_record(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    req = mgr._request(["a"], [])
+    info = "t.task\nt1\ncelery@parker"
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+    holder = mgr.acquire("a")
+    assert park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder=info).outcome == (
+        "parked"
+    )
+    # The holder leaves without a hand-off (its grant reclaimed as a dead
+    # owner's would be): the dispatcher's own attempt grants the request.
+    rs.hdel(f"{P}lock:a", holder.token)
+    dispatcher, _ = _dispatcher(mgr)
+    dispatcher._attempt("t1", "task:t1|task:t1", "x", "a", 600_000, info)
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    assert rs.get(f"{P}holder:task:t1|task:t1") == info
+
+
+def test_a_withdrawn_grant_leaves_no_holder_record(managers: Managers, rs: redis.Redis) -> None:
+    mgr = managers()
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+    holder = mgr.acquire("a")
+    park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder="t.task\nt1\nnode")
+    holder.release()
+    assert rs.exists(f"{P}holder:task:t1|task:t1")
+    assert withdraw(mgr, "t1")[0] == "granted"
+    assert not rs.exists(f"{P}holder:task:t1|task:t1")
+    assert not rs.exists(f"{P}lock:a")
+
+
+def test_a_body_running_adopted_grants_re_enters_them(managers: Managers, rs: redis.Redis) -> None:
+    mgr, child = managers(), managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a")
+    holder.release()
+    outcome, leases = adopt(child, "t1", 0)
+    assert outcome == "adopted"
+    child._hold_in_thread(leases)
+    # @locked runs the adopted body in this thread: a nested acquire of the
+    # same resource re-enters the adopted grant (same fence), never queues
+    # behind it.
+    inner = child.acquire("a", timeout=0)
+    assert inner.fencing_token == leases[0].fencing_token
+    inner.release()
+    assert rs.hget(f"{P}lock:a", leases[0].token) is not None
+    leases[0].release()
+    assert not rs.exists(f"{P}lock:a")
