@@ -180,8 +180,9 @@ class Waiter:
     #: (about to leave the queue); ``expired`` (its request record is gone:
     #: a stale entry the next script removes).
     state: str
-    #: A parked (deferred) task: its task id and task name, else None.
+    #: The task id of a parked (deferred) task, else None.
     task_id: str | None = None
+    #: The task name of a parked (deferred) task, else None.
     task_name: str | None = None
 
     def as_dict(self) -> dict[str, Any]:

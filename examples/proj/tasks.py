@@ -104,6 +104,8 @@ def reindex(self: Any, repo_id: int, seconds: float = 60.0, label: str = "") -> 
     time.sleep(seconds)
     _event(self, "end")
     return f"repo {repo_id} reindexed"
+
+
 @app.task(bind=True, acks_late=True)
 @locked("repo:{repo_id}", on_busy="defer")
 def build(self: Any, repo_id: int, seconds: float = 0.4, label: str = "") -> str:
