@@ -121,7 +121,9 @@ def _attempt_as_task(
         "",
         holder,
     ]
-    return mgr._call("acquire", keys, args)
+    reply = mgr._call("acquire", keys, args)
+    mgr._note_reclaimed(reply)  # dead holders' grants it freed (metrics only)
+    return reply
 
 
 def park(

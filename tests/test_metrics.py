@@ -189,3 +189,19 @@ def test_the_docs_and_the_sample_dashboard_name_only_metrics_that_exist(
     used |= set(re.findall(r"`(redislock_\w+)`", (docs / "metrics.md").read_text()))
     used -= {"redislock_metrics_port", "redislock_metrics_address"}
     assert used and used <= names, sorted(used - names)
+
+
+def test_a_parked_task_s_acquire_counts_the_dead_grants_it_reclaims(
+    managers: Managers, registry: CollectorRegistry, redis_url: str
+) -> None:
+    from celery_redislock.defer import park
+
+    dead_owner(redis_url, [(["d1", "d2"], [])])
+    mgr = managers()
+    req = mgr._request(["d1", "d2"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+    got = park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60)
+    assert got.outcome == "granted"  # the dead owner's grants were freed for it
+    assert value(registry, "redislock_cleanups_total", path="reclaim") == 2
+    for lease in got.leases:
+        lease.release()
