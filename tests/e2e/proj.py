@@ -409,6 +409,31 @@ def wwrite(self: Any, res: str, tag: str) -> dict[str, Any]:
         r.decr(f"e2e:inside:w:{res}")
 
 
+@app.task(name="e2e.dreenter", bind=True, acks_late=True)
+@locked("res:{res}", on_busy="defer")
+def dreenter(self: Any, res: str, tag: str) -> dict[str, Any]:
+    """Deferred when busy; its body re-enters ``res:<res>`` through another
+    ``@locked`` function (which would time out if it queued behind the
+    task's own grant), logs its lease, then waits for ``e2e:go:<tag>``."""
+    outer = current_lease()
+    inner = _inner_locked_briefly(res)
+    info = {
+        "outer_fence": outer.fencing_token if outer else None,
+        "token": outer.token if outer else None,
+        **inner,
+    }
+    r = data()
+    r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
+    r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
+    return info
+
+
+@locked("res:{res}", timeout=5)
+def _inner_locked_briefly(res: str) -> dict[str, Any]:
+    lease = current_lease()
+    return {"inner_fence": lease.fencing_token if lease else None}
+
+
 def _kill_before_adopt(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     """``task_prerun`` in the pool child: a re-dispatched deferred task whose id
     the test marked (``e2e:kill-before-adopt:<id>`` = ``child`` or ``worker``)

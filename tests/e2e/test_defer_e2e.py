@@ -21,6 +21,7 @@ their own.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,6 +101,31 @@ def test_parked_tasks_keep_their_fifo_place_among_waiters_and_free_their_pool_sl
     assert c.lock_redis.zcard(c.key("deferred")) == 0
     records = {k: c.lock_redis.hget(k, "state") for k in c.namespace_keys("defer")}
     assert set(records.values()) == {"done"}, records
+
+
+def test_an_adopted_deferred_body_re_enters_its_lock_and_names_its_task_and_node(
+    shared: Cluster,
+) -> None:
+    c = shared
+    holder = c.send("dhold", "dre", "dre-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:dre-h"), 60, "holder", on_timeout=c.report)
+    d = c.send("dreenter", "dre", "dre-d")
+    wait_for(lambda: _deferred(c, d), 60, "parked", on_timeout=c.report)
+    c.go("dre-h")
+    holder.get(timeout=60)
+    wait_for(lambda: c.data.llen("e2e:held-log:dre-d"), 60, "adopted body", on_timeout=c.report)
+    info = json.loads(c.data.lindex("e2e:held-log:dre-d", 0) or "{}")
+    # The nested @locked call re-entered the adopted grant (same fence).
+    assert info["inner_fence"] == info["outer_fence"] is not None, info
+    # The adopted grant carries the task's holder record, naming the node
+    # whose child runs it.
+    record = c.lock_redis.get(c.key("holder", info["token"]))
+    node = next(p.nodename for p in c.processes if getattr(p, "nodename", "").startswith("defer-"))
+    assert record is not None and record.split("\n") == ["e2e.dreenter", d.id, node]
+    c.go("dre-d")
+    assert d.get(timeout=60)["outer_fence"] == info["outer_fence"]
+    wait_for(lambda: not c.namespace_keys("lock"), 30, "locks released", on_timeout=c.report)
+    assert not c.namespace_keys("holder"), "the holder record goes with the grant"
 
 
 def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> None:
