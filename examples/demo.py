@@ -252,6 +252,7 @@ class Demo:
 
         ok = self.wait(ready, 90, "the worker to answer a ping") and proc.alive
         if not ok:
+            self.check(False, f"{proc.name} started and answered a ping")
             print(proc.tail())
         return bool(ok)
 
@@ -490,6 +491,8 @@ class Demo:
             runs = self.worker.lines("reconcile") + beat.lines("celery_redislock.reconcile")
             self.say(f"beat's reconcile entry: {len(runs)} log lines so far (informational)")
         failed = [text for ok, text in self.checks if not ok]
+        if not self.checks:
+            failed = ["the story stopped before its first check"]
         self.chapter("Result")
         if failed:
             print(f"demo: {len(failed)} check(s) FAILED:", *failed, sep="\n  ")
