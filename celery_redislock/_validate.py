@@ -116,9 +116,18 @@ def label(name: str, value: Any) -> str | None:
     return value
 
 
+#: (setting, interval) pairs already warned about in this process.
+_warned_fast: set[tuple[str, float]] = set()
+
+
 def warn_fast_heartbeat(name: str, interval: float) -> None:
-    """Log a warning when ``interval`` is below :data:`WARN_HEARTBEAT_INTERVAL`."""
-    if interval < WARN_HEARTBEAT_INTERVAL:
+    """Warn (once per process and value) when ``interval`` is below :data:`WARN_HEARTBEAT_INTERVAL`.
+
+    Every manager validates its settings; a process making many managers
+    with one fast interval gets one line, not one per manager.
+    """
+    if interval < WARN_HEARTBEAT_INTERVAL and (name, interval) not in _warned_fast:
+        _warned_fast.add((name, interval))
         log.warning(
             "heartbeat.fast-interval %s=%gs: every idle owner sends about %d commands "
             "a second to Redis; %gs or more is enough for any owner TTL of a few seconds",
