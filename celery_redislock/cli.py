@@ -59,7 +59,8 @@ DEFAULT_NAMESPACE = "redislock"
 ERR_NO_URL = (
     "no Redis URL for the locks: pass -A proj (`celery -A proj redislock ...` reads "
     "the app's redislock_url, else its Redis broker URL) or --url redis://host:port/db "
-    "(or sentinel://host:26379[,host2:26379]/service_name[/db])"
+    "(or sentinel://host:26379[,host2:26379]/service_name[/db], or "
+    "redis+cluster://host:6379[,host2:6379]/ for Redis Cluster)"
 )
 ERR_UNUSED = (
     "namespace {ns!r} at {url} has never been used: no format key, no fencing counter, "

@@ -1,4 +1,4 @@
-"""Turn a Redis URL into a :class:`redis.Redis` client (standalone, TLS, Sentinel).
+"""Turn a Redis URL into a client (standalone, TLS, Sentinel, Redis Cluster).
 
 Accepted URLs:
 
@@ -25,6 +25,21 @@ Accepted URLs:
   ``broker_transport_options['master_name']``). A single URL whose only
   path segment is a number (``sentinel://h:26379/0``) is read in this form.
 
+- ``redis+cluster://`` and ``rediss+cluster://`` (TLS), this module's
+  Redis Cluster form (a :class:`~redis.cluster.RedisCluster` client)::
+
+      redis+cluster://[[username]:password@]host[:port][,host[:port]...][/0][?options]
+
+  Every ``host:port`` is a seed node (port 6379 by default); the client
+  learns the rest of the cluster from them (``CLUSTER SLOTS``) and follows
+  it as it changes (MOVED replies, failovers). A cluster has only database
+  0: a path other than ``/`` or ``/0`` is refused. Options (see
+  :data:`CLUSTER_OPTIONS`): ``socket_timeout``, ``socket_connect_timeout``,
+  ``health_check_interval`` (seconds), ``max_connections`` (per node),
+  ``client_name``, ``require_full_coverage`` (``true`` by default), and on
+  ``rediss+cluster://`` only ``ssl_cert_reqs``, ``ssl_ca_certs``,
+  ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``.
+
 A malformed URL raises :class:`ConfigurationError` naming the setting; no
 message ever carries a password.
 """
@@ -40,6 +55,7 @@ from urllib.parse import quote, unquote, urlencode, urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
+from redis.exceptions import RedisClusterException
 from redis.sentinel import (
     Sentinel,
     SentinelConnectionPool,
@@ -47,7 +63,7 @@ from redis.sentinel import (
     SentinelManagedSSLConnection,
 )
 
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, RedisUnavailable
 from .redact import redact_url
 
 #: A client the engine accepts: standalone / Sentinel, or Redis Cluster (every
@@ -56,8 +72,33 @@ AnyRedis = redis.Redis | RedisCluster
 
 #: Schemes :meth:`redis.Redis.from_url` understands.
 DIRECT_SCHEMES = ("redis://", "rediss://", "unix://")
+#: Schemes of the Redis Cluster form (the second one is TLS).
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 #: Every scheme :func:`client_from_url` accepts.
-URL_SCHEMES = (*DIRECT_SCHEMES, "sentinel://")
+URL_SCHEMES = (*DIRECT_SCHEMES, "sentinel://", *CLUSTER_SCHEMES)
+#: Default TCP port of a cluster node.
+CLUSTER_PORT = 6379
+#: Query options of a ``redis+cluster://`` URL (the ``ssl_*`` ones only on
+#: ``rediss+cluster://``). ``db`` is accepted only as 0.
+CLUSTER_OPTIONS = (
+    "socket_timeout",
+    "socket_connect_timeout",
+    "health_check_interval",
+    "max_connections",
+    "client_name",
+    "require_full_coverage",
+    "db",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+)
+_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
+#: A ``client_name`` (CLIENT SETNAME refuses spaces and control characters).
+_CLIENT_NAME_RE = re.compile(r"[!-~]{1,128}")
+#: Most connections per node a URL may ask for.
+MAX_CONNECTIONS = 100_000
 #: Default TCP port of a Sentinel.
 SENTINEL_PORT = 26379
 #: Query options of a ``sentinel://`` URL.
@@ -84,6 +125,11 @@ MAX_DB = 2**31 - 1
 def is_sentinel_url(url: str) -> bool:
     """Whether ``url`` is a ``sentinel://`` URL (either form)."""
     return url.strip().lower().startswith("sentinel://")
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` is a ``redis+cluster://`` or ``rediss+cluster://`` URL."""
+    return url.strip().lower().startswith(CLUSTER_SCHEMES)
 
 
 #: Old name of :func:`celery_redislock.redact.redact_url` (every password as ``***``).
@@ -148,24 +194,26 @@ def _truthy(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _host_port(part: str, setting: str, shown: str) -> tuple[str, int]:
+def _host_port(
+    part: str, setting: str, shown: str, *, what: str = "Sentinel", default: int = SENTINEL_PORT
+) -> tuple[str, int]:
     part = part.strip()
     if not part:
-        raise ConfigurationError(setting, f"a Sentinel address is empty in {shown}")
+        raise ConfigurationError(setting, f"a {what} address is empty in {shown}")
     if part.startswith("["):  # [ipv6]:port
         host, sep, rest = part[1:].partition("]")
         if not sep:
-            raise ConfigurationError(setting, f"unclosed '[' in a Sentinel address of {shown}")
+            raise ConfigurationError(setting, f"unclosed '[' in a {what} address of {shown}")
         port_s = rest[1:] if rest.startswith(":") else rest
     else:
         host, _, port_s = part.partition(":")
     if not host:
-        raise ConfigurationError(setting, f"a Sentinel address has no host in {shown}")
+        raise ConfigurationError(setting, f"a {what} address has no host in {shown}")
     if not port_s:
-        return host, SENTINEL_PORT
-    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        return host, default
+    if not (port_s.isascii() and port_s.isdigit()) or not 0 < int(port_s) < 65536:
         raise ConfigurationError(
-            setting, f"Sentinel port {port_s!r} is not a port number (1-65535) in {shown}"
+            setting, f"{what} port {port_s!r} is not a port number (1-65535) in {shown}"
         )
     return host, int(port_s)
 
@@ -295,8 +343,183 @@ def parse_sentinel_url(
     )
 
 
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A parsed ``redis+cluster://`` URL: the seed nodes and the connection options."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    def to_url(self, *, redacted: bool = False) -> str:
+        """This spec in the canonical form (see the module doc)."""
+        auth = ""
+        if self.password is not None:
+            pw = "***" if redacted else quote(self.password, safe="")
+            auth = f"{quote(self.username or '', safe='')}:{pw}@"
+        elif self.username:
+            auth = f"{quote(self.username, safe='')}@"
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+        opts = {k: v for k, v in sorted(self.options.items()) if k != "db"}
+        query = f"?{urlencode(opts)}" if opts else ""
+        return f"{CLUSTER_SCHEMES[1] if self.tls else CLUSTER_SCHEMES[0]}{auth}{hosts}/{query}"
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~redis.cluster.RedisCluster` (startup nodes aside)."""
+        kwargs: dict[str, Any] = {}
+        if self.username:
+            kwargs["username"] = self.username
+        if self.password is not None:
+            kwargs["password"] = self.password
+        opts = self.options
+        for name in ("socket_timeout", "socket_connect_timeout", "health_check_interval"):
+            if name in opts:
+                kwargs[name] = float(opts[name])
+        if "max_connections" in opts:
+            kwargs["max_connections"] = int(opts["max_connections"])
+        if "client_name" in opts:
+            kwargs["client_name"] = opts["client_name"]
+        if "require_full_coverage" in opts:
+            kwargs["require_full_coverage"] = _truthy(opts["require_full_coverage"])
+        if self.tls:
+            kwargs["ssl"] = True
+            for name in ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+                if name in opts:
+                    kwargs[name] = opts[name]
+            if "ssl_check_hostname" in opts:
+                kwargs["ssl_check_hostname"] = _truthy(opts["ssl_check_hostname"])
+        return kwargs
+
+
+def parse_cluster_url(url: str, *, setting: str = "redis_url") -> ClusterSpec:
+    """Parse a ``redis+cluster://`` or ``rediss+cluster://`` URL (see the module doc).
+
+    Raises:
+        ConfigurationError: naming ``setting`` and the problem (no password shown).
+    """
+    shown = redact_url(url)
+    text = url.strip()
+    scheme = next((s for s in CLUSTER_SCHEMES if text.lower().startswith(s)), None)
+    if scheme is None:
+        raise ConfigurationError(
+            setting, f"must start with {' or '.join(CLUSTER_SCHEMES)}, not {shown!r}"
+        )
+    tls = scheme == CLUSTER_SCHEMES[1]
+    rest = text[len(scheme) :]
+    if ";" in rest:
+        raise ConfigurationError(
+            setting, f"a cluster URL lists its nodes with ',' (one URL), not ';', in {shown}"
+        )
+    rest, _, query = rest.partition("?")
+    rest = rest.split("#", 1)[0]
+    query = query.split("#", 1)[0]
+    # The userinfo runs to the last '@' before the path (a password may hold
+    # '@' or ':' unencoded); the hosts follow it.
+    slash = rest.find("/", rest.rfind("@") + 1)
+    netloc, path = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
+    username: str | None = None
+    password: str | None = None
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, has_pw, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if has_pw else None
+    if not netloc.strip():
+        raise ConfigurationError(
+            setting,
+            f"names no cluster node in {shown}; use "
+            "redis+cluster://host:6379[,host2:6379]/ (rediss+cluster:// for TLS)",
+        )
+    nodes = tuple(
+        _host_port(hp, setting, shown, what="cluster node", default=CLUSTER_PORT)
+        for hp in netloc.split(",")
+    )
+    segment = path.strip("/")
+    if segment:
+        if "/" in segment:
+            raise ConfigurationError(setting, f"path must be empty or /0 in {shown}")
+        if _db(segment, setting, shown) != 0:
+            raise ConfigurationError(
+                setting,
+                f"a Redis Cluster has only database 0, not {segment!r}, in {shown}; "
+                "use a separate namespace instead of a database",
+            )
+    options: dict[str, str] = {}
+    for item in query.split("&") if query else ():
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key, value = unquote(key), unquote(value)
+        if key not in CLUSTER_OPTIONS:
+            raise ConfigurationError(
+                setting,
+                f"unknown or unsupported cluster option {key!r} in {shown}; "
+                f"accepted: {', '.join(CLUSTER_OPTIONS)}",
+            )
+        if not eq:
+            raise ConfigurationError(setting, f"option {key!r} has no value in {shown}")
+        if options.get(key, value) != value:
+            raise ConfigurationError(setting, f"option {key!r} given twice in {shown}")
+        options[key] = value
+    _check_cluster_options(options, tls, setting, shown)
+    return ClusterSpec(nodes=nodes, tls=tls, username=username, password=password, options=options)
+
+
+def _check_cluster_options(options: Mapping[str, str], tls: bool, setting: str, shown: str) -> None:
+    if "db" in options and (
+        not (options["db"].isascii() and options["db"].isdigit()) or int(options["db"]) != 0
+    ):
+        raise ConfigurationError(
+            setting, f"a Redis Cluster has only database 0, not db={options['db']!r}, in {shown}"
+        )
+    for name in ("socket_timeout", "socket_connect_timeout", "health_check_interval"):
+        if name not in options:
+            continue
+        try:
+            value = float(options[name])
+        except ValueError:
+            value = float("nan")
+        low_ok = value >= 0 if name == "health_check_interval" else value > 0
+        if not (low_ok and value < 86400):
+            raise ConfigurationError(
+                setting,
+                f"{name} must be a {'non-negative' if name == 'health_check_interval' else 'positive'}"
+                f" number of seconds below 86400, not {options[name]!r}, in {shown}",
+            )
+    if "max_connections" in options:
+        raw = options["max_connections"]
+        if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) <= MAX_CONNECTIONS:
+            raise ConfigurationError(
+                setting,
+                f"max_connections must be an integer from 1 to {MAX_CONNECTIONS}, "
+                f"not {raw!r}, in {shown}",
+            )
+    if "client_name" in options and not _CLIENT_NAME_RE.fullmatch(options["client_name"]):
+        raise ConfigurationError(
+            setting,
+            "client_name must be 1-128 printable characters without spaces in " + shown,
+        )
+    for name in ("require_full_coverage", "ssl_check_hostname"):
+        if name in options and options[name].strip().lower() not in _BOOL_WORDS:
+            raise ConfigurationError(
+                setting, f"{name} must be true or false, not {options[name]!r}, in {shown}"
+            )
+    ssl_given = [k for k in options if k.startswith("ssl_")]
+    if ssl_given and not tls:
+        raise ConfigurationError(
+            setting,
+            f"{', '.join(sorted(ssl_given))} need TLS: use rediss+cluster:// in {shown}",
+        )
+    if "ssl_cert_reqs" in options and options["ssl_cert_reqs"] not in _CERT_REQS:
+        raise ConfigurationError(
+            setting, f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)} in {shown}"
+        )
+
+
 def validate_url(url: Any, *, setting: str = "redis_url", master_name: str | None = None) -> str:
-    """Check ``url`` without connecting; return it (a Sentinel URL in canonical form).
+    """Check ``url`` without connecting; return it (Sentinel and cluster URLs in canonical form).
 
     Raises:
         ConfigurationError: not a string, an unknown scheme or a malformed URL.
@@ -314,6 +537,8 @@ def validate_url(url: Any, *, setting: str = "redis_url", master_name: str | Non
         )
     if is_sentinel_url(url):
         return parse_sentinel_url(url, setting=setting, master_name=master_name).to_url()
+    if is_cluster_url(url):
+        return parse_cluster_url(url, setting=setting).to_url()
     if not url.lower().startswith(DIRECT_SCHEMES):
         raise ConfigurationError(
             setting, f"must be a {', '.join(URL_SCHEMES)} URL, not {redact_url(url)!r}"
@@ -373,16 +598,24 @@ def client_from_url(
     setting: str = "redis_url",
     master_name: str | None = None,
     decode_responses: bool = True,
-) -> redis.Redis:
-    """A :class:`redis.Redis` client for ``url`` (see the module doc for the forms).
+) -> AnyRedis:
+    """A client for ``url`` (see the module doc for the forms).
 
-    Connects lazily: a Sentinel is asked for the master's address when the
-    first connection is made, and again after a connection error (failover).
+    A :class:`redis.Redis` connects lazily: a Sentinel is asked for the
+    master's address when the first connection is made, and again after a
+    connection error (failover). A cluster URL gives a
+    :class:`~redis.cluster.RedisCluster`, which reads the cluster's slot map
+    from the first seed node that answers while it is made, and reads it
+    again on a MOVED reply or a connection error (failover, resharding).
 
     Raises:
         ConfigurationError: naming ``setting`` for a malformed URL (never the password).
+        RedisUnavailable: a cluster URL none of whose seed nodes answered
+            (or whose nodes do not cover every slot).
     """
     validate_url(url, setting=setting, master_name=master_name)
+    if is_cluster_url(url):
+        return _cluster_client(parse_cluster_url(url, setting=setting), decode_responses)
     if is_sentinel_url(url):
         spec = parse_sentinel_url(url, setting=setting, master_name=master_name)
         master_kwargs, sentinel_kwargs = spec.connection_kwargs()
@@ -399,6 +632,20 @@ def client_from_url(
         return redis.Redis.from_url(url, decode_responses=decode_responses)
     except ValueError as exc:
         raise _url_error(setting, url, exc) from exc
+
+
+def _cluster_client(spec: ClusterSpec, decode_responses: bool) -> RedisCluster:
+    kwargs = spec.client_kwargs()
+    try:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],
+            decode_responses=decode_responses,
+            **kwargs,
+        )
+    except (RedisClusterException, redis.ConnectionError, redis.TimeoutError) as exc:
+        # The reason without the seed list redis-py may append (no secret in
+        # it, but the URL says it already).
+        raise RedisUnavailable(spec.to_url(redacted=True), exc) from exc
 
 
 def _url_error(setting: str, url: str, exc: ValueError) -> ConfigurationError:
@@ -452,8 +699,16 @@ def clone_client(client: AnyRedis) -> AnyRedis:
 def describe_client(client: AnyRedis) -> str:
     """A URL-like description of where ``client`` connects (no password)."""
     if isinstance(client, RedisCluster):
-        nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())
-        return f"cluster://{nodes}"
+        # The cluster URL form (usable as --url); the primaries it knows now.
+        ckw = client.nodes_manager.connection_kwargs
+        tls = bool(ckw.get("ssl")) or issubclass(
+            ckw.get("connection_class", redis.Connection), redis.SSLConnection
+        )
+        nodes = ",".join(
+            f"[{n.host}]:{n.port}" if ":" in n.host else f"{n.host}:{n.port}"
+            for n in client.get_primaries()
+        )
+        return f"{CLUSTER_SCHEMES[1] if tls else CLUSTER_SCHEMES[0]}{nodes}/"
     pool = client.connection_pool
     kw = pool.connection_kwargs
     if isinstance(pool, SentinelConnectionPool):

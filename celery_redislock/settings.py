@@ -60,9 +60,10 @@ SETTINGS: tuple[Setting, ...] = (
         "redislock_url",
         "str",
         "the broker URL when it is redis://, rediss://, unix:// or sentinel://",
-        "Redis URL of the lock engine (redis://, rediss://, unix:// or "
-        "sentinel://host:26379[,host2:26379]/service_name[/db]); required when "
-        "the broker is not Redis.",
+        "Redis URL of the lock engine (redis://, rediss://, unix://, "
+        "sentinel://host:26379[,host2:26379]/service_name[/db] or, for Redis "
+        "Cluster, redis+cluster://host:6379[,host2:6379]/ (rediss+cluster:// "
+        "for TLS)); required when the broker is not Redis.",
     ),
     Setting(
         "redislock_namespace",
@@ -382,7 +383,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
                 "redislock_url",
                 "is required when the broker is not Redis (broker_url="
                 f"{redact(broker) if isinstance(broker, str) else broker!r}); "
-                "set it to a redis://, rediss:// or sentinel:// URL",
+                "set it to a redis://, rediss://, sentinel:// or redis+cluster:// URL",
             )
     else:
         url = validate_url(url, setting="redislock_url")

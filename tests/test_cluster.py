@@ -17,6 +17,7 @@ mode.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import uuid
@@ -26,10 +27,14 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner, Result
 from redis.cluster import RedisCluster
 
-from celery_redislock import LockManager
+from celery_redislock import LockManager, RedisLock
 from celery_redislock.checks import check_eviction
+from celery_redislock.cli import redislock
 from celery_redislock.exceptions import ConfigurationError, LockTimeout, RedisUnavailable
 from celery_redislock.inspect import Inspector
 from celery_redislock.lease import Lease
@@ -170,7 +175,7 @@ def test_namespaces_spread_over_the_masters_each_on_one_slot(
             mgr.keys.contended("r"),
         ]
         assert {rc.keyslot(k) for k in keys} == {rc.keyslot("{spread}")}
-        assert mgr.url.startswith("cluster://")
+        assert mgr.url.startswith("redis+cluster://127.0.0.1:")
     finally:
         mgr.close()
     owners = {rc.get_node_from_key(f"{{ns{i}}}:x").name for i in range(30)}
@@ -428,3 +433,140 @@ def test_a_task_owner_acquires_and_a_process_adopts_on_a_cluster(
     assert producer.acquire_for_task("t3", "unique:a", ttl=60).holder_owner == worker.owner_id
     lease.release()
     assert producer.acquire_for_task("t3", "unique:a", ttl=60).granted
+
+
+# -- the redis+cluster:// URL: settings, RedisLock(app), the CLI ------------------
+
+#: A password with characters a URL must encode (and that must never be shown).
+CLUSTER_PW = "Kx7@pw/9"
+CLUSTER_USER = "locks"
+
+
+def _cluster_url(servers: list[RedisServer], *, auth: bool = False, query: str = "") -> str:
+    seeds = ",".join(f"127.0.0.1:{s.port}" for s in servers[:2])  # two of the three seeds
+    creds = f"{CLUSTER_USER}:{CLUSTER_PW.replace('@', '%40').replace('/', '%2F')}@" if auth else ""
+    return f"redis+cluster://{creds}{seeds}/{query}"
+
+
+@pytest.fixture
+def cluster_user(cluster_servers: list[RedisServer]) -> Iterator[str]:
+    """A password-protected ACL user on every node (ACLs are per node); its URL."""
+    admins = [s.client() for s in cluster_servers]
+    for admin in admins:
+        admin.acl_setuser(
+            CLUSTER_USER, enabled=True, passwords=[f"+{CLUSTER_PW}"], keys=["*"],
+            channels=["*"], commands=["+@all"], reset=True,
+        )  # fmt: skip
+    yield _cluster_url(cluster_servers, auth=True, query="?socket_timeout=5")
+    for admin in admins:
+        admin.acl_deluser(CLUSTER_USER)
+        admin.close()
+
+
+def test_a_cluster_url_makes_a_manager_on_a_cluster_client_with_the_password_masked(
+    cluster_user: str,
+) -> None:
+    mgr = LockManager(cluster_user, "curl" + uuid.uuid4().hex[:6], owner_ttl=2.0)
+    try:
+        assert isinstance(mgr.client, RedisCluster)
+        assert len(mgr.client.get_primaries()) == MASTERS  # learnt from two seeds
+        assert CLUSTER_PW not in mgr.url and "%40" not in mgr.url
+        assert mgr.url.startswith(f"redis+cluster://{CLUSTER_USER}:***@127.0.0.1:")
+        lease = mgr.acquire("r", timeout=0)
+        # The heartbeat's clone carries the credentials and the socket timeout.
+        wait_until(lambda: mgr.heartbeat.ticks >= 2, what="two heartbeats on the clone")
+        assert isinstance(mgr._hb_client, RedisCluster)
+        assert mgr._hb_client.nodes_manager.connection_kwargs["socket_timeout"] == 5.0
+        assert not lease.lost
+        lease.release()
+    finally:
+        mgr.close()
+
+
+def test_a_cluster_url_whose_nodes_do_not_answer_raises_redis_unavailable() -> None:
+    url = f"redis+cluster://u:{CLUSTER_PW.replace('@', '%40').replace('/', '%2F')}@127.0.0.1:{free_port()}/"
+    with pytest.raises(RedisUnavailable) as err:
+        LockManager(url, "nobody")
+    assert "%40" not in str(err.value) and CLUSTER_PW not in str(err.value)
+    assert "u:***@" in str(err.value)
+
+
+def _cli(app: Celery) -> Callable[..., Result]:
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Result:
+        obj = CLIContext(app=app, no_color=True, workdir=None)
+        return runner.invoke(redislock, list(args), obj=obj)
+
+    return invoke
+
+
+def _ok(result: Result) -> Result:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def test_cli_status_locks_and_release_on_a_cluster_url(
+    cluster_user: str, cluster_servers: list[RedisServer]
+) -> None:
+    ns = "ccli" + uuid.uuid4().hex[:6]
+    app = Celery("clustercli", set_as_current=False)
+    app.conf.redislock_url = cluster_user  # the setting path (RedisLock's config)
+    app.conf.redislock_namespace = ns
+    cli = _cli(app)
+    live = LockManager(cluster_user, ns, owner_ttl=2.0, name="celery@live")
+    # A dead owner: no heartbeat, its liveness key left to expire.
+    dead = LockManager(cluster_user, ns, owner_ttl=1.0, heartbeat=False)
+    try:
+        held = live.acquire("live:1", timeout=0)
+        dead.acquire(["dead:1", "dead:2"], timeout=0)
+        dead_id = dead.owner_id  # it moves on to a new identity once it sees the loss
+        rc = live.client
+        wait_until(lambda: not rc.exists(dead.keys.alive(dead_id)), what="liveness expiry")
+
+        out = _ok(cli("status")).output
+        lines = [" ".join(line.split()) for line in out.splitlines()]
+        assert "owners 2 (1 alive, 1 dead; 2 holding locks, 0 only waiting)" in lines, out
+        assert "locks 3 registered (2 by dead owners)" in lines, out
+        assert f"redis+cluster://{CLUSTER_USER}:***@" in out and CLUSTER_PW not in out
+
+        rows = {ln.split()[0]: ln.split() for ln in _ok(cli("locks")).output.splitlines()[1:]}
+        assert rows["live:1"][:4] == ["live:1", "exclusive", live.owner_id, "alive"]
+        assert rows["dead:1"][:4] == ["dead:1", "exclusive", dead_id, "DEAD"]
+
+        # --url on the command line wins over the app's setting (a wrong one here).
+        app.conf.redislock_url = "redis://127.0.0.1:1/0"
+        out = _ok(cli("release", "--url", cluster_user, "--owner", dead_id, "--yes")).output
+        assert f"owner {dead_id}: cleaned, 2 grant(s) released" in out
+        assert CLUSTER_PW not in out
+        assert rc.exists(dead.keys.lock("dead:1"), dead.keys.lock("dead:2")) == 0
+        assert rc.hkeys(live.keys.lock("live:1")) == [held.token]
+        data = json.loads(_ok(cli("locks", "--url", cluster_user, "--json")).stdout)
+        assert [d["resource"] for d in data] == ["live:1"]
+        assert not held.lost
+        held.release()
+    finally:
+        live.close()
+        dead.close()
+
+
+def test_redislock_app_on_a_cluster_url_runs_a_producer_and_the_node_scripts(
+    cluster_user: str,
+) -> None:
+    """RedisLock(app) with redislock_url = a cluster URL: its config is the
+    canonical URL, the producer-side manager (unique tasks, defer) and the
+    worker-side one are cluster clients."""
+    app = Celery("clusterapp", set_as_current=False)
+    app.conf.redislock_url = cluster_user
+    app.conf.redislock_namespace = "capp" + uuid.uuid4().hex[:6]
+    locks = RedisLock(app)
+    try:
+        assert locks.config.url.startswith("redis+cluster://")
+        producer = locks.manager
+        assert isinstance(producer.client, RedisCluster)
+        grant = producer.acquire_for_task("t1", "unique:x", ttl=60)
+        assert grant.granted
+        assert not producer.acquire_for_task("t2", "unique:x", ttl=60).granted
+        assert CLUSTER_PW not in repr(app.conf.get("redislock_url"))
+    finally:
+        locks.close()

@@ -1,0 +1,127 @@
+"""End-to-end: real ``celery worker -P prefork`` processes whose locks live on Redis Cluster.
+
+The broker and result backend stay on the session's redis-server; only
+``redislock_url`` is a ``redis+cluster://`` URL naming two of the three
+masters of a module-scoped cluster (tests/test_cluster.py's
+``running_cluster``). The test's own reads of the lock keys go straight to
+the master that owns the namespace's hash slot (every key of a namespace
+lives there).
+
+- contending ``@locked`` tasks on two workers keep exclusion and exact
+  final counts, and leave no lock keys behind;
+- a worker SIGKILLed while holding a lock and restarted under its node name
+  frees its predecessor's locks at start-up (long before the liveness TTL),
+  and the resource is usable again through the new worker.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from redis.cluster import RedisCluster
+
+from redis_server import RedisServer
+from test_cluster import running_cluster
+
+from .harness import Cluster, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def lock_cluster() -> Iterator[list[RedisServer]]:
+    with running_cluster() as servers:
+        yield servers
+
+
+@pytest.fixture
+def on_cluster(
+    cluster: Callable[..., Cluster], lock_cluster: list[RedisServer]
+) -> Callable[..., Cluster]:
+    """``on_cluster(**settings)``: a harness Cluster whose lock URL is the Redis Cluster."""
+
+    def make(**settings: object) -> Cluster:
+        namespace = f"e2ec{uuid.uuid4().hex[:8]}"
+        seeds = ",".join(f"127.0.0.1:{s.port}" for s in lock_cluster[:2])
+        rc = RedisCluster(host="127.0.0.1", port=lock_cluster[0].port)
+        try:
+            owner = rc.get_node_from_key("{" + namespace + "}:x")
+        finally:
+            rc.close()
+        return cluster(
+            namespace=namespace,
+            lock_url=f"redis+cluster://{seeds}/?socket_timeout=5",
+            lock_admin_url=f"redis://{owner.host}:{owner.port}/0",
+            **settings,
+        )
+
+    return make
+
+
+def _no_lock_keys_left(c: Cluster) -> bool:
+    return not c.namespace_keys("lock") and not c.namespace_keys("held")
+
+
+def test_locked_tasks_on_two_prefork_workers_keep_exclusion_and_exact_counts_on_a_cluster(
+    on_cluster: Callable[..., Cluster],
+) -> None:
+    c = on_cluster(owner_ttl=10, heartbeat=1)
+    a = c.start_worker("clu-a", wait=False)
+    b = c.start_worker("clu-b", wait=False)
+    c.wait_ready(a)
+    c.wait_ready(b)
+    resources = ["0", "1"]
+    writes = 10
+    results = []
+    for i in range(writes):
+        for res in resources:
+            results.append(c.send("write", res, 0.005))
+        if i % 3 == 0:
+            results.append(c.send("read", "0", 0.02))
+    for res_ in results:
+        res_.get(timeout=180)
+
+    assert c.data.lrange("e2e:violations", 0, -1) == []
+    for res in resources:
+        assert int(c.data.get(f"e2e:counter:{res}") or 0) == writes, res
+        assert int(c.data.get(f"e2e:inside:w:{res}") or 0) == 0
+    assert c.data.lrange("e2e:order:0", 0, -1) == [f"w{i}" for i in range(1, writes + 1)]
+    wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
+    # Both workers' node records are on the cluster (the node heartbeat ran there).
+    assert {k.rsplit(":", 1)[-1] for k in c.namespace_keys("node")} >= {
+        "clu-a@e2e",
+        "clu-b@e2e",
+    }
+
+
+def test_worker_killed_and_restarted_on_a_cluster_frees_its_predecessor_locks_at_startup(
+    on_cluster: Callable[..., Cluster],
+) -> None:
+    c = on_cluster(owner_ttl=60, heartbeat=1)
+    w = c.start_worker("phoenix-c")
+    c.send("hold", "r1", "t1")
+    owner = c.wait_held("t1")["owner"]
+
+    w.destroy()  # SIGKILL the whole process group: nobody cleans up
+    killed_at = time.monotonic()
+    pttl = c.alive_pttl(owner)
+    assert pttl > 30_000, "the predecessor's liveness should still be live"
+    assert owner in c.owners_holding("res:r1")
+
+    w2 = c.start_worker("phoenix-c")
+    wait_for(
+        lambda: owner not in c.owners_holding("res:r1"),
+        timeout=45,
+        what="the predecessor's locks to be freed at start-up",
+        on_timeout=c.report,
+    )
+    assert time.monotonic() < killed_at + pttl / 1000 - 5, "freed only by liveness expiry"
+    assert not c.lock_redis.exists(c.key("held", owner))
+    assert owner not in c.active_owners()
+
+    again = c.send("hold", "r1", "t2", 0, queue=w2.queue)
+    assert again.get(timeout=60)["attempt"] == 1
+    wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
