@@ -67,42 +67,69 @@ def _port_with_free_bus() -> int:
     raise RuntimeError("no loopback port with a free cluster bus port")
 
 
+def _cluster_server(extra: tuple[str, ...]) -> tuple[RedisServer, int | None]:
+    """A cluster-mode redis-server (not started) and its bus port if set (Redis >= 7)."""
+    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *extra]
+    server = RedisServer(extra_args=args)
+    if server.version >= (7, 0, 0):
+        # The bus port defaults to port + 10000, which may exceed 65535.
+        bus = free_port()
+        server.extra_args += ["--cluster-port", str(bus)]
+        return server, bus
+    # Redis 6.2 has no --cluster-port: pick a port whose bus port (port +
+    # 10000) exists and is free.
+    return RedisServer(extra_args=args, port=_port_with_free_bus()), None
+
+
 @contextmanager
-def running_cluster(*extra: str) -> Iterator[list[RedisServer]]:
-    """Three cluster-mode redis-servers sharing all slots, cluster_state:ok."""
+def running_cluster(*extra: str, replicas: bool = False) -> Iterator[list[RedisServer]]:
+    """Three cluster-mode redis-servers sharing all slots, cluster_state:ok.
+
+    With ``replicas``, three more servers follow in the list, the i-th
+    (``servers[MASTERS + i]``) a replica of master i, in sync when this yields.
+    """
     servers: list[RedisServer] = []
-    bus_ports: list[int] = []
+    bus_ports: list[int | None] = []
     try:
-        for _ in range(MASTERS):
-            args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *extra]
-            server = RedisServer(extra_args=args)
-            if server.version >= (7, 0, 0):
-                # The bus port defaults to port + 10000, which may exceed 65535.
-                bus_ports.append(free_port())
-                server.extra_args += ["--cluster-port", str(bus_ports[-1])]
-            else:
-                # Redis 6.2 has no --cluster-port: pick a port whose bus port
-                # (port + 10000) exists and is free.
-                server = RedisServer(extra_args=args, port=_port_with_free_bus())
+        for _ in range(2 * MASTERS if replicas else MASTERS):
+            server, bus = _cluster_server(extra)
             servers.append(server)
+            bus_ports.append(bus)
             try:
                 server.start()
             except RedisServerError as exc:
                 pytest.skip(f"redis-server cannot run in cluster mode: {exc}")
         clients = [s.client() for s in servers]
         per = SLOTS // MASTERS
-        for i, client in enumerate(clients):
+        for i, client in enumerate(clients[:MASTERS]):
             last = SLOTS - 1 if i == MASTERS - 1 else (i + 1) * per - 1
             # ADDSLOTS (not 7.0's ADDSLOTSRANGE) so Redis 6.2 runs it too.
             client.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, last + 1))
-        meet = [servers[0].host, servers[0].port, *bus_ports[:1]]  # the bus port, if set
+        meet = [servers[0].host, servers[0].port, *[b for b in bus_ports[:1] if b]]
         for client in clients[1:]:
             client.execute_command("CLUSTER", "MEET", *meet)
+        if replicas:
+            ids = [_info_text(c.execute_command("CLUSTER", "MYID")) for c in clients[:MASTERS]]
+            for i, client in enumerate(clients[MASTERS:]):
+                # REPLICATE needs the master known to the replica (gossip).
+                wait_until(
+                    lambda c=client, i=i: (
+                        ids[i] in _info_text(c.execute_command("CLUSTER", "NODES"))
+                    ),
+                    CLUSTER_OK_DEADLINE,
+                    "a replica to learn its master",
+                    interval=0.05,
+                )
+                client.execute_command("CLUSTER", "REPLICATE", ids[i])
 
         def ok() -> bool:
             infos = [_info_text(c.execute_command("CLUSTER", "INFO")) for c in clients]
-            return all(
-                "cluster_state:ok" in i and f"cluster_known_nodes:{MASTERS}" in i for i in infos
+            linked = all(
+                c.info("replication").get("master_link_status") == "up" for c in clients[MASTERS:]
+            )
+            return linked and all(
+                "cluster_state:ok" in i and f"cluster_known_nodes:{len(servers)}" in i
+                for i in infos
             )
 
         wait_until(ok, CLUSTER_OK_DEADLINE, "cluster_state:ok on every node", interval=0.05)
