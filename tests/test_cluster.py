@@ -18,11 +18,13 @@ mode.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +34,9 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 from redis.cluster import RedisCluster
 
-from celery_redislock import LockManager, RedisLock
+import acl_helpers
+import test_acl as acl_test
+from celery_redislock import LockManager, RedisLock, ShuttingDown
 from celery_redislock.checks import check_eviction
 from celery_redislock.cli import redislock
 from celery_redislock.exceptions import ConfigurationError, LockTimeout, RedisUnavailable
@@ -597,3 +601,84 @@ def test_redislock_app_on_a_cluster_url_runs_a_producer_and_the_node_scripts(
         assert CLUSTER_PW not in repr(app.conf.get("redislock_url"))
     finally:
         locks.close()
+
+
+# -- least privilege on a cluster ---------------------------------------------------
+
+CLUSTER_DOC = Path(__file__).resolve().parent.parent / "docs" / "cluster.md"
+
+
+def documented_cluster_additions() -> frozenset[str]:
+    """The commands docs/cluster.md adds to the ACL of docs/operations.md (lower case)."""
+    text = CLUSTER_DOC.read_text(encoding="utf-8")
+    lines = re.findall(r"^ACL SETUSER \S+ (\+.*)$", text, re.M)
+    assert len(lines) == 1, f"expected one ACL SETUSER line in {CLUSTER_DOC}, found {lines}"
+    tokens = lines[0].split()
+    assert all(t.startswith("+") and not t.startswith("+@") for t in tokens), tokens
+    return frozenset(t[1:].lower() for t in tokens)
+
+
+def test_on_a_cluster_the_acl_is_the_documented_one_plus_the_documented_cluster_additions(
+    cluster_servers: list[RedisServer],
+) -> None:
+    """test_acl.py's exercise (the engine, a worker node, the Inspector and
+    every CLI command) as a least-privilege user on every node, through a
+    redis+cluster:// URL: nothing is refused, and the commands used on all
+    nodes together are exactly the documented ACL plus docs/cluster.md's
+    additions (what redis-py's cluster client sends to learn the topology
+    and route commands)."""
+    base = acl_helpers.documented_acl().commands
+    extra = documented_cluster_additions()
+    assert not base & extra
+    admins = [s.client() for s in cluster_servers]
+    try:
+        for admin in admins:
+            admin.execute_command("ACL", "SETUSER", "exercise", "reset")
+            acl_helpers.create_lock_user(admin, [acl_test.NS], user="exercise")
+            admin.execute_command("ACL", "SETUSER", "exercise", *(f"+{c}" for c in sorted(extra)))
+            admin.script_flush()  # so the library has to SCRIPT LOAD after NOSCRIPT
+        rc = RedisCluster(host="127.0.0.1", port=cluster_servers[0].port)
+        owner_port = rc.get_node_from_key("{" + acl_test.NS + "}:x").port
+        rc.close()
+        slot_admin = next(a for a, s in zip(admins, cluster_servers) if s.port == owner_port)
+        for admin in admins:
+            admin.config_resetstat()
+        seeds = ",".join(f"127.0.0.1:{s.port}" for s in cluster_servers)
+        url = f"redis+cluster://exercise:{acl_helpers.PASSWORD}@{seeds}/"
+        outcomes: list[Any] = []
+        acl_test._exercise(url, slot_admin, outcomes)
+
+        used: set[str] = set()
+        refused: dict[str, int] = {}
+        for admin in admins:
+            stats = acl_test.commandstats(admin)
+            stats[next(n for n in ("config|resetstat", "config") if n in stats)]["calls"] -= 1
+            for name, s in stats.items():
+                if name in acl_test.IGNORED:
+                    continue
+                if s.get("rejected_calls"):
+                    refused[name] = refused.get(name, 0) + s["rejected_calls"]
+                if s["calls"]:
+                    # +command grants COMMAND and its subcommands (GETKEYS);
+                    # Redis < 7 names no subcommand of CLUSTER (only SLOTS is sent).
+                    used.add(
+                        "command"
+                        if name.startswith("command|")
+                        else "cluster|slots"
+                        if name == "cluster"
+                        else name
+                    )
+        assert not refused, f"the documented cluster ACL refused commands the code sends: {refused}"
+        assert outcomes and isinstance(outcomes[0], ShuttingDown), outcomes
+        derived = acl_test.lua_commands() | used
+        documented = base | extra
+        assert not derived - documented, (
+            f"used on a cluster but missing from the docs: {sorted(derived - documented)}"
+        )
+        assert not documented - derived, (
+            f"granted but never sent on a cluster: {sorted(documented - derived)}"
+        )
+    finally:
+        for admin in admins:
+            admin.execute_command("ACL", "DELUSER", "exercise")
+            admin.close()
