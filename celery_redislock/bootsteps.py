@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps, signals
+from celery.platforms import EX_UNAVAILABLE
 
 from .app import EX_CONFIG, RedisLock
 from .exceptions import ConfigurationError, FormatMismatch, RedisUnavailable
@@ -172,6 +173,18 @@ class RedisLockNode(bootsteps.StartStopStep):
                 mgr._metrics = self.metrics.hook
         except ConfigurationError as exc:  # one line and EX_CONFIG, not a traceback
             locks.refuse_to_start(exc, "the worker")
+        except RedisUnavailable as exc:
+            # Only a Redis Cluster client connects when it is made (it reads
+            # the slot map); a redis:// or sentinel:// one connects lazily and
+            # its node start is retried by the heartbeat (start() below).
+            log.critical(
+                "worker.start-unavailable node=%s %s (the worker refuses to start: a "
+                "redis+cluster:// client reads the cluster's slot map when it is made; "
+                "start it again once a seed node answers)",
+                w.hostname,
+                exc,
+            )
+            raise SystemExit(EX_UNAVAILABLE) from exc
         self.node = Node(
             mgr,
             w.hostname,

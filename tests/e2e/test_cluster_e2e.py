@@ -11,7 +11,11 @@ lives there).
   final counts, and leave no lock keys behind;
 - a worker SIGKILLed while holding a lock and restarted under its node name
   frees its predecessor's locks at start-up (long before the liveness TTL),
-  and the resource is usable again through the new worker.
+  and the resource is usable again through the new worker;
+- a worker whose lock cluster has no reachable seed node refuses to start
+  with one CRITICAL line (password masked) and exit status 69
+  (EX_UNAVAILABLE), not a traceback: a cluster client reads the slot map when
+  it is made.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from celery.platforms import EX_UNAVAILABLE
 from redis.cluster import RedisCluster
 
-from redis_server import RedisServer
+from redis_server import RedisServer, free_port
 from test_cluster import running_cluster
 
-from .harness import Cluster, wait_for
+from .harness import START_TIMEOUT, Cluster, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+#: The lock user's password in the URLs (never in a log).
+PASSWORD = "Zq8-cluster-pw"
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +133,21 @@ def test_worker_killed_and_restarted_on_a_cluster_frees_its_predecessor_locks_at
     again = c.send("hold", "r1", "t2", 0, queue=w2.queue)
     assert again.get(timeout=60)["attempt"] == 1
     wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
+
+
+def test_a_worker_whose_lock_cluster_does_not_answer_refuses_to_start_in_one_line(
+    cluster: Callable[..., Cluster], redis_url: str
+) -> None:
+    # No seed node listens: the cluster client cannot read the slot map.
+    url = f"redis+cluster://locks:{PASSWORD}@127.0.0.1:{free_port()}/?socket_connect_timeout=1"
+    c = cluster(lock_url=url, lock_admin_url=redis_url, heartbeat=1)
+    w = c.start_worker("clu-down", concurrency=1, wait=False)
+    ping = c.send("ping", queue=w.queue)
+
+    wait_for(lambda: not w.alive, START_TIMEOUT, "the worker to refuse to start", on_timeout=w.tail)
+    assert w.wait(1) == EX_UNAVAILABLE, w.tail()
+    assert not ping.ready()
+    [line] = w.log_lines("worker.start-unavailable")
+    assert "CRITICAL" in line and "redis+cluster://locks:***@127.0.0.1:" in line, line
+    assert "start it again once a seed node answers" in line, line
+    assert PASSWORD not in w.text() and "Traceback" not in w.text(), w.tail()
