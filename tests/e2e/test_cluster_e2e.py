@@ -12,6 +12,9 @@ lives there).
 - a worker SIGKILLed while holding a lock and restarted under its node name
   frees its predecessor's locks at start-up (long before the liveness TTL),
   and the resource is usable again through the new worker;
+- a worker SIGKILLed for good: ``celery beat`` (which loads the cluster URL
+  too) schedules the reconcile task, another worker runs it on the cluster
+  and frees the dead worker's lock once its liveness is gone;
 - a worker whose lock cluster has no reachable seed node refuses to start
   with one CRITICAL line (password masked) and exit status 69
   (EX_UNAVAILABLE), not a traceback: a cluster client reads the slot map when
@@ -151,3 +154,29 @@ def test_a_worker_whose_lock_cluster_does_not_answer_refuses_to_start_in_one_lin
     assert "CRITICAL" in line and "redis+cluster://locks:***@127.0.0.1:" in line, line
     assert "start it again once a seed node answers" in line, line
     assert PASSWORD not in w.text() and "Traceback" not in w.text(), w.tail()
+
+
+def test_beat_reconcile_frees_a_dead_workers_locks_on_a_cluster(
+    on_cluster: Callable[..., Cluster],
+) -> None:
+    c = on_cluster(owner_ttl=4, heartbeat=1, reconcile=1)
+    keeper = c.start_worker("clu-keeper", concurrency=1, wait=False)
+    victim = c.start_worker("clu-victim", concurrency=1, wait=False)
+    for w in (keeper, victim):
+        c.wait_ready(w)
+    c.send("hold", "x1", "t1", queue=victim.queue)
+    owner = c.wait_held("t1")["owner"]
+
+    victim.destroy()  # never comes back: beat's reconcile (run by keeper) frees it
+    c.start_beat()
+    wait_for(
+        lambda: owner not in c.owners_holding("res:x1"),
+        timeout=60,
+        what="beat's reconcile to free the dead worker's lock",
+        on_timeout=c.report,
+    )
+    assert c.alive_pttl(owner) == -2  # freed only once its liveness was gone
+    assert not c.lock_redis.exists(c.key("held", owner))
+    wait_for(
+        lambda: keeper.log_lines("reconcile"), 10, "a reconcile log line", on_timeout=keeper.tail
+    )
