@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -39,12 +42,21 @@ import test_acl as acl_test
 from celery_redislock import LockManager, RedisLock, ShuttingDown
 from celery_redislock.checks import check_eviction
 from celery_redislock.cli import redislock
+from celery_redislock.connect import describe_client
 from celery_redislock.exceptions import ConfigurationError, LockTimeout, RedisUnavailable
 from celery_redislock.inspect import Inspector
 from celery_redislock.lease import Lease
 from celery_redislock.node import Node, group_key, new_incarnation
 from engine_helpers import wait_until
-from redis_server import LOOPBACK, RedisServer, RedisServerError, free_port
+from redis_server import (
+    LOOPBACK,
+    RedisServer,
+    RedisServerError,
+    free_port,
+    make_tls_files,
+    resolve_binary,
+    supports_tls,
+)
 
 SLOTS = 16384
 MASTERS = 3
@@ -71,32 +83,69 @@ def _port_with_free_bus() -> int:
     raise RuntimeError("no loopback port with a free cluster bus port")
 
 
-def _cluster_server(extra: tuple[str, ...]) -> tuple[RedisServer, int | None]:
+def _cluster_server(
+    extra: tuple[str, ...], tls_files: Path | None
+) -> tuple[RedisServer, int | None]:
     """A cluster-mode redis-server (not started) and its bus port if set (Redis >= 7)."""
     args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *extra]
-    server = RedisServer(extra_args=args)
+    tls = tls_files is not None
+    server = RedisServer(extra_args=args, tls=tls)
+    bus: int | None = None
     if server.version >= (7, 0, 0):
         # The bus port defaults to port + 10000, which may exceed 65535.
         bus = free_port()
         server.extra_args += ["--cluster-port", str(bus)]
-        return server, bus
-    # Redis 6.2 has no --cluster-port: pick a port whose bus port (port +
-    # 10000) exists and is free.
-    return RedisServer(extra_args=args, port=_port_with_free_bus()), None
+    else:
+        # Redis 6.2 has no --cluster-port: pick a port whose bus port (port +
+        # 10000) exists and is free.
+        server = RedisServer(extra_args=args, port=_port_with_free_bus(), tls=tls)
+    if tls_files is not None:
+        # One CA for every node: they verify each other on the cluster bus.
+        for name in ("ca.crt", "server.crt", "server.key"):
+            shutil.copy(tls_files / name, server.workdir / name)
+    return server, bus
+
+
+def cluster_tls_files(folder: Path) -> Path:
+    """``make_tls_files`` in ``folder``, the node certificate re-signed for both
+    server and client use (nodes authenticate each other on the TLS cluster
+    bus, whatever ``tls-auth-clients`` says); returns the CA certificate."""
+    ca, _, _ = make_tls_files(folder)
+    ext = folder / "node.ext"
+    ext.write_text(
+        f"subjectAltName = IP:{LOOPBACK}\n"
+        "basicConstraints = critical, CA:FALSE\n"
+        "keyUsage = critical, digitalSignature, keyEncipherment\n"
+        "extendedKeyUsage = serverAuth, clientAuth\n"
+    )
+    openssl = shutil.which("openssl")
+    assert openssl is not None  # make_tls_files needed it too
+    subprocess.run(
+        [openssl, "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+         "-CAcreateserial", "-out", "server.crt", "-days", "7", "-extfile", ext.name],
+        cwd=folder, check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return ca
 
 
 @contextmanager
-def running_cluster(*extra: str, replicas: bool = False) -> Iterator[list[RedisServer]]:
+def running_cluster(
+    *extra: str, replicas: bool = False, tls_files: Path | None = None
+) -> Iterator[list[RedisServer]]:
     """Three cluster-mode redis-servers sharing all slots, cluster_state:ok.
 
     With ``replicas``, three more servers follow in the list, the i-th
     (``servers[MASTERS + i]``) a replica of master i, in sync when this yields.
+    With ``tls_files`` (a folder made by :func:`cluster_tls_files`), every node
+    speaks TLS only, to clients and on the cluster bus.
     """
     servers: list[RedisServer] = []
     bus_ports: list[int | None] = []
+    if tls_files is not None:
+        extra = (*extra, "--tls-cluster", "yes", "--tls-replication", "yes")
     try:
         for _ in range(2 * MASTERS if replicas else MASTERS):
-            server, bus = _cluster_server(extra)
+            server, bus = _cluster_server(extra, tls_files)
             servers.append(server)
             bus_ports.append(bus)
             try:
@@ -682,3 +731,35 @@ def test_on_a_cluster_the_acl_is_the_documented_one_plus_the_documented_cluster_
         for admin in admins:
             admin.execute_command("ACL", "DELUSER", "exercise")
             admin.close()
+
+
+def test_a_rediss_cluster_url_reaches_a_tls_only_cluster(tmp_path: Path) -> None:
+    """rediss+cluster:// with ssl_ca_certs/ssl_cert_reqs: the engine, its
+    heartbeat's clone and the CLI speak TLS to every node; a plain
+    redis+cluster:// URL to the same ports is RedisUnavailable."""
+    if not supports_tls(resolve_binary()):
+        pytest.skip("this redis-server binary is built without TLS")
+    files = tmp_path / "tls"
+    files.mkdir()
+    ca = cluster_tls_files(files)
+    with running_cluster(tls_files=files) as servers:
+        seeds = ",".join(f"127.0.0.1:{s.port}" for s in servers[:2])
+        ca_q = quote(str(ca), safe="/")
+        url = f"rediss+cluster://{seeds}/?ssl_ca_certs={ca_q}&ssl_cert_reqs=required"
+        ns = "ctls" + uuid.uuid4().hex[:6]
+        mgr = LockManager(url, ns, owner_ttl=2.0)
+        try:
+            assert mgr.url == url  # no secret to mask
+            lease = mgr.acquire("r", timeout=0)
+            wait_until(lambda: mgr.heartbeat.ticks >= 2, what="two heartbeats over TLS")
+            assert not lease.lost
+            assert describe_client(mgr.client).startswith("rediss+cluster://127.0.0.1:")
+            result = CliRunner().invoke(redislock, ["--url", url, "--namespace", ns, "locks"])
+            assert result.exit_code == 0, result.output
+            row = result.output.splitlines()[1].split()
+            assert row[:3] == ["r", "exclusive", mgr.owner_id], result.output
+            lease.release()
+        finally:
+            mgr.close()
+        with pytest.raises(RedisUnavailable):
+            LockManager(f"redis+cluster://{seeds}/?socket_timeout=2", ns)
