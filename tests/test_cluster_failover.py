@@ -260,6 +260,14 @@ def test_failover_to_a_replica_that_missed_the_last_writes_reports_the_loss_and_
         finally:
             os.kill(replica.process.pid, signal.SIGCONT)
         assert before == sorted(before) and len(set(before)) == len(before)
+        # The replica really missed the last fence increments: its counter is
+        # the last one before the cut (read before anything is granted again).
+        on_replica = replica.client(socket_timeout=5, decode_responses=True)
+        try:
+            on_replica.execute_command("READONLY")  # read a slot of its master
+            assert int(on_replica.get("{" + ns + "}:fence")) == before[2] < held.fencing_token
+        finally:
+            on_replica.close()
 
         fence, failures = _until_the_new_master_answers(other)
         wait_until(
