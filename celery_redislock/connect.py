@@ -34,8 +34,8 @@ Accepted URLs:
   learns the rest of the cluster from them (``CLUSTER SLOTS``) and follows
   it as it changes (MOVED replies, failovers). A cluster has only database
   0: a path other than ``/`` or ``/0`` is refused. Options (see
-  :data:`CLUSTER_OPTIONS`): ``socket_timeout``, ``socket_connect_timeout``,
-  ``health_check_interval`` (seconds), ``max_connections`` (per node),
+  :data:`CLUSTER_OPTIONS`): ``socket_timeout``, ``socket_connect_timeout``
+  (seconds), ``max_connections`` (per node),
   ``client_name``, ``require_full_coverage`` (``true`` by default), and on
   ``rediss+cluster://`` only ``ssl_cert_reqs``, ``ssl_ca_certs``,
   ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``.
@@ -83,7 +83,6 @@ CLUSTER_PORT = 6379
 CLUSTER_OPTIONS = (
     "socket_timeout",
     "socket_connect_timeout",
-    "health_check_interval",
     "max_connections",
     "client_name",
     "require_full_coverage",
@@ -374,7 +373,7 @@ class ClusterSpec:
         if self.password is not None:
             kwargs["password"] = self.password
         opts = self.options
-        for name in ("socket_timeout", "socket_connect_timeout", "health_check_interval"):
+        for name in ("socket_timeout", "socket_connect_timeout"):
             if name in opts:
                 kwargs[name] = float(opts[name])
         if "max_connections" in opts:
@@ -474,19 +473,18 @@ def _check_cluster_options(options: Mapping[str, str], tls: bool, setting: str, 
         raise ConfigurationError(
             setting, f"a Redis Cluster has only database 0, not db={options['db']!r}, in {shown}"
         )
-    for name in ("socket_timeout", "socket_connect_timeout", "health_check_interval"):
+    for name in ("socket_timeout", "socket_connect_timeout"):
         if name not in options:
             continue
         try:
             value = float(options[name])
         except ValueError:
             value = float("nan")
-        low_ok = value >= 0 if name == "health_check_interval" else value > 0
-        if not (low_ok and value < 86400):
+        if not 0 < value < 86400:
             raise ConfigurationError(
                 setting,
-                f"{name} must be a {'non-negative' if name == 'health_check_interval' else 'positive'}"
-                f" number of seconds below 86400, not {options[name]!r}, in {shown}",
+                f"{name} must be a positive number of seconds below 86400, "
+                f"not {options[name]!r}, in {shown}",
             )
     if "max_connections" in options:
         raw = options["max_connections"]

@@ -763,3 +763,30 @@ def test_a_rediss_cluster_url_reaches_a_tls_only_cluster(tmp_path: Path) -> None
             mgr.close()
         with pytest.raises(RedisUnavailable):
             LockManager(f"redis+cluster://{seeds}/?socket_timeout=2", ns)
+
+
+def test_every_option_of_a_cluster_url_reaches_the_node_connections(
+    cluster_servers: list[RedisServer],
+) -> None:
+    """No accepted option is dropped on the way (redis-py's cluster client
+    silently drops the connection arguments it does not pass to nodes)."""
+    seeds = ",".join(f"127.0.0.1:{s.port}" for s in cluster_servers[:1])
+    url = (
+        f"redis+cluster://{seeds}/0?socket_timeout=3&socket_connect_timeout=2"
+        "&max_connections=7&client_name=locks-w1&require_full_coverage=false&db=0"
+    )
+    mgr = LockManager(url, "copts", heartbeat=False)
+    try:
+        client = mgr.client
+        assert isinstance(client, RedisCluster)
+        assert client.nodes_manager._require_full_coverage is False
+        for node in client.get_nodes():
+            pool = node.redis_connection.connection_pool
+            kw = pool.connection_kwargs
+            assert (kw["socket_timeout"], kw["socket_connect_timeout"]) == (3.0, 2.0)
+            assert (kw["client_name"], pool.max_connections) == ("locks-w1", 7)
+        mgr.acquire("r", timeout=0).release()
+        node = client.get_node_from_key(mgr.keys.fence)
+        assert "locks-w1" in {c["name"] for c in client.client_list(target_nodes=node)}
+    finally:
+        mgr.close()
