@@ -15,6 +15,8 @@ lives there).
 - a worker SIGKILLed for good: ``celery beat`` (which loads the cluster URL
   too) schedules the reconcile task, another worker runs it on the cluster
   and frees the dead worker's lock once its liveness is gone;
+- ``redislock_eviction_check='raise'`` asks every master at worker start: one
+  master that may evict keys stops the worker, naming the setting and the fix;
 - a worker whose lock cluster has no reachable seed node refuses to start
   with one CRITICAL line (password masked) and exit status 69
   (EX_UNAVAILABLE), not a traceback: a cluster client reads the slot map when
@@ -180,3 +182,27 @@ def test_beat_reconcile_frees_a_dead_workers_locks_on_a_cluster(
     wait_for(
         lambda: keeper.log_lines("reconcile"), 10, "a reconcile log line", on_timeout=keeper.tail
     )
+
+
+def test_eviction_check_raise_asks_every_master_of_the_cluster_at_worker_start(
+    on_cluster: Callable[..., Cluster], lock_cluster: list[RedisServer]
+) -> None:
+    # Only the last master may evict (not necessarily the namespace's own):
+    # any master may come to serve the namespace after a resharding.
+    last = lock_cluster[-1].client()
+    last.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        c = on_cluster(eviction_check="raise", heartbeat=1)
+        w = c.start_worker("clu-evict", concurrency=1, wait=False)
+        ping = c.send("ping", queue=w.queue)
+        wait_for(
+            lambda: not w.alive, START_TIMEOUT, "the worker to refuse to start", on_timeout=w.tail
+        )
+        assert w.wait(1) != 0, w.tail()
+        assert not ping.ready()
+        errors = w.log_lines("redislock_eviction_check", "allkeys-lru")
+        assert errors and any("maxmemory-policy noeviction" in line for line in errors), w.tail()
+        assert c.namespace_keys("node") == []
+    finally:
+        last.config_set("maxmemory-policy", "noeviction")
+        last.close()
