@@ -192,6 +192,8 @@ def _manager(ctx: click.Context, url: str | None, namespace: str | None) -> Lock
         )
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from exc
+    except LockError as exc:  # a cluster client connects when made: RedisUnavailable
+        raise click.ClickException(str(exc)) from exc
     ctx.call_on_close(mgr.close)
     return mgr
 

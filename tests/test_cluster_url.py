@@ -4,7 +4,7 @@ What an operator relies on: the setting accepts every documented form and
 shows it in canonical form; a malformed URL (no node, a bad port, a
 database other than 0, an unknown or misplaced option) is refused with a
 ConfigurationError naming the setting and the problem, never the password.
-The real-cluster side (RedisLock, the CLI, a prefork worker) is in
+The CLI on a cluster nobody answers is here too. The real-cluster side (RedisLock, the CLI, a prefork worker) is in
 tests/test_cluster.py and tests/e2e/test_cluster_e2e.py.
 """
 
@@ -124,3 +124,19 @@ def test_the_error_for_an_unknown_option_lists_the_accepted_ones() -> None:
     with pytest.raises(ConfigurationError) as err:
         validate_url("redis+cluster://h1/?readonly=1", setting="redislock_url")
     assert all(name in str(err.value) for name in CLUSTER_OPTIONS)
+
+
+def test_the_cli_on_a_cluster_url_nobody_answers_says_so_in_one_line() -> None:
+    """The cluster client connects when it is made: the CLI reports that as
+    Redis being unavailable (exit 1, password masked), not a traceback."""
+    from click.testing import CliRunner
+
+    from celery_redislock.cli import redislock
+    from redis_server import free_port
+
+    url = f"redis+cluster://ops:{ENC}@127.0.0.1:{free_port()}/?socket_connect_timeout=1"
+    result = CliRunner().invoke(redislock, ["--url", url, "--namespace", "n", "status"])
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "Error: Redis at redis+cluster://ops:***@127.0.0.1:" in result.output
+    assert "is unavailable" in result.output and "s3cr" not in result.output
+    assert isinstance(result.exception, SystemExit)  # a ClickException, not a traceback
