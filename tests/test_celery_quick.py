@@ -6,13 +6,11 @@ Real-subprocess worker tests (prefork, SIGKILL, restarts) live in tests/e2e/.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from celery_helpers import close_app, quick_app
 from celery_redislock import (
     ConfigurationError,
     LockManager,
@@ -39,16 +38,7 @@ PREFIX = "{" + NS + "}:"
 
 
 def make_app(redis_url: str, **conf: Any) -> Celery:
-    app = Celery("quick", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        redislock_namespace=NS,
-        redislock_owner_ttl=1.5,
-        redislock_heartbeat_interval=0.25,
-        task_default_queue=f"q-{time.monotonic_ns()}",
-        broker_connection_retry_on_startup=False,
-        **conf,
-    )
-    return app
+    return quick_app(redis_url, "quick", NS, **conf)
 
 
 @pytest.fixture
@@ -298,14 +288,7 @@ def worker_app(redis_url: str) -> Iterator[tuple[Celery, RedisLock]]:
     app = make_app(redis_url)
     locks = RedisLock(app)
     yield app, locks
-    locks.close()
-    # Drop AsyncResults while Redis is up: their __del__ unsubscribes, and
-    # after the session's server stops the backend would retry for 20 s.
-    gc.collect()
-    consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None:
-        consumer.stop()
-    app.close()
+    close_app(app)
 
 
 def test_worker_locked_task_acquires_and_releases(

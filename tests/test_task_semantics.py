@@ -6,10 +6,8 @@ Inspector shows. The prefork counterparts are in tests/e2e/test_task_semantics_e
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +16,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from celery_helpers import close_app, quick_app
 from celery_redislock import (
     Inspector,
     LockLost,
@@ -34,22 +33,10 @@ NS = "quick"
 
 @pytest.fixture
 def worker_app(redis_url: str) -> Iterator[tuple[Celery, RedisLock]]:
-    app = Celery("sem", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        redislock_namespace=NS,
-        redislock_owner_ttl=30,
-        redislock_heartbeat_interval=0.2,
-        task_default_queue=f"q-{time.monotonic_ns()}",
-        broker_connection_retry_on_startup=False,
-    )
+    app = quick_app(redis_url, "sem", NS, redislock_owner_ttl=30, redislock_heartbeat_interval=0.2)
     locks = RedisLock(app)
     yield app, locks
-    locks.close()
-    gc.collect()
-    consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None:
-        consumer.stop()
-    app.close()
+    close_app(app)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ live in tests/e2e/test_unique_e2e.py.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +15,7 @@ import redis
 from celery import Celery, chain, group
 from celery.contrib.testing.worker import start_worker
 
+from celery_helpers import close_app, quick_app
 from celery_redislock import (
     ConfigurationError,
     DuplicateTask,
@@ -34,28 +34,9 @@ PREFIX = "{" + NS + "}:"
 
 
 def make_app(redis_url: str, **conf: Any) -> Celery:
-    app = Celery("uq", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        redislock_namespace=NS,
-        redislock_owner_ttl=1.5,
-        redislock_heartbeat_interval=0.25,
-        task_default_queue=f"q-{time.monotonic_ns()}",
-        broker_connection_retry_on_startup=False,
-        **conf,
-    )
+    app = quick_app(redis_url, "uq", NS, **conf)
     RedisLock(app)
     return app
-
-
-def close_app(app: Celery) -> None:
-    RedisLock.of(app).close()  # type: ignore[union-attr]
-    # Drop AsyncResults while Redis is up: their __del__ unsubscribes, and
-    # after the session's server stops the backend would retry for 20 s.
-    gc.collect()
-    consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None:
-        consumer.stop()
-    app.close()
 
 
 @pytest.fixture
