@@ -1,0 +1,164 @@
+"""The Celery app the worker subprocesses of :mod:`benchmarks.celery_e2e` run.
+
+Started as ``celery -A benchmarks.celery_app worker`` by the end-to-end
+harness (``tests/e2e/harness.py``), which sets the environment it reads:
+``E2E_BROKER_URL`` (broker, result backend and lock store), ``E2E_DATA_URL``
+(the tasks' own counters), ``E2E_NAMESPACE``, ``E2E_QUEUE``,
+``E2E_OWNER_TTL`` and ``E2E_HEARTBEAT``. Kept apart from the tests' app
+(``tests/e2e/proj.py``) so that the no-op tasks the cost measurement times
+run with no signal handler but the one the contention measurement needs.
+
+Every key the tasks write lives under ``cebench:`` (outside the lock
+namespace).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+from celery_redislock import RedisLock, current_lease, locked
+
+
+def _build() -> Celery:
+    broker = os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0")
+    app = Celery("cebench", broker=broker, backend=broker)
+    conf: dict[str, Any] = {
+        "task_default_queue": os.environ.get("E2E_QUEUE", "celery"),
+        "broker_connection_retry_on_startup": True,
+        "result_expires": 600,
+        "redislock_namespace": os.environ.get("E2E_NAMESPACE", "cebench"),
+    }
+    if os.environ.get("E2E_OWNER_TTL"):
+        conf["redislock_owner_ttl"] = float(os.environ["E2E_OWNER_TTL"])
+    if os.environ.get("E2E_HEARTBEAT"):
+        conf["redislock_heartbeat_interval"] = float(os.environ["E2E_HEARTBEAT"])
+    app.conf.update(conf)
+    return app
+
+
+app = _build()
+locks = RedisLock(app)
+
+_data: redis.Redis | None = None
+_data_pid = 0
+
+
+def data() -> redis.Redis:
+    """This process's client for the benchmark's own keys (re-made after fork)."""
+    global _data, _data_pid
+    if _data is None or _data_pid != os.getpid():
+        url = os.environ.get("E2E_DATA_URL") or os.environ.get("E2E_BROKER_URL", "")
+        _data = redis.Redis.from_url(url, decode_responses=True)
+        _data_pid = os.getpid()
+    return _data
+
+
+@app.task(name="e2e.ping", bind=True)
+def ping(self: Any) -> dict[str, Any]:
+    """Readiness probe of the harness: which worker process answered."""
+    return {"pid": os.getpid(), "hostname": self.request.hostname}
+
+
+# -- contention: lock wait measured inside the task ----------------------------
+
+#: ``time.time()`` when the task that runs now in this process started
+#: (``task_prerun``, sent just before ``@locked``'s wrapper asks for the lock).
+_started = 0.0
+
+
+@signals.task_prerun.connect
+def _note_start(sender: Any = None, **_: Any) -> None:
+    global _started
+    _started = time.time()
+
+
+@app.task(name="cebench.write", bind=True, acks_late=True, ignore_result=True)
+@locked("cebench:{res}", timeout=300)
+def write(self: Any, res: str, run: str, work: float) -> None:
+    """A non-atomic increment of ``cebench:<run>:count:<res>`` under the lock.
+
+    GET, ``work`` seconds of "work", SET + 1: two writers inside at once lose
+    an increment. Pushes the lock wait (seconds from the task's start, just
+    before the acquire, to the grant: ``Lease.acquired_at``) to
+    ``cebench:<run>:waits``, which is also how the producer counts finished
+    tasks.
+    """
+    lease = current_lease()
+    assert lease is not None
+    wait = lease.acquired_at - _started
+    r = data()
+    key = f"cebench:{run}:count:{res}"
+    value = int(r.get(key) or 0)
+    time.sleep(work)
+    r.set(key, value + 1)
+    r.rpush(f"cebench:{run}:waits", f"{wait:.6f}")
+
+
+# -- the cost of @locked: no-op tasks, timed in the process that runs them -------
+
+#: ``time.perf_counter()`` of every no-op body run in this process since the
+#: last :func:`stamps` call.
+_stamps: list[float] = []
+
+
+@app.task(name="cebench.gate", ignore_result=True)
+def gate(key: str) -> None:
+    """Hold this pool slot until the producer pushes to ``key``.
+
+    Lets the producer queue a whole batch before the worker runs any of it,
+    so the batch is timed at the worker's pace, not the producer's.
+    """
+    r = data()
+    r.rpush(f"{key}:in", "1")
+    r.blpop([key], timeout=120)
+
+
+@app.task(name="cebench.noop", ignore_result=True)
+def noop(key: str) -> None:
+    """A no-op task (``key`` only to take the same argument as noop_locked)."""
+    _stamps.append(time.perf_counter())
+
+
+@app.task(name="cebench.noop_locked", ignore_result=True)
+@locked("cebench-cost:{key}")
+def noop_locked(key: str) -> None:
+    """The same no-op task under ``@locked`` (an uncontended resource)."""
+    _stamps.append(time.perf_counter())
+
+
+@app.task(name="cebench.stamps")
+def stamps() -> list[float]:
+    """Return and forget this process's no-op stamps."""
+    out = list(_stamps)
+    _stamps.clear()
+    return out
+
+
+# -- profiling the task-side path (CEBENCH_PROFILE=1, solo pool) -----------------
+
+if os.environ.get("CEBENCH_PROFILE"):
+    import cProfile
+
+    _profile = cProfile.Profile()
+
+    @signals.task_prerun.connect
+    def _profile_on(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", "").startswith("cebench.noop"):
+            _profile.enable()
+
+    @signals.task_postrun.connect
+    def _profile_off(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", "").startswith("cebench.noop"):
+            _profile.disable()
+
+    @app.task(name="cebench.profile_dump")
+    def profile_dump(path: str) -> str:
+        """Write the profile of the no-op tasks run so far to ``path``; reset it."""
+        _profile.dump_stats(path)
+        _profile.clear()
+        return path

@@ -1,0 +1,563 @@
+"""Celery end to end: real prefork workers contending for a few locks, and
+the cost of ``@locked`` on a no-op task.
+
+1. **Contention.** For each cell (``--workers`` x ``--concurrency``, default
+   2 and 4 workers x 1, 2 and 4 pool children), real ``celery worker -P
+   prefork`` subprocesses (the end-to-end harness of ``tests/e2e``) share one
+   redis-server as broker, result backend and lock store. A producer sends
+   ``--tasks`` short tasks spread round-robin over ``--resources`` resources;
+   each task holds ``@locked("cebench:{res}")`` (``on_busy="wait"``) while it
+   GETs a counter, works ``--work-ms`` and SETs it + 1. A cell is
+   ``--runs`` runs on the same workers, after one uncounted warm-up run.
+   Reported per cell: p50 / p99 / max of the lock wait (measured inside the
+   task: from ``task_prerun``, just before ``@locked`` asks, to the grant,
+   ``Lease.acquired_at``), the runs with any wait over 500 ms ("stalls"),
+   and the runs whose counters are exact (each resource's counter equals
+   the number of tasks sent to it; anything else is an exclusion bug).
+2. **The cost of @locked.** One worker (``-P prefork -c 1``, then ``-P
+   solo``) runs batches of ``--batch`` no-op tasks, with and without
+   ``@locked`` on one uncontended resource, in interleaved rounds (A B,
+   then B A, ...). A gate task holds the worker while the batch is queued,
+   so each batch runs at the worker's pace; the rate is taken from the
+   bodies' own ``perf_counter()`` stamps (first to last). Results are not
+   stored (``ignore_result``), so the no-op baseline is as cheap as Celery
+   gets. Target: ``@locked`` costs at most 10% of tasks/s (median of the
+   rounds' ratios).
+
+Usage::
+
+    make bench-celery
+    .venv/bin/python -m benchmarks.celery_e2e [--runs 6] [--tasks 240] [--resources 4]
+        [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 6]
+        [--batch 1000] [--pools prefork,solo] [--skip-cost] [--skip-contention]
+        [--out benchmarks/results-celery.md]
+
+Starts its own redis-server (as ``benchmarks.run`` does). Prints markdown,
+writes it to ``--out`` and exits 1 if any run's counters are not exact.
+Not a timed test: tests/test_benchmarks_smoke.py runs it small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from e2e.harness import Cluster, Worker, wait_for  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
+
+APP = "benchmarks.celery_app"
+DEFAULT_OUT = ROOT / "benchmarks" / "results-celery.md"
+#: A lock wait longer than this (seconds) makes its run a "stall".
+STALL = 0.5
+#: Largest share of tasks/s ``@locked`` may cost on a no-op task.
+COST_TARGET = 0.10
+POOLS = ("prefork", "solo")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of ``values``; NaN if empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+# -- contention -------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One run of a cell: every task's lock wait, the counters against the sends."""
+
+    waits: list[float]
+    expected: dict[str, int]
+    counts: dict[str, int]
+    complete: bool
+    seconds: float
+
+    @property
+    def exact(self) -> bool:
+        return self.complete and self.counts == self.expected
+
+    @property
+    def stalled(self) -> bool:
+        return not self.complete or any(w > STALL for w in self.waits)
+
+
+@dataclass
+class CellResult:
+    """A cell: ``workers`` prefork workers of ``concurrency`` children, its runs."""
+
+    workers: int
+    concurrency: int
+    runs: list[RunResult] = field(default_factory=list)
+
+    @property
+    def waits(self) -> list[float]:
+        return [w for r in self.runs for w in r.waits]
+
+    @property
+    def stalls(self) -> int:
+        return sum(r.stalled for r in self.runs)
+
+    @property
+    def exact_runs(self) -> int:
+        return sum(r.exact for r in self.runs)
+
+    @property
+    def tasks_per_s(self) -> float:
+        rates = [sum(r.expected.values()) / r.seconds for r in self.runs if r.seconds > 0]
+        return statistics.median(rates) if rates else math.nan
+
+
+def contention_run(
+    c: Cluster, tasks: int, resources: int, work: float, timeout: float = 120.0
+) -> RunResult:
+    """Send ``tasks`` write tasks over ``resources`` resources; wait; check the counters."""
+    run = uuid.uuid4().hex[:8]
+    names = [f"r{i}" for i in range(resources)]
+    expected = dict.fromkeys(names, 0)
+    waits_key = f"cebench:{run}:waits"
+    began = time.monotonic()
+    for i in range(tasks):
+        res = names[i % resources]
+        expected[res] += 1
+        c.producer.send_task("cebench.write", args=(res, run, work), queue=c.queue)
+    complete = True
+    try:
+        wait_for(
+            lambda: c.data.llen(waits_key) >= tasks,
+            timeout=timeout,
+            what=f"run {run}: {tasks} tasks finished",
+            interval=0.005,
+        )
+    except AssertionError:
+        complete = False
+    seconds = time.monotonic() - began
+    waits = [float(x) for x in c.data.lrange(waits_key, 0, -1)]
+    counts = {n: int(c.data.get(f"cebench:{run}:count:{n}") or 0) for n in names}
+    c.data.delete(waits_key, *(f"cebench:{run}:count:{n}" for n in names))
+    return RunResult(waits, expected, counts, complete, seconds)
+
+
+def run_cell(
+    broker_url: str,
+    workdir: Path,
+    workers: int,
+    concurrency: int,
+    *,
+    runs: int,
+    tasks: int,
+    resources: int = 4,
+    work: float = 0.003,
+    warmup: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> CellResult:
+    """Start the cell's workers, run it ``runs`` times (after a warm-up), stop them."""
+    c = Cluster(broker_url, workdir, app_module=APP)
+    cell = CellResult(workers, concurrency)
+    try:
+        started = [
+            c.start_worker(
+                f"w{i}",
+                concurrency=concurrency,
+                extra_args=["--prefetch-multiplier", "1"],
+                wait=False,
+            )
+            for i in range(workers)
+        ]
+        for w in started:
+            c.wait_ready(w)
+        if warmup:
+            # Every child opens its connections and loads the scripts here.
+            contention_run(c, min(tasks, 4 * workers * concurrency), resources, work)
+        for i in range(runs):
+            res = contention_run(c, tasks, resources, work)
+            cell.runs.append(res)
+            if progress is not None:
+                progress(
+                    f"  {workers}x{concurrency} run {i + 1}/{runs}: {res.seconds:.1f}s "
+                    f"max wait {max(res.waits, default=0) * 1000:.0f} ms "
+                    f"{'exact' if res.exact else 'NOT EXACT'}"
+                )
+    finally:
+        c.close()
+    return cell
+
+
+# -- the cost of @locked ----------------------------------------------------------
+
+
+@dataclass
+class CostResult:
+    """Interleaved no-op batch rates (tasks/s) with and without ``@locked``."""
+
+    pool: str
+    plain: list[float] = field(default_factory=list)
+    locked: list[float] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [b / a for a, b in zip(self.plain, self.locked)]
+
+    @property
+    def cost(self) -> float:
+        """Share of tasks/s lost to ``@locked`` (median over rounds)."""
+        return 1 - statistics.median(self.ratios) if self.ratios else math.nan
+
+    @property
+    def met(self) -> bool:
+        return self.cost <= COST_TARGET
+
+
+def _batch(c: Cluster, worker: Worker, task: str, n: int) -> float:
+    """Run ``n`` no-op ``task``s on ``worker``, queued behind a gate; tasks/s."""
+    gate = f"cebench:gate:{uuid.uuid4().hex[:8]}"
+    c.producer.send_task("cebench.gate", args=(gate,), queue=worker.queue)
+    wait_for(lambda: c.data.llen(f"{gate}:in"), timeout=60, what="the gate task to start")
+    for _ in range(n):
+        c.producer.send_task(task, args=("solo",), queue=worker.queue)
+    c.data.rpush(gate, "go")
+    stamps = c.producer.send_task("cebench.stamps", queue=worker.queue).get(timeout=300)
+    c.data.delete(gate, f"{gate}:in")
+    if len(stamps) != n:
+        raise AssertionError(f"{task}: {len(stamps)} of {n} tasks ran\n{c.report()}")
+    return float((n - 1) / (stamps[-1] - stamps[0]))
+
+
+def measure_cost(
+    c: Cluster,
+    worker: Worker,
+    pool: str,
+    *,
+    rounds: int,
+    batch: int,
+    progress: Callable[[str], None] | None = None,
+) -> CostResult:
+    """Interleaved rounds of plain and ``@locked`` no-op batches on ``worker``."""
+    variants = {"plain": "cebench.noop", "locked": "cebench.noop_locked"}
+    for task in variants.values():  # warm-up: connections, scripts, imports
+        _batch(c, worker, task, min(batch, 50))
+    result = CostResult(pool)
+    for i in range(rounds):
+        order = ("plain", "locked") if i % 2 == 0 else ("locked", "plain")
+        for name in order:
+            getattr(result, name).append(_batch(c, worker, variants[name], batch))
+        if progress is not None:
+            progress(
+                f"  {pool} round {i + 1}/{rounds}: plain {result.plain[-1]:.0f}/s "
+                f"locked {result.locked[-1]:.0f}/s"
+            )
+    return result
+
+
+def run_cost(
+    broker_url: str,
+    workdir: Path,
+    pool: str,
+    *,
+    rounds: int,
+    batch: int,
+    progress: Callable[[str], None] | None = None,
+) -> CostResult:
+    """Start one worker (``-P prefork -c 1`` or ``-P solo``), measure, stop it."""
+    c = Cluster(broker_url, workdir, app_module=APP)
+    try:
+        worker = c.start_worker("cost", concurrency=1, pool=pool)
+        return measure_cost(c, worker, pool, rounds=rounds, batch=batch, progress=progress)
+    finally:
+        c.close()
+
+
+@dataclass
+class Profile:
+    """Where a solo worker's time goes per no-op task, under cProfile (µs per task).
+
+    cProfile slows Python-heavy code more than waiting on a socket, so the
+    shares are indicative; the unprofiled cost is :class:`CostResult`'s.
+    """
+
+    tasks: int
+    plain_call: float  # the task call (Celery's __protected_call__), no @locked
+    locked_call: float  # the same with @locked
+    wrapper: float  # @locked's wrapper, body and all
+    acquire: float  # LockManager.acquire, its round trip included
+    release: float  # Lease.release, its round trip included
+    round_trips: float  # the scripts' round trips (redis-py + Redis), both included above
+    top: str  # the heaviest functions of the @locked run, by own time
+
+
+def _entry(stats: dict, path_end: str, func: str) -> float:
+    return sum(v[3] for k, v in stats.items() if k[0].endswith(path_end) and k[2] == func)
+
+
+def run_profile(
+    broker_url: str, workdir: Path, *, batch: int, out_dir: Path | None = None
+) -> Profile:
+    """Profile the no-op tasks in a solo worker (``CEBENCH_PROFILE=1``)."""
+    import io
+    import pstats
+
+    c = Cluster(broker_url, workdir, app_module=APP)
+    out_dir = out_dir or Path(workdir)
+    calls: dict[str, float] = {}
+    try:
+        worker = c.start_worker("prof", concurrency=1, pool="solo", env={"CEBENCH_PROFILE": "1"})
+        for name, task in (("plain", "cebench.noop"), ("locked", "cebench.noop_locked")):
+            _batch(c, worker, task, min(batch, 50))  # warm-up, then forget it
+            dump = str(out_dir / f"cebench-{name}.prof")
+            c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
+            _batch(c, worker, task, batch)
+            c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
+            st = pstats.Stats(dump)
+            stats = st.stats  # type: ignore[attr-defined]
+            calls[name] = _entry(stats, "celery/app/trace.py", "__protected_call__")
+            if name == "locked":
+                text = io.StringIO()
+                pstats.Stats(dump, stream=text).sort_stats("tottime").print_stats(15)
+                top = text.getvalue()
+                wrapper = _entry(stats, "celery_redislock/task.py", "wrapper")
+                acquire = _entry(stats, "celery_redislock/manager.py", "acquire")
+                release = _entry(stats, "celery_redislock/lease.py", "release")
+                trips = _entry(stats, "celery_redislock/scripts.py", "run")
+    finally:
+        c.close()
+    per = 1e6 / batch
+    return Profile(
+        batch,
+        calls["plain"] * per,
+        calls["locked"] * per,
+        wrapper * per,
+        acquire * per,
+        release * per,
+        trips * per,
+        top,
+    )
+
+
+def profile_markdown(p: Profile) -> str:
+    """Per-task phases of the profiled solo worker."""
+    rows = [
+        ("the task call without @locked (Celery's part)", p.plain_call),
+        ("the task call with @locked", p.locked_call),
+        ("  of which @locked's wrapper (body included)", p.wrapper),
+        ("    LockManager.acquire (round trip included)", p.acquire),
+        ("    Lease.release (round trip included)", p.release),
+        ("    of these two, the scripts' round trips (redis-py + Redis)", p.round_trips),
+        ("    of these two, the engine's Python", p.acquire + p.release - p.round_trips),
+        (
+            "    task.py's own Python (arguments, templates, holder record, body run)",
+            p.wrapper - p.acquire - p.release,
+        ),
+    ]
+    lines = ["| phase (solo worker, under cProfile) | µs per task |", "| --- | --- |"]
+    lines += [f"| {name} | {us:.0f} |" for name, us in rows]
+    return "\n".join(lines) + "\n"
+
+
+# -- report -----------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1000:.1f}"
+
+
+def contention_markdown(cells: list[CellResult]) -> str:
+    """The per-cell table and the two correctness lines."""
+    lines = [
+        "| workers x concurrency | runs | tasks/run | lock wait p50 (ms) | p99 (ms) | "
+        f"max (ms) | runs with a wait > {STALL * 1000:.0f} ms (stalls) | runs with exact counts "
+        "| tasks/s (median run) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cell in cells:
+        waits = cell.waits
+        per_run = statistics.median(sum(r.expected.values()) for r in cell.runs)
+        lines.append(
+            f"| {cell.workers} x {cell.concurrency} | {len(cell.runs)} | {per_run:.0f} | "
+            f"{_ms(percentile(waits, 50))} | {_ms(percentile(waits, 99))} | "
+            f"{_ms(max(waits, default=math.nan))} | {cell.stalls} | "
+            f"{cell.exact_runs}/{len(cell.runs)} | {cell.tasks_per_s:.0f} |"
+        )
+    runs = sum(len(c.runs) for c in cells)
+    stalls = sum(c.stalls for c in cells)
+    wrong = [(c, i, r) for c in cells for i, r in enumerate(c.runs, 1) if not r.exact]
+    lines.append("")
+    lines.append(
+        f"no stall (lock wait > {STALL * 1000:.0f} ms) in any run: "
+        + ("met" if stalls == 0 else f"NOT met ({stalls} of {runs} runs)")
+    )
+    lines.append("")
+    if not wrong:
+        lines.append(f"counts exact in every run: met ({runs} runs)")
+    for c, i, r in wrong:
+        what = "did not finish" if not r.complete else "counters differ"
+        lines.append(
+            f"**EXCLUSION BUG? counts NOT exact** in cell {c.workers} x {c.concurrency} "
+            f"run {i} ({what}): counted {r.counts}, sent {r.expected}"
+        )
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _pool_label(pool: str) -> str:
+    return "prefork -c 1" if pool == "prefork" else pool
+
+
+def cost_markdown(results: list[CostResult]) -> str:
+    """The per-pool cost table and one target line per pool."""
+    lines = [
+        "| worker | rounds | no-op tasks/s (median) | with @locked (median) | "
+        "time added per task (µs, medians) | per-round cost of @locked | cost (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        plain, locked_ = statistics.median(r.plain), statistics.median(r.locked)
+        added = (1 / locked_ - 1 / plain) * 1e6
+        rounds = ", ".join(f"{(1 - x) * 100:.1f}%" for x in r.ratios)
+        lines.append(
+            f"| {_pool_label(r.pool)} | {len(r.ratios)} | {plain:.0f} | {locked_:.0f} | "
+            f"{added:.0f} | {rounds} | {r.cost * 100:.1f}% |"
+        )
+    lines.append("")
+    for r in results:
+        verdict = "met" if r.met else f"NOT met ({r.cost * 100:.1f}%)"
+        lines.append(
+            f"target 3b (@locked costs <= {COST_TARGET * 100:.0f}% tasks/s): {verdict} "
+            f"[{_pool_label(r.pool)}: {r.cost * 100:.1f}%]"
+        )
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _load() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=6, help="counted runs per cell")
+    ap.add_argument("--tasks", type=int, default=240, help="tasks per run")
+    ap.add_argument("--resources", type=int, default=4)
+    ap.add_argument("--work-ms", type=float, default=3.0, help="work inside the lock")
+    ap.add_argument("--workers", default="2,4", help="worker counts (comma-separated)")
+    ap.add_argument("--concurrency", default="1,2,4", help="pool sizes (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved cost rounds")
+    ap.add_argument("--batch", type=int, default=1000, help="no-op tasks per cost batch")
+    ap.add_argument("--pools", default=",".join(POOLS), help="pools of the cost measurement")
+    ap.add_argument("--skip-contention", action="store_true")
+    ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the no-op tasks in a solo worker (cProfile, per-phase table)",
+    )
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    load_before = _load()
+    began = time.monotonic()
+    cells: list[CellResult] = []
+    costs: list[CostResult] = []
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(workdir=Path(tmp) / "r") as server:
+        if not args.skip_contention:
+            for workers in (int(x) for x in args.workers.split(",")):
+                for conc in (int(x) for x in args.concurrency.split(",")):
+                    progress(f"contention: {workers} workers x -c {conc}")
+                    cells.append(
+                        run_cell(
+                            server.url,
+                            Path(tmp) / f"cell-{workers}x{conc}",
+                            workers,
+                            conc,
+                            runs=args.runs,
+                            tasks=args.tasks,
+                            resources=args.resources,
+                            work=args.work_ms / 1000,
+                            progress=progress,
+                        )
+                    )
+        if not args.skip_cost:
+            for pool in args.pools.split(","):
+                progress(f"cost of @locked: {pool}")
+                costs.append(
+                    run_cost(
+                        server.url,
+                        Path(tmp) / f"cost-{pool}",
+                        pool,
+                        rounds=args.rounds,
+                        batch=args.batch,
+                        progress=progress,
+                    )
+                )
+        profile = None
+        if args.profile:
+            progress("profile of @locked: solo")
+            profile = run_profile(server.url, Path(tmp) / "profile", batch=args.batch)
+    elapsed = time.monotonic() - began
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "# Celery end to end benchmark\n",
+        f"{stamp}; {os.cpu_count()} CPUs ({_cpu()}), Python {platform.python_version()}; "
+        f"load average (1/5/15 min) {load_before} before, {_load()} after; "
+        f"{elapsed:.0f} s in all.\n",
+        f"Command: `python -m benchmarks.celery_e2e {' '.join(argv or sys.argv[1:])}`".rstrip()
+        + "\n",
+    ]
+    if cells:
+        parts.append(
+            f"## Contention: {args.tasks} tasks per run over {args.resources} resources, "
+            f"{args.work_ms:g} ms of work each, prefork workers (prefetch 1, acks_late)\n"
+        )
+        parts.append(contention_markdown(cells))
+    if costs:
+        parts.append(
+            f"## The cost of @locked: no-op tasks, {args.batch} per batch, "
+            f"{args.rounds} interleaved rounds, one worker\n"
+        )
+        parts.append(cost_markdown(costs))
+    if profile is not None:
+        parts.append(f"## Where the time goes: {profile.tasks} no-op tasks, cProfile\n")
+        parts.append(profile_markdown(profile))
+        parts.append("Heaviest functions of the @locked run, by own time:\n")
+        parts.append("```\n" + profile.top.strip() + "\n```\n")
+    text = "\n".join(parts)
+    print(text)
+    args.out.write_text(text)
+    print(f"written to {args.out}", file=sys.stderr)
+    return 1 if any(r.exact is False for c in cells for r in c.runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
