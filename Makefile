@@ -13,7 +13,7 @@ FAULTS   ?= all
 END      ?= term
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs dist ci demo bench chaos clean
+.PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs dist ci demo bench bench-celery chaos clean
 
 help:
 	@echo "make demo       run the example (embedded Redis, no install needed)"
@@ -26,6 +26,7 @@ help:
 	@echo "make dist       build the sdist and wheel into dist/ and check them with twine"
 	@echo "make ci         lint + docs + test (what .ci/run runs)"
 	@echo "make bench      benchmarks"
+	@echo "make bench-celery  real prefork workers: lock waits, stalls, exact counts; the cost of @locked (~5 min)"
 	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all END=term|kill), see docs/chaos.md"
 	@echo "make clean      remove the venv and caches"
 
@@ -114,6 +115,14 @@ demo: venv
 
 bench: venv
 	$(BIN)/python -m benchmarks.run
+
+# Real `celery worker -P prefork` subprocesses on one throw-away redis-server:
+# lock waits and exact counts under contention, then the tasks/s cost of
+# @locked (docs/benchmarks.md, "Celery end to end"). CELERY_BENCH_ARGS passes
+# options, e.g. CELERY_BENCH_ARGS="--runs 3 --tasks 120".
+CELERY_BENCH_ARGS ?=
+bench-celery: venv
+	$(BIN)/python -m benchmarks.celery_e2e $(CELERY_BENCH_ARGS)
 
 # Randomized fault-injection run against real redis-servers; prints the seed
 # (replay with SEED=...) and exits non-zero on any invariant violation.

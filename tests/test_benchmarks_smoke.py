@@ -3,7 +3,8 @@
 No timing assertions: only that every benchmark produces results, that
 celery-redislock shows no exclusion violation, and that the cost benchmark
 finds equal command counts and no keyspace walk. The full run is
-``make bench`` (docs/benchmarks.md).
+``make bench`` (docs/benchmarks.md). The benchmarks that start real
+``celery worker`` subprocesses are marked ``e2e``, like tests/e2e.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
     assert "celery-redislock / python-redis-lock" in table
 
 
+@pytest.mark.e2e
 def test_defer_benchmark_runs_each_mode_against_a_real_worker(
     redis_url: str, tmp_path: Path
 ) -> None:
@@ -165,3 +167,38 @@ def test_defer_benchmark_runs_each_mode_against_a_real_worker(
     assert results[0].long_in_order  # defer keeps the FIFO order (a correctness check)
     table = defer_bench.markdown(results)
     assert all(mode in table for mode in defer_bench.MODES)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_celery_contention_benchmark_reports_waits_and_exact_counts_of_a_real_worker(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from benchmarks import celery_e2e
+
+    # One resource: both pool children contend for it.
+    cell = celery_e2e.run_cell(redis_url, tmp_path, 1, 2, runs=1, tasks=10, resources=1)
+
+    assert (cell.workers, cell.concurrency) == (1, 2)
+    [run] = cell.runs
+    assert run.complete
+    assert run.expected == {"r0": 10}
+    assert run.counts == run.expected  # every increment made under the lock counted
+    assert len(run.waits) == 10 and all(w >= 0 for w in run.waits)
+    table = celery_e2e.contention_markdown([cell])
+    assert "| 1 x 2 | 1 | 10 |" in table
+    assert "counts exact in every run: met (1 runs)" in table
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from benchmarks import celery_e2e
+
+    res = celery_e2e.run_cost(redis_url, tmp_path, "solo", rounds=2, batch=10)
+
+    assert len(res.plain) == len(res.locked) == 2
+    assert all(rate > 0 for rate in res.plain + res.locked)
+    assert "target 3b (@locked costs <= 10% tasks/s): " in celery_e2e.cost_markdown([res])
