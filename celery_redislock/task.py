@@ -30,15 +30,13 @@ import string
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from . import _validate as _v
+from .app import RedisLock
 from .exceptions import ConfigurationError, LockError, LockLost, LockTimeout, ShuttingDown
 from .lease import Lease
 from .settings import ON_BUSY_MODES, ON_LOST_MODES
-
-if TYPE_CHECKING:
-    from .app import RedisLock
 
 log = logging.getLogger("celery_redislock.task")
 
@@ -124,10 +122,16 @@ def _fields(template: str) -> list[tuple[str, str | None]]:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _roots(template: str) -> tuple[str, ...]:
+    """The argument names ``template`` looks up (parsed once per template)."""
+    return tuple(field for field, _ in _fields(template))
+
+
 def _format(templates: Iterable[str], args: Mapping[str, Any], task: str) -> list[str]:
     out = []
     for template in templates:
-        for field, _ in _fields(template):
+        for field in _roots(template):
             if field not in args:
                 raise TemplateError(template, field, task)
         try:
@@ -279,8 +283,6 @@ def _check_fields(templates: Iterable[str], sig: inspect.Signature, label: str) 
 
 
 def _find_locks(task: Any) -> RedisLock:
-    from .app import RedisLock
-
     app = getattr(task, "app", None) if task is not None else None
     if app is None:
         from celery import current_app
@@ -349,9 +351,13 @@ def holder_info(task: Any, label: str, nodename: str | None = None) -> str:
     """
     request = getattr(task, "request", None) if task is not None else None
     name = getattr(task, "name", None) or label
-    task_id = getattr(request, "id", None) or ""
+    return _holder_record(name, getattr(request, "id", None), nodename, request)
+
+
+def _holder_record(name: Any, task_id: Any, nodename: str | None, request: Any) -> str:
+    """:func:`holder_info` from the task's name and id, already looked up."""
     node = nodename or getattr(request, "hostname", None) or ""
-    return "\n".join(str(x).replace("\n", " ") for x in (name, task_id, node))
+    return "\n".join(str(x).replace("\n", " ") for x in (name, task_id or "", node))
 
 
 class _LossWatch:
@@ -863,10 +869,10 @@ def locked(
             None,
         )
 
+        from celery import current_task
+
         @functools.wraps(fun)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            from celery import current_task
-
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError as exc:
@@ -882,7 +888,8 @@ def locked(
             # A resource both exclusive and shared (two templates formatting
             # to one name) is locked exclusively: that covers reading too.
             shared_names = [n for n in _format(sh, mapping, label) if n not in exclusive_names]
-            task = current_task._get_current_object() if current_task else None
+            # The task being run (None outside one): one look-up of Celery's task stack.
+            task = current_task._get_current_object()
             locks = _find_locks(task)
             mode = locks.config.default_on_busy if on_busy is _DEFAULT else on_busy
             if mode == "defer" and _deferrable(task):
@@ -909,15 +916,21 @@ def locked(
             lost_mode = locks.config.on_lost if on_lost is _DEFAULT else on_lost
             request = getattr(task, "request", None) if task is not None else None
             in_task = request is not None and not getattr(request, "called_directly", True)
-            task_id = str(getattr(request, "id", None) or "-") if in_task else "-"
+            request_id = getattr(request, "id", None) if in_task else None
+            task_id = str(request_id or "-")
             # Log lines name the registered task (e.g. proj.sync) when there is one.
             task_label = str(getattr(task, "name", None) or label) if in_task else label
             # Who holds the locks, for operators (`redislock locks`): recorded
             # beside the grant only when a task takes them; every acquire the
             # body makes in this thread is labelled the same way.
             outer_holder = getattr(mgr._local, "holder", None)
-            if in_task and outer_holder is None:
-                mgr._local.holder = holder_info(task, label, locks.nodename)
+            holder = (
+                _holder_record(task_label, request_id, locks.nodename, request)
+                if in_task and outer_holder is None
+                else None
+            )
+            if holder is not None:
+                mgr._local.holder = holder
             try:
                 # The body has not started: this wait may give way to a
                 # warm shutdown (ShuttingDown, below).
@@ -926,7 +939,7 @@ def locked(
                     lease = mgr.acquire(exclusive_names, shared_names, timeout=wait)
                 finally:
                     mgr._local.halt_ok = False
-                    if outer_holder is None and in_task:
+                    if holder is not None:
                         mgr._local.holder = None
             except ShuttingDown as exc:
                 _hand_back(task, label, exc)
@@ -978,9 +991,7 @@ def locked(
                 lost_mode,
                 in_task,
                 locks._pool_child_pid,
-                holder_info(task, label, locks.nodename)
-                if in_task and outer_holder is None
-                else None,
+                holder,
             )
             return _run_body(lease, run, fun, args, kwargs)
 
