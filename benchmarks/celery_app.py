@@ -101,9 +101,9 @@ def write(self: Any, res: str, run: str, work: float) -> None:
 
 # -- the cost of @locked: no-op tasks, timed in the process that runs them -------
 
-#: ``time.perf_counter()`` of every no-op body run in this process since the
-#: last :func:`stamps` call.
-_stamps: list[float] = []
+#: ``(time.perf_counter(), kind)`` of every no-op body run in this process
+#: since the last :func:`stamps` call (kind ``p``: plain, ``l``: @locked).
+_stamps: list[tuple[float, str]] = []
 
 
 @app.task(name="cebench.gate", ignore_result=True)
@@ -121,18 +121,18 @@ def gate(key: str) -> None:
 @app.task(name="cebench.noop", ignore_result=True)
 def noop(key: str) -> None:
     """A no-op task (``key`` only to take the same argument as noop_locked)."""
-    _stamps.append(time.perf_counter())
+    _stamps.append((time.perf_counter(), "p"))
 
 
 @app.task(name="cebench.noop_locked", ignore_result=True)
 @locked("cebench-cost:{key}")
 def noop_locked(key: str) -> None:
     """The same no-op task under ``@locked`` (an uncontended resource)."""
-    _stamps.append(time.perf_counter())
+    _stamps.append((time.perf_counter(), "l"))
 
 
 @app.task(name="cebench.stamps")
-def stamps() -> list[float]:
+def stamps() -> list[tuple[float, str]]:
     """Return and forget this process's no-op stamps."""
     out = list(_stamps)
     _stamps.clear()

@@ -15,21 +15,22 @@ the cost of ``@locked`` on a no-op task.
    and the runs whose counters are exact (each resource's counter equals
    the number of tasks sent to it; anything else is an exclusion bug).
 2. **The cost of @locked.** One worker (``-P prefork -c 1``, then ``-P
-   solo``) runs batches of ``--batch`` no-op tasks, with and without
-   ``@locked`` on one uncontended resource, in interleaved rounds (A B,
-   then B A, ...). A gate task holds the worker while the batch is queued,
-   so each batch runs at the worker's pace; the rate is taken from the
-   bodies' own ``perf_counter()`` stamps (first to last). Results are not
-   stored (``ignore_result``), so the no-op baseline is as cheap as Celery
-   gets. Target: ``@locked`` costs at most 10% of tasks/s (median of the
-   rounds' ratios).
+   solo``) runs ``--rounds`` batches of ``--batch`` no-op tasks, in which
+   runs of 10 plain tasks alternate with runs of 10 under ``@locked`` (one
+   uncontended resource). A gate task holds the worker while the batch is
+   queued, so it runs at the worker's pace. From the bodies' own
+   ``perf_counter()`` stamps, a kind's cycle is the time from one body to
+   the next of the same kind; its rate, one over the round's median cycle
+   (see :class:`CostResult`). Results are not stored (``ignore_result``),
+   so the no-op baseline is as cheap as Celery gets. Target: ``@locked``
+   costs at most 10% of tasks/s (median of the rounds' ratios).
 
 Usage::
 
     make bench-celery
     .venv/bin/python -m benchmarks.celery_e2e [--runs 6] [--tasks 240] [--resources 4]
-        [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 6]
-        [--batch 1000] [--pools prefork,solo] [--skip-cost] [--skip-contention]
+        [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 12]
+        [--batch 400] [--pools prefork,solo] [--skip-cost] [--skip-contention]
         [--out benchmarks/results-celery.md]
 
 Starts its own redis-server (as ``benchmarks.run`` does). Prints markdown,
@@ -205,7 +206,17 @@ def run_cell(
 
 @dataclass
 class CostResult:
-    """Interleaved no-op batch rates (tasks/s) with and without ``@locked``."""
+    """Per-round no-op rates (tasks/s) with and without ``@locked``.
+
+    A round is one batch in which runs of :data:`RUN` plain tasks alternate
+    with runs of :data:`RUN` ``@locked`` ones. The time from one body to the
+    next within a run of one kind is one whole task cycle of that kind
+    (Celery's handling, plus ``@locked``'s release and next acquire); the
+    intervals across a change of kind are left out. A round's rate is one
+    over its median cycle: the two kinds are timed within the same second,
+    so load from other processes hits both alike, and a burst of it moves
+    the median little.
+    """
 
     pool: str
     plain: list[float] = field(default_factory=list)
@@ -225,19 +236,35 @@ class CostResult:
         return self.cost <= COST_TARGET
 
 
-def _batch(c: Cluster, worker: Worker, task: str, n: int) -> float:
-    """Run ``n`` no-op ``task``s on ``worker``, queued behind a gate; tasks/s."""
+#: Tasks of one kind in a row in a cost batch.
+RUN = 10
+KINDS = {"p": "cebench.noop", "l": "cebench.noop_locked"}
+
+
+def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
+    """Run one no-op task per letter of ``kinds`` (``p``/``l``) on ``worker``,
+    all queued behind a gate; return the bodies' ``(perf_counter, kind)``."""
     gate = f"cebench:gate:{uuid.uuid4().hex[:8]}"
     c.producer.send_task("cebench.gate", args=(gate,), queue=worker.queue)
     wait_for(lambda: c.data.llen(f"{gate}:in"), timeout=60, what="the gate task to start")
-    for _ in range(n):
-        c.producer.send_task(task, args=("solo",), queue=worker.queue)
+    for kind in kinds:
+        c.producer.send_task(KINDS[kind], args=("solo",), queue=worker.queue)
     c.data.rpush(gate, "go")
     stamps = c.producer.send_task("cebench.stamps", queue=worker.queue).get(timeout=300)
     c.data.delete(gate, f"{gate}:in")
-    if len(stamps) != n:
-        raise AssertionError(f"{task}: {len(stamps)} of {n} tasks ran\n{c.report()}")
-    return float((n - 1) / (stamps[-1] - stamps[0]))
+    if "".join(k for _, k in stamps) != kinds:
+        raise AssertionError(f"{len(stamps)} of {len(kinds)} tasks ran, in order?\n{c.report()}")
+    return [(float(t), str(k)) for t, k in stamps]
+
+
+def cycle_rates(stamps: list[tuple[float, str]]) -> dict[str, float]:
+    """Tasks/s of each kind: one over the median body-to-body interval
+    between two consecutive tasks of that kind."""
+    gaps: dict[str, list[float]] = {}
+    for (t0, k0), (t1, k1) in zip(stamps, stamps[1:]):
+        if k0 == k1:
+            gaps.setdefault(k0, []).append(t1 - t0)
+    return {k: 1 / statistics.median(v) for k, v in gaps.items()}
 
 
 def measure_cost(
@@ -249,15 +276,17 @@ def measure_cost(
     batch: int,
     progress: Callable[[str], None] | None = None,
 ) -> CostResult:
-    """Interleaved rounds of plain and ``@locked`` no-op batches on ``worker``."""
-    variants = {"plain": "cebench.noop", "locked": "cebench.noop_locked"}
-    for task in variants.values():  # warm-up: connections, scripts, imports
-        _batch(c, worker, task, min(batch, 50))
+    """``rounds`` batches of ``batch`` no-op tasks on ``worker``, alternating
+    runs of plain and ``@locked`` ones (the first kind alternates by round)."""
+    runs = max(2, batch // RUN)
+    _batch(c, worker, ("p" * RUN + "l" * RUN) * 2)  # warm-up: connections, scripts
     result = CostResult(pool)
     for i in range(rounds):
-        order = ("plain", "locked") if i % 2 == 0 else ("locked", "plain")
-        for name in order:
-            getattr(result, name).append(_batch(c, worker, variants[name], batch))
+        first, second = ("p", "l") if i % 2 == 0 else ("l", "p")
+        kinds = "".join((first if j % 2 == 0 else second) * RUN for j in range(runs))
+        rates = cycle_rates(_batch(c, worker, kinds))
+        result.plain.append(rates["p"])
+        result.locked.append(rates["l"])
         if progress is not None:
             progress(
                 f"  {pool} round {i + 1}/{rounds}: plain {result.plain[-1]:.0f}/s "
@@ -318,11 +347,11 @@ def run_profile(
     calls: dict[str, float] = {}
     try:
         worker = c.start_worker("prof", concurrency=1, pool="solo", env={"CEBENCH_PROFILE": "1"})
-        for name, task in (("plain", "cebench.noop"), ("locked", "cebench.noop_locked")):
-            _batch(c, worker, task, min(batch, 50))  # warm-up, then forget it
+        for name, kind in (("plain", "p"), ("locked", "l")):
+            _batch(c, worker, kind * 50)  # warm-up, then forget it
             dump = str(out_dir / f"cebench-{name}.prof")
             c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
-            _batch(c, worker, task, batch)
+            _batch(c, worker, kind * batch)
             c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
             st = pstats.Stats(dump)
             stats = st.stats  # type: ignore[attr-defined]
@@ -353,7 +382,7 @@ def run_profile(
 def profile_markdown(p: Profile) -> str:
     """Per-task phases of the profiled solo worker."""
     rows = [
-        ("the task call without @locked (Celery's part)", p.plain_call),
+        ("the task call without @locked (Celery's call wrapper and the body)", p.plain_call),
         ("the task call with @locked", p.locked_call),
         ("  of which @locked's wrapper (body included)", p.wrapper),
         ("    LockManager.acquire (round trip included)", p.acquire),
@@ -470,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-ms", type=float, default=3.0, help="work inside the lock")
     ap.add_argument("--workers", default="2,4", help="worker counts (comma-separated)")
     ap.add_argument("--concurrency", default="1,2,4", help="pool sizes (comma-separated)")
-    ap.add_argument("--rounds", type=int, default=6, help="interleaved cost rounds")
-    ap.add_argument("--batch", type=int, default=1000, help="no-op tasks per cost batch")
+    ap.add_argument("--rounds", type=int, default=12, help="interleaved cost rounds")
+    ap.add_argument("--batch", type=int, default=400, help="no-op tasks per cost batch")
     ap.add_argument("--pools", default=",".join(POOLS), help="pools of the cost measurement")
     ap.add_argument("--skip-contention", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
