@@ -328,11 +328,21 @@ class Profile:
     acquire: float  # LockManager.acquire, its round trip included
     release: float  # Lease.release, its round trip included
     round_trips: float  # the scripts' round trips (redis-py + Redis), both included above
+    socket: float  # of the round trips: in send and recv on the socket (waiting for Redis)
+    server: float  # Redis executing the scripts (INFO commandstats, not profiled)
     top: str  # the heaviest functions of the @locked run, by own time
 
 
 def _entry(stats: dict, path_end: str, func: str) -> float:
     return sum(v[3] for k, v in stats.items() if k[0].endswith(path_end) and k[2] == func)
+
+
+def _socket_time(stats: dict) -> float:
+    return sum(
+        v[2]
+        for k, v in stats.items()
+        if k[0] == "~" and "_socket.socket" in k[2] and ("recv" in k[2] or "send" in k[2])
+    )
 
 
 def run_profile(
@@ -351,7 +361,10 @@ def run_profile(
             _batch(c, worker, kind * 50)  # warm-up, then forget it
             dump = str(out_dir / f"cebench-{name}.prof")
             c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
+            c.lock_redis.config_resetstat()
             _batch(c, worker, kind * batch)
+            # Only the lock engine runs scripts on this server (not the broker, not the backend).
+            evalsha = c.lock_redis.info("commandstats").get("cmdstat_evalsha", {})
             c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
             st = pstats.Stats(dump)
             stats = st.stats  # type: ignore[attr-defined]
@@ -364,6 +377,8 @@ def run_profile(
                 acquire = _entry(stats, "celery_redislock/manager.py", "acquire")
                 release = _entry(stats, "celery_redislock/lease.py", "release")
                 trips = _entry(stats, "celery_redislock/scripts.py", "run")
+                socket = _socket_time(stats)
+                server = float(evalsha.get("usec", 0))
     finally:
         c.close()
     per = 1e6 / batch
@@ -375,6 +390,8 @@ def run_profile(
         acquire * per,
         release * per,
         trips * per,
+        socket * per,
+        server / batch,
         top,
     )
 
@@ -388,6 +405,9 @@ def profile_markdown(p: Profile) -> str:
         ("    LockManager.acquire (round trip included)", p.acquire),
         ("    Lease.release (round trip included)", p.release),
         ("    of these two, the scripts' round trips (redis-py + Redis)", p.round_trips),
+        ("      of which in send/recv on the socket (waiting for Redis)", p.socket),
+        ("        within it, Redis executing the scripts (commandstats)", p.server),
+        ("      of which redis-py's Python (packing, parsing, pool)", p.round_trips - p.socket),
         ("    of these two, the engine's Python", p.acquire + p.release - p.round_trips),
         (
             "    task.py's own Python (arguments, templates, holder record, body run)",
