@@ -31,7 +31,10 @@ Usage::
     .venv/bin/python -m benchmarks.celery_e2e [--runs 6] [--tasks 240] [--resources 4]
         [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 12]
         [--batch 400] [--pools prefork,solo] [--skip-cost] [--skip-contention]
-        [--out benchmarks/results-celery.md]
+        [--no-profile] [--out benchmarks/results-celery.md]
+
+3. **Where the time goes** (unless ``--no-profile``): the no-op tasks again
+   in a solo worker under cProfile, split into phases (:class:`Profile`).
 
 Starts its own redis-server (as ``benchmarks.run`` does). Prints markdown,
 writes it to ``--out`` and exits 1 if any run's counters are not exact.
@@ -526,8 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument(
         "--profile",
-        action="store_true",
-        help="also profile the no-op tasks in a solo worker (cProfile, per-phase table)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile the no-op tasks in a solo worker (cProfile, per-phase table)",
     )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
@@ -571,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
         profile = None
-        if args.profile:
+        if args.profile and not args.skip_cost:
             progress("profile of @locked: solo")
             profile = run_profile(server.url, Path(tmp) / "profile", batch=args.batch)
     elapsed = time.monotonic() - began
