@@ -11,6 +11,9 @@ Run them all, against a throw-away redis-server they start themselves::
   ``cleanup_owner`` and ``reconcile`` with a small and a large keyspace.
 - :mod:`benchmarks.memory` (run alone: ``python -m benchmarks.memory``):
   Redis bytes per held lock, owner and queued waiter, against the peers.
+- :mod:`benchmarks.celery_e2e` (run alone: ``make bench-celery``): real
+  prefork workers contending for a few locks (waits, stalls, exact counts)
+  and the tasks/s cost of ``@locked``; writes ``benchmarks/results-celery.md``.
 
 Results are printed as markdown and written to ``benchmarks/results.md``;
 ``docs/benchmarks.md`` explains how to read them.

@@ -48,6 +48,7 @@ import datetime
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -375,7 +376,9 @@ def run_profile(
             if name == "locked":
                 text = io.StringIO()
                 pstats.Stats(dump, stream=text).sort_stats("tottime").print_stats(15)
-                top = text.getvalue()
+                # Paths relative to the checkout and to site-packages, for the report.
+                top = re.sub(r"/\S*/site-packages/", "", text.getvalue())
+                top = top.replace(str(ROOT) + "/", "").replace(str(out_dir) + "/", "")
                 wrapper = _entry(stats, "celery_redislock/task.py", "wrapper")
                 acquire = _entry(stats, "celery_redislock/manager.py", "acquire")
                 release = _entry(stats, "celery_redislock/lease.py", "release")
@@ -585,8 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{stamp}; {os.cpu_count()} CPUs ({_cpu()}), Python {platform.python_version()}; "
         f"load average (1/5/15 min) {load_before} before, {_load()} after; "
         f"{elapsed:.0f} s in all.\n",
-        f"Command: `python -m benchmarks.celery_e2e {' '.join(argv or sys.argv[1:])}`".rstrip()
-        + "\n",
+        f"Command: `{' '.join(['python -m benchmarks.celery_e2e', *(argv or sys.argv[1:])])}`\n",
     ]
     if cells:
         parts.append(
