@@ -149,7 +149,7 @@ def contention_run(
             lambda: c.data.llen(waits_key) >= tasks,
             timeout=timeout,
             what=f"run {run}: {tasks} tasks finished",
-            interval=0.005,
+            interval=0.01,
         )
     except AssertionError:
         complete = False
