@@ -1,0 +1,1064 @@
+"""Fleet scale, simulated on one machine against one real redis-server.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.fleet [--quick] [--window 20] [--out FILE]
+
+No Celery runs: the library's own code paths drive one redis-server the way
+a fleet of prefork workers would, each scenario at two sizes so that the
+ratio shows whether its cost grows linearly in what it touches.
+
+1. **Heartbeats** (``--nodes``, default 500 and 1,000 worker nodes with 8
+   pool children each, at the default interval of 10 s and owner TTL of
+   30 s). Per node: a real :class:`~celery_redislock.node.Node` whose
+   :meth:`~celery_redislock.node.Node.tick` runs ``node_heartbeat.lua``
+   (refreshing its 8 children's liveness keys) once per interval, and a real
+   deferred-task :class:`~celery_redislock.defer.Dispatcher` whose
+   ``upkeep()`` runs ``defer_tick.lua`` once per interval; both driven from
+   a few threads on each node's schedule, the nodes of a thread sharing one
+   connection. The children's owners are registered by real acquires (one
+   lock each, held). The blocking waits of an idle worker come from a second
+   process on one connection each, with the commands the library sends: each
+   child's lost-owner watcher ``BLPOP {ns}:lost:<owner> 4`` (a pool child's
+   liveness is refreshed by its node; the watcher re-blocks every
+   ``min(4 s, interval / 2)``, 4 s being below redis-py's 5 s socket
+   timeout) and the dispatcher's ``BLMOVE {ns}:dispatch
+   {ns}:dispatching:<inc>`` (4 s, 4 s, then until the next upkeep).
+   Measured over a fixed window from ``INFO commandstats`` and ``INFO cpu``.
+2. **Reconcile** (``--owners``, default 5,000 and 10,000 owners, 1 % dead,
+   each holding one lock): one :meth:`LockManager.reconcile` pass.
+3. **Start-up of N workers at once** (``--workers``, default 75 and 150):
+   each has a same-name predecessor that died a minute ago with 8 children
+   holding 2 locks each; every worker does, on its own connections and all
+   released together: the bootstep's eviction check (INFO), the node claim
+   (:meth:`Node.start`: format check, ``node_start.lua``, the predecessor's
+   eviction and the cleanup of its owners), the first node heartbeat and
+   the dispatcher's first upkeep.
+4. **One worker's cleanup when it held L locks** (``--locks``, default 500
+   and 1,000): 8 pool children (real forked processes) take L locks in all
+   and exit without releasing them; (a) the node's next tick frees them
+   (children died), (b) a successor of the same name evicts the worker at
+   its start-up (worker died).
+
+Then the keyspace check: reconcile and cleanup at a small size again with
+100,000 unrelated keys in the database, whose command counts must not
+change; and every scenario's SCAN and KEYS calls (must be zero).
+
+Each row gives the commands Redis executed (``INFO commandstats``, those run
+inside scripts included), the round trips (top-level commands), the server
+time of the top-level commands from commandstats (a script's time includes
+its inner commands, counted once) and the server process's CPU time
+(``used_cpu_sys + used_cpu_user``: network I/O included). Set-up shortcuts,
+never measured: a dead owner's liveness key is deleted (as if it expired),
+and a dead predecessor's last beat is set a minute back (as if it had died
+then); owners that stand for processes not run use a 600 s TTL so that a
+slow set-up does not expire them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import platform
+import random
+import resource
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from celery_redislock import LockManager
+from celery_redislock.defer import Dispatcher
+from celery_redislock.node import Node, new_incarnation
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Library defaults (``redislock_heartbeat_interval``, ``redislock_owner_ttl``).
+INTERVAL = 10.0
+OWNER_TTL = 30.0
+#: The lost-owner watcher's block: min(_block_cap, interval / 2), where the
+#: cap is 4 s under redis-py's default 5 s socket timeout.
+WATCH_BLOCK = 4.0
+#: TTL of owners standing for processes the benchmark does not run.
+SETUP_TTL = 600.0
+CHILDREN = 8
+#: Commands that walk the keyspace: must stay at zero.
+KEYSPACE_WALKS = ("scan", "keys")
+#: INFO calls a measurement makes itself between its two snapshots.
+OWN_INFO = 2
+#: Commands only ever sent by a client here (never run from a script);
+#: HELLO and CLIENT SETINFO come with a new connection (a worker's start-up).
+TOP_LEVEL_ONLY = frozenset(
+    {
+        "evalsha",
+        "eval",
+        "blpop",
+        "blmove",
+        "sscan",
+        "script|load",
+        "info",
+        "hello",
+        "client|setinfo",
+        "ping",
+    }
+)
+UNRELATED_KEYS = 100_000
+
+
+# -- measurement ----------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """Command counts, their server time, and the server's CPU time."""
+
+    calls: dict[str, int]
+    usec: dict[str, int]
+    cpu_s: float
+    at: float
+
+
+def snapshot(admin: redis.Redis) -> Snapshot:
+    """``INFO commandstats`` and ``INFO cpu`` now."""
+    calls: dict[str, int] = {}
+    usec: dict[str, int] = {}
+    for key, value in admin.info("commandstats").items():
+        name = str(key).removeprefix("cmdstat_")
+        calls[name] = int(value["calls"])
+        usec[name] = int(value["usec"])
+    cpu = admin.info("cpu")
+    return Snapshot(
+        calls,
+        usec,
+        float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+        time.monotonic(),
+    )
+
+
+@dataclass
+class Cost:
+    """What Redis did between two snapshots.
+
+    ``direct`` names how many calls of commands that scripts run too (EXISTS,
+    DEL, HDEL) the client sent itself: their share of the time is counted as
+    top-level.
+    """
+
+    calls: dict[str, int]
+    usec: dict[str, int]
+    cpu_s: float
+    wall_s: float
+    direct: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def between(cls, a: Snapshot, b: Snapshot, direct: dict[str, int] | None = None) -> Cost:
+        calls = {k: v - a.calls.get(k, 0) for k, v in b.calls.items()}
+        usec = {k: b.usec[k] - a.usec.get(k, 0) for k in calls}
+        info = calls.get("info", 0)
+        if info:  # the measurement's own INFO calls are left out
+            usec["info"] = usec["info"] * max(0, info - OWN_INFO) // info
+            calls["info"] = max(0, info - OWN_INFO)
+        calls = {k: v for k, v in calls.items() if v > 0}
+        usec = {k: usec[k] for k in calls}
+        return cls(dict(sorted(calls.items())), usec, b.cpu_s - a.cpu_s, b.at - a.at, direct or {})
+
+    @property
+    def commands(self) -> int:
+        """Every command Redis executed (inside scripts included)."""
+        return sum(self.calls.values())
+
+    @property
+    def round_trips(self) -> int:
+        """Top-level commands: scripts, blocking waits and direct commands."""
+        top = sum(v for k, v in self.calls.items() if k in TOP_LEVEL_ONLY)
+        return top + sum(min(n, self.calls.get(k, 0)) for k, n in self.direct.items())
+
+    @property
+    def top_usec(self) -> float:
+        """Server time of the top-level commands (a script's includes its calls)."""
+        total = float(sum(v for k, v in self.usec.items() if k in TOP_LEVEL_ONLY))
+        for k, n in self.direct.items():
+            calls = self.calls.get(k, 0)
+            if calls:
+                total += self.usec.get(k, 0) * min(n, calls) / calls
+        return total
+
+    @property
+    def walks(self) -> int:
+        """SCAN + KEYS calls (must be 0)."""
+        return sum(self.calls.get(c, 0) for c in KEYSPACE_WALKS)
+
+
+@dataclass
+class Row:
+    """One scenario at one size."""
+
+    scenario: str
+    size: int
+    unit: str
+    cost: Cost
+    #: Scenario-specific counts (what was found, freed, ticked).
+    counts: dict[str, Any] = field(default_factory=dict)
+    #: Per-second rates (heartbeats) instead of totals.
+    per_second: bool = False
+
+
+def _admin(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=None, decode_responses=True)
+
+
+def _manager(client: redis.Redis, ns: str, **kwargs: Any) -> LockManager:
+    """A manager that stands for one process's owner, run from this process.
+
+    No heartbeat and no lost-owner watcher thread of its own (thousands of
+    them share this process): another part of the benchmark (a node tick)
+    refreshes its liveness, or nobody does.
+    """
+    kwargs.setdefault("heartbeat", False)
+    kwargs.setdefault("eviction_check", "ignore")
+    mgr = LockManager(client, ns, **kwargs)
+    mgr._lost_watch_exempt_pid = os.getpid()
+    return mgr
+
+
+def _children(
+    client: redis.Redis, ns: str, group: str, count: int, locks: int, tag: str, ttl: float
+) -> list[Any]:
+    """``count`` pool-child owners of ``group``, holding ``locks`` locks each."""
+    held: list[Any] = []
+    for c in range(count):
+        mgr = _manager(client, ns, group=lambda g=group: g, owner_ttl=ttl)
+        for i in range(max(1, locks)):
+            held.append(mgr.acquire(f"{tag}-c{c}-{i}", timeout=0))
+        if locks == 0:
+            held[-1].release()  # registered, holding nothing
+        held.append(mgr)
+    return held
+
+
+# -- 1. heartbeats ----------------------------------------------------------
+
+
+class _TickDriver(threading.Thread):
+    """Runs real node ticks and dispatcher upkeeps on their schedule."""
+
+    def __init__(self, url: str, ns: str, interval: float) -> None:
+        super().__init__(daemon=True, name="fleet-ticks")
+        self.ops = _manager(_admin(url), ns, heartbeat_interval=interval)
+        self.interval = interval
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self.ticks = 0
+        self.errors = 0
+        self.max_lag = 0.0
+
+    def add(self, node: Node, dispatcher: Dispatcher, first: float) -> None:
+        # The nodes of one driver thread share its connection (a real worker
+        # has its own; Redis's cost per command is the same).
+        dispatcher.manager = self.ops
+        with self._lock:
+            n = len(self._due)
+            self._due.append((first, 2 * n, lambda: self._tick(node)))
+            self._due.append((first + 0.001, 2 * n + 1, dispatcher.upkeep))
+            self._due.sort(key=lambda x: x[0])
+
+    def _tick(self, node: Node) -> None:
+        node._ops_by_thread[threading.get_ident()] = self.ops
+        result = node.tick()
+        if result.dead or result.lost or result.state != "owner":
+            self.errors += 1
+
+    def run(self) -> None:
+        import heapq
+
+        while not self._halt.is_set():
+            with self._lock:
+                if not self._due:
+                    job = None
+                else:
+                    heapq.heapify(self._due)
+                    job = self._due[0]
+            if job is None:
+                self._halt.wait(0.05)
+                continue
+            at, seq, fn = job
+            now = time.monotonic()
+            if at > now:
+                self._halt.wait(min(0.05, at - now))
+                continue
+            self.max_lag = max(self.max_lag, now - at)
+            with self._lock:
+                heapq.heapreplace(self._due, (at + self.interval, seq, fn))
+            try:
+                fn()
+                self.ticks += 1
+            except Exception:
+                self.errors += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+def _waits_main(host: str, port: int, waits: list[tuple[bytes, list[float]]], ready: Any) -> None:
+    """Process body: one connection per blocking wait, re-sent on each reply.
+
+    ``waits``: (command without its timeout, timeouts to cycle through). The
+    first sends are spread over one block period. Runs until killed.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    sel = selectors.DefaultSelector()
+    state: list[list[Any]] = []
+    for cmd, cycle in waits:
+        s = socket.create_connection((host, port))
+        s.setblocking(False)
+        state.append([s, cmd, cycle, 0])
+    order = list(range(len(state)))
+    random.shuffle(order)
+    start = time.monotonic()
+    spread = max(cycle[0] for _, cycle in waits) if waits else 0.0
+    pending = [(start + spread * k / max(1, len(order)), i) for k, i in enumerate(order)]
+    nxt = 0
+    ready.set()
+
+    def send(i: int) -> None:
+        s, cmd, cycle, n = state[i]
+        t = f"{cycle[n % len(cycle)]:g}".encode()
+        state[i][3] = n + 1
+        s.sendall(cmd + b"$%d\r\n%s\r\n" % (len(t), t))
+
+    while True:
+        now = time.monotonic()
+        while nxt < len(pending) and pending[nxt][0] <= now:
+            i = pending[nxt][1]
+            nxt += 1
+            sel.register(state[i][0], selectors.EVENT_READ, i)
+            send(i)
+        timeout = max(0.0, pending[nxt][0] - now) if nxt < len(pending) else 1.0
+        for key, _ in sel.select(timeout):
+            i = key.data
+            data = state[i][0].recv(65536)
+            if not data:
+                raise SystemExit(1)
+            if data.endswith(b"\r\n"):
+                send(i)
+
+
+def _resp(*parts: str, timeout_follows: bool = True) -> bytes:
+    """A RESP command with one more argument (the timeout) to append."""
+    out = [b"*%d\r\n" % (len(parts) + (1 if timeout_follows else 0))]
+    for p in parts:
+        b = p.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+def _dispatch_cycle(interval: float) -> list[float]:
+    """The dispatcher's BLMOVE timeouts between two upkeeps (4 s at most each)."""
+    out, left = [], interval
+    while left > 1e-9:
+        out.append(max(0.05, min(WATCH_BLOCK, left)))
+        left -= out[-1]
+    return out
+
+
+def _raise_nofile() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def heartbeats(
+    url: str,
+    sizes: Iterable[int],
+    *,
+    window: float,
+    interval: float = INTERVAL,
+    children: int = CHILDREN,
+    threads: int = 4,
+    waits: bool = True,
+) -> list[Row]:
+    """Idle fleet cost per second: node ticks, upkeeps and blocking waits."""
+    sizes = sorted(sizes)
+    watch = min(WATCH_BLOCK, interval / 2)
+    dispatch_cycle = _dispatch_cycle(interval)
+    admin = _admin(url)
+    host = admin.connection_pool.connection_kwargs["host"]
+    port = int(admin.connection_pool.connection_kwargs["port"])
+    ns = "fleet"
+    reg = _admin(url)
+    drivers = [_TickDriver(url, ns, interval) for _ in range(threads)]
+    for d in drivers:
+        d.start()
+    procs: list[Any] = []
+    held: list[Any] = []
+    rows: list[Row] = []
+    made = 0
+    ctx = mp.get_context("spawn")
+    try:
+        for size in sizes:
+            batch: list[tuple[bytes, list[float]]] = []
+            t0 = time.monotonic()
+            for i in range(made, size):
+                mgr = _manager(reg, ns, heartbeat_interval=interval, owner_ttl=interval * 3)
+                inc = new_incarnation()
+                node = Node(mgr, f"w{i}@fleet", inc)
+                node._ops_by_thread[threading.get_ident()] = drivers[0].ops
+                node.start()
+                del node._ops_by_thread[threading.get_ident()]
+                kids = _children(reg, ns, node.group_key, children, 0, f"n{i}", interval * 3)
+                held.extend(kids)
+                disp = Dispatcher(mgr, inc, publish=lambda *a: None, on_withdrawn=lambda *a: None)
+                first = time.monotonic() + random.uniform(0.0, interval)
+                drivers[i % threads].add(node, disp, first)
+                for m in kids:
+                    if isinstance(m, LockManager):
+                        batch.append((_resp("BLPOP", m.keys.lost(m.owner_id)), [watch]))
+                batch.append(
+                    (
+                        _resp(
+                            "BLMOVE", f"{{{ns}}}:dispatch", disp.dispatching_key, "RIGHT", "LEFT"
+                        ),
+                        dispatch_cycle,
+                    )
+                )
+            made = size
+            setup_s = time.monotonic() - t0
+            if waits and batch:
+                ready = ctx.Event()
+                p = ctx.Process(target=_waits_main, args=(host, port, batch, ready), daemon=True)
+                p.start()
+                procs.append(p)
+                if not ready.wait(120):
+                    raise RuntimeError("the blocking-wait driver did not start")
+            # Every node's first tick and every wait's first block are due
+            # within one interval: let the schedule fill before measuring.
+            time.sleep(interval + 0.5)
+            errors0 = sum(d.errors for d in drivers)
+            a = snapshot(admin)
+            time.sleep(window)
+            b = snapshot(admin)
+            cost = Cost.between(a, b)
+            lag = max(d.max_lag for d in drivers)
+            rows.append(
+                Row(
+                    "heartbeats",
+                    size,
+                    "nodes",
+                    cost,
+                    {
+                        "owners": size * children,
+                        "setup_s": round(setup_s, 1),
+                        "tick_errors": sum(d.errors for d in drivers) - errors0,
+                        "max_tick_lag_s": round(lag, 3),
+                        "connections": int(admin.info("clients")["connected_clients"]),
+                        **{
+                            f"{k}/s": round(cost.calls.get(k, 0) / cost.wall_s, 1)
+                            for k in ("evalsha", "blpop", "blmove")
+                        },
+                    },
+                    per_second=True,
+                )
+            )
+    finally:
+        for d in drivers:
+            d.stop()
+        for p in procs:
+            p.kill()
+            p.join(10)
+        for d in drivers:
+            d.join(5)
+            d.ops.client.close()
+        admin.flushall()
+        reg.close()
+        admin.close()
+    return rows
+
+
+# -- 2. reconcile -----------------------------------------------------------
+
+
+def reconcile(
+    url: str, sizes: Iterable[int], *, dead_share: float = 0.01, unrelated: int = 0
+) -> list[Row]:
+    """One reconcile pass over ``size`` owners, ``dead_share`` of them dead."""
+    rows = []
+    for size in sorted(sizes):
+        admin = _admin(url)
+        admin.flushall()
+        if unrelated:
+            populate(admin, unrelated)
+        ns = f"rec{size}"
+        client = _admin(url)
+        owners = []
+        held = []
+        for i in range(size):
+            mgr = _manager(client, ns, owner_ttl=SETUP_TTL)
+            held.append(mgr.acquire(f"r{i}", timeout=0))
+            owners.append(mgr)
+        dead = max(1, round(size * dead_share))
+        for mgr in random.sample(owners, dead):
+            admin.delete(mgr.keys.alive(mgr.owner_id))  # its liveness expired
+        beat = _manager(_admin(url), ns)
+        beat.client.ping()
+        a = snapshot(admin)
+        report = beat.reconcile()
+        b = snapshot(admin)
+        cost = Cost.between(a, b, {"exists": report.owners_seen})
+        rows.append(
+            Row(
+                "reconcile",
+                size,
+                "owners",
+                cost,
+                {
+                    "dead": dead,
+                    "owners_seen": report.owners_seen,
+                    "cleaned": report.cleaned,
+                    "released": report.released,
+                    "left": int(admin.scard(beat.keys.owners)),
+                    "errors": len(report.errors),
+                    "unrelated_keys": unrelated,
+                },
+            )
+        )
+        del held, owners
+        beat.client.close()
+        client.close()
+        admin.flushall()
+        admin.close()
+    return rows
+
+
+# -- 3. start-up of many workers at once -------------------------------------
+
+
+def _dead_predecessor(
+    url: str, client: redis.Redis, ns: str, name: str, children: int, locks: int
+) -> list[Any]:
+    """A worker ``name`` whose children hold locks, dead for a minute."""
+    mgr = _manager(client, ns)
+    node = Node(mgr, name, new_incarnation())
+    node.start()
+    kids = _children(client, ns, node.group_key, children, locks, name, SETUP_TTL)
+    ms = int(time.time() * 1000) - 60_000
+    client.hset(node.node_key, "hb_ms", str(ms))  # its last beat: a minute ago
+    for ops in node._ops_by_thread.values():
+        ops.client.close()
+    return kids
+
+
+def _worker_start(url: str, ns: str, name: str, go: threading.Barrier) -> dict[str, Any]:
+    """The bootstep's start-up Redis work of one worker, on its own connections."""
+    mgr = LockManager(
+        redis.Redis.from_url(url), ns, heartbeat=False, group=None, eviction_check="ignore"
+    )
+    inc = new_incarnation()
+    node = Node(mgr, name, inc)
+    disp = Dispatcher(mgr, inc, publish=lambda *a: None, on_withdrawn=lambda *a: None)
+    go.wait()
+    mgr.check_eviction()  # the bootstep's eviction check (INFO)
+    state = node.start()
+    tick = node.tick()  # the heartbeat thread's first beat
+    disp.upkeep()  # the dispatcher's first pass
+    out = {
+        "state": state,
+        "after_tick": tick.state,
+        "predecessor": node.state == "owner",
+        "done": time.monotonic(),
+    }
+    disp.manager.client.close()
+    for ops in node._ops_by_thread.values():
+        ops.client.close()
+    mgr.client.close()
+    return out
+
+
+def startups(
+    url: str, sizes: Iterable[int], *, children: int = CHILDREN, locks: int = 2
+) -> list[Row]:
+    """``size`` workers starting at once, each evicting a dead predecessor."""
+    rows = []
+    for size in sorted(sizes):
+        admin = _admin(url)
+        admin.flushall()
+        ns = f"start{size}"
+        client = _admin(url)
+        held = []
+        for i in range(size):
+            held.extend(_dead_predecessor(url, client, ns, f"w{i}@fleet", children, locks))
+        grants = size * children * locks
+        go = threading.Barrier(size + 1)
+        with ThreadPoolExecutor(max_workers=size) as pool:
+            futs = [pool.submit(_worker_start, url, ns, f"w{i}@fleet", go) for i in range(size)]
+            time.sleep(0.5)  # every thread connected and waiting at the barrier
+            a = snapshot(admin)
+            go.wait()
+            results = [f.result() for f in futs]
+        b = snapshot(admin)
+        wall = max(r["done"] for r in results) - a.at
+        # Direct commands: each worker DELs its predecessor's group once.
+        cost = Cost.between(a, b, {"del": size})
+        cost.wall_s = wall
+        left = _count_grants(admin, ns)  # a check, after the window
+        rows.append(
+            Row(
+                "startup",
+                size,
+                "workers",
+                cost,
+                {
+                    "owners": sum(1 for r in results if r["after_tick"] == "owner"),
+                    "predecessor_grants": grants,
+                    "locks_left": left,
+                },
+            )
+        )
+        del held
+        client.close()
+        admin.flushall()
+        admin.close()
+    return rows
+
+
+# -- 4. one worker's cleanup ---------------------------------------------------
+
+
+def _child_body(url: str, ns: str, group: str, names: list[str], done: Any) -> None:
+    """A forked pool child: takes its locks one by one and dies holding them."""
+    mgr = LockManager(url, ns, heartbeat=False, group=lambda: group, eviction_check="ignore")
+    for res in names:
+        mgr.acquire(res, timeout=0)
+    done.put(len(names))
+    done.close()
+    done.join_thread()  # flushed before the process dies without cleaning up
+    os._exit(0)
+
+
+def _worker_with_dead_children(url: str, ns: str, name: str, locks: int, children: int) -> Node:
+    """A live worker node (its connection warm) whose ``children`` took
+    ``locks`` locks in all and exited without releasing them."""
+    mgr = _manager(_admin(url), ns)
+    node = Node(mgr, name, new_incarnation(), live_pids=list)
+    node.start()
+    node.tick()  # warm: the ops connection and its format check
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    per = [locks // children + (1 if c < locks % children else 0) for c in range(children)]
+    procs, k = [], 0
+    for c in range(children):
+        names = [f"{name}-r{k + j}" for j in range(per[c])]
+        k += per[c]
+        p = ctx.Process(target=_child_body, args=(url, ns, node.group_key, names, q))
+        p.start()
+        procs.append(p)
+    got = sum(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    if got != locks:
+        raise RuntimeError(f"children took {got} locks, not {locks}")
+    return node
+
+
+def _close_node(node: Node) -> None:
+    for ops in node._ops_by_thread.values():
+        ops.client.close()
+    node.manager.client.close()
+
+
+def cleanup(
+    url: str, sizes: Iterable[int], *, children: int = CHILDREN, unrelated: int = 0
+) -> list[Row]:
+    """A worker's pool children held ``size`` locks and died; freed by (a) the
+    node's next tick (children died), (b) a same-name successor's start-up,
+    which evicts the worker (worker died too)."""
+    rows = []
+    for size in sorted(sizes):
+        for how in ("children died", "worker died"):
+            admin = _admin(url)
+            admin.flushall()
+            if unrelated:
+                populate(admin, unrelated)
+            ns = f"clean{size}"
+            name = "w@clean"
+            node = _worker_with_dead_children(url, ns, name, size, children)
+            before = _count_grants(admin, ns)
+            if how == "children died":
+                a = snapshot(admin)
+                tick = node.tick()
+                b = snapshot(admin)
+                owners = len(tick.dead)
+                ok = node.state == "owner" and sum(r.released for r in tick.cleaned) == size
+                # Direct: one HDEL of each dead owner's group entry.
+                cost = Cost.between(a, b, {"hdel": owners})
+            else:
+                ms = int(time.time() * 1000) - 60_000
+                admin.hset(node.node_key, "hb_ms", str(ms))  # it died a minute ago
+                succ = Node(_manager(_admin(url), ns), name, new_incarnation())
+                succ._ops().check_format()  # warm: connection and format check
+                a = snapshot(admin)
+                succ.start()
+                b = snapshot(admin)
+                owners = children
+                ok = succ.state == "owner"
+                # Direct: the DEL of the predecessor's group.
+                cost = Cost.between(a, b, {"del": 1})
+                _close_node(succ)
+            freed = before - _count_grants(admin, ns)
+            rows.append(
+                Row(
+                    f"cleanup ({how})",
+                    size,
+                    "locks",
+                    cost,
+                    {
+                        "owners": owners,
+                        "held": before,
+                        "freed": freed,
+                        "ok": ok and freed == size,
+                        "unrelated_keys": unrelated,
+                    },
+                )
+            )
+            _close_node(node)
+            admin.flushall()
+            admin.close()
+    return rows
+
+
+def _count_grants(admin: redis.Redis, ns: str) -> int:
+    """Lock hashes in ``ns``: a check made outside every measured window."""
+    return sum(1 for _ in admin.scan_iter(match=f"{{{ns}}}:lock:*", count=1000))
+
+
+def populate(admin: redis.Redis, count: int) -> None:
+    """``count`` unrelated keys (pipelined SETs)."""
+    pipe = admin.pipeline(transaction=False)
+    for i in range(count):
+        pipe.set(f"unrelated:{i}", "x" * 16)
+        if i % 5000 == 4999:
+            pipe.execute()
+    pipe.execute()
+
+
+# -- report -------------------------------------------------------------------
+
+
+@dataclass
+class Sizes:
+    """The two sizes of each scenario, and the heartbeat window."""
+
+    nodes: tuple[int, int] = (500, 1000)
+    owners: tuple[int, int] = (5000, 10000)
+    workers: tuple[int, int] = (75, 150)
+    locks: tuple[int, int] = (500, 1000)
+    window: float = 20.0
+    interval: float = INTERVAL
+    unrelated: int = UNRELATED_KEYS
+    #: Sizes of the keyspace check (reconcile owners, cleanup locks).
+    keyspace_owners: int = 1000
+    keyspace_locks: int = 200
+
+
+#: Small enough for the smoke test (seconds): a 1 s heartbeat interval.
+QUICK = Sizes(
+    nodes=(4, 8),
+    owners=(100, 200),
+    workers=(3, 6),
+    locks=(16, 32),
+    window=2.0,
+    interval=1.0,
+    unrelated=2000,
+    keyspace_owners=100,
+    keyspace_locks=16,
+)
+
+
+@dataclass
+class FleetRun:
+    """Every row of one run, and the keyspace check."""
+
+    sizes: Sizes
+    heartbeats: list[Row]
+    reconcile: list[Row]
+    startup: list[Row]
+    cleanup: list[Row]
+    keyspace: list[tuple[Row, Row]]
+
+    @property
+    def rows(self) -> list[Row]:
+        return [*self.heartbeats, *self.reconcile, *self.startup, *self.cleanup] + [
+            r for pair in self.keyspace for r in pair
+        ]
+
+    @property
+    def walks(self) -> int:
+        """SCAN + KEYS calls in every measured window (must be 0)."""
+        return sum(r.cost.walks for r in self.rows)
+
+
+def run_all(url: str, sizes: Sizes, progress: Callable[[str], None] = lambda _: None) -> FleetRun:
+    """Every scenario at its two sizes, then the keyspace check."""
+    hb = heartbeats(url, sizes.nodes, window=sizes.window, interval=sizes.interval)
+    progress(f"heartbeats: {[_brief(r) for r in hb]}")
+    rec = reconcile(url, sizes.owners)
+    progress(f"reconcile: {[_brief(r) for r in rec]}")
+    st = startups(url, sizes.workers)
+    progress(f"startup: {[_brief(r) for r in st]}")
+    cl = cleanup(url, sizes.locks)
+    progress(f"cleanup: {[_brief(r) for r in cl]}")
+    pairs = []
+    for fn, n in ((reconcile, sizes.keyspace_owners), (cleanup, sizes.keyspace_locks)):
+        plain = fn(url, [n])
+        crowded = fn(url, [n], unrelated=sizes.unrelated)
+        pairs.extend(zip(plain, crowded))
+    progress(f"keyspace: {[(_brief(a), _brief(b)) for a, b in pairs]}")
+    return FleetRun(sizes, hb, rec, st, cl, pairs)
+
+
+def _brief(r: Row) -> str:
+    return f"{r.scenario}@{r.size}: {r.cost.commands} cmds {r.cost.cpu_s * 1000:.0f} ms cpu"
+
+
+def _rate(r: Row, value: float) -> float:
+    return value / r.cost.wall_s if r.per_second else value
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:,.1f}"
+
+
+def _table(rows: list[Row]) -> list[str]:
+    per_s = rows[0].per_second
+    unit = " / s" if per_s else ""
+    head = (
+        f"| {rows[0].unit} | commands{unit} | round trips{unit} | server usec{unit} "
+        f"(commandstats) | server CPU ms{unit} (INFO cpu) | wall s | SCAN+KEYS | found |"
+    )
+    lines = [head, "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        c = r.cost
+        found = ", ".join(f"{k} {v}" for k, v in r.counts.items())
+        lines.append(
+            f"| {r.size:,} | {_fmt(_rate(r, c.commands))} | {_fmt(_rate(r, c.round_trips))} | "
+            f"{_fmt(_rate(r, c.top_usec))} | {_fmt(_rate(r, c.cpu_s * 1000))} | "
+            f"{c.wall_s:.2f} | {c.walks} | {found} |"
+        )
+    return lines
+
+
+@dataclass
+class Linearity:
+    """The ratios of one scenario's two sizes."""
+
+    size: float
+    commands: float
+    round_trips: float
+    usec: float
+    cpu: float
+
+    @property
+    def met(self) -> bool:
+        """No faster than linear growth: counts at most 1.1 x, server time at
+        most 1.5 x the size ratio.
+
+        A fixed part (the 8 owners of a cleanup, a connection) makes a ratio
+        smaller than the size ratio; a cost that grows with something else
+        than the size (the keyspace, the square of the size) makes it larger.
+        Command counts are deterministic; server times are measured on a
+        shared machine, hence the looser bound.
+        """
+        counts = all(x <= 1.1 * self.size for x in (self.commands, self.round_trips))
+        return counts and self.usec <= 1.5 * self.size
+
+    def text(self) -> str:
+        return (
+            f"size x{self.size:.2f}: commands x{self.commands:.2f}, round trips "
+            f"x{self.round_trips:.2f}, server usec x{self.usec:.2f}, server CPU x{self.cpu:.2f}"
+        )
+
+
+def linearity(rows: list[Row]) -> Linearity:
+    """Ratios of the larger size's costs to the smaller's."""
+    a, b = rows[0], rows[-1]
+
+    def ratio(f: Callable[[Row], float]) -> float:
+        x, y = _rate(a, f(a)), _rate(b, f(b))
+        return y / x if x else float("inf")
+
+    return Linearity(
+        b.size / a.size,
+        ratio(lambda r: r.cost.commands),
+        ratio(lambda r: r.cost.round_trips),
+        ratio(lambda r: r.cost.top_usec),
+        ratio(lambda r: r.cost.cpu_s),
+    )
+
+
+def nodes_per_core(run: FleetRun) -> tuple[float, float, float]:
+    """(CPU share of a core, nodes per core from CPU, from commandstats) at the
+    largest heartbeat size, extrapolated linearly."""
+    r = run.heartbeats[-1]
+    share = r.cost.cpu_s / r.cost.wall_s
+    usec_share = r.cost.top_usec / r.cost.wall_s / 1e6
+    return share, r.size / share if share else 0.0, r.size / usec_share if usec_share else 0.0
+
+
+def render(run: FleetRun, command: str, version: str, load: tuple[str, str], elapsed: float) -> str:
+    """The markdown report."""
+    s = run.sizes
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out = [
+        "### Fleet scale (simulated on one machine)",
+        "",
+        f"- date: {now}; command: `{command}`; total {elapsed:.0f} s",
+        f"- machine: {os.cpu_count()} CPUs, load average before/after {load[0]} / {load[1]} "
+        "(1/5/15 min; the benchmark's own drivers and other jobs share the cores with Redis)",
+        f"- redis-server {version} on 127.0.0.1, started by the benchmark; "
+        f"Python {platform.python_version()}, redis-py {redis.__version__}",
+        f"- heartbeat interval {s.interval:g} s, owner TTL {3 * s.interval:g} s, "
+        f"{CHILDREN} pool children per node, {s.window:g} s window per size",
+        "",
+    ]
+    sections = [
+        (
+            "1. Heartbeats of an idle fleet (per second)",
+            run.heartbeats,
+            "what it touches: nodes (and their 8 children each)",
+        ),
+        ("2. One reconcile pass, 1 % of the owners dead", run.reconcile, "what it touches: owners"),
+        (
+            "3. Workers starting at once, each evicting a dead predecessor (8 children x 2 locks)",
+            run.startup,
+            "what it touches: workers (and their predecessors' owners and locks)",
+        ),
+    ]
+    for title, rows, what in sections:
+        lin = linearity(rows)
+        out += [f"#### {title}", "", *_table(rows), "", f"Ratio: {lin.text()}", ""]
+        out.append(f"{title.split('.')[0]}. target 4.x (linear in {what}): " + _verdict(lin))
+        out.append("")
+    for how in ("children died", "worker died"):
+        rows = [r for r in run.cleanup if r.scenario == f"cleanup ({how})"]
+        lin = linearity(rows)
+        title = (
+            "4a. One worker's dead pool children held the locks (freed by its next node tick)"
+            if how == "children died"
+            else "4b. The worker died with them (freed by a same-name successor's start-up)"
+        )
+        out += [f"#### {title}", "", *_table(rows), "", f"Ratio: {lin.text()}", ""]
+        out.append(f"{title[:2]}. target 4.x (linear in locks): " + _verdict(lin))
+        out.append("")
+    share, per_core, per_core_usec = nodes_per_core(run)
+    at = "at the defaults" if s.interval == INTERVAL else f"at a {s.interval:g} s interval"
+    big = run.heartbeats[-1]
+    out += [
+        f"#### Nodes per Redis core {at}",
+        "",
+        f"At {big.size:,} nodes ({big.size * CHILDREN:,} pool children) the server used "
+        f"{share * 100:.1f} % of one core (INFO cpu), its commands "
+        f"{big.cost.top_usec / big.cost.wall_s / 1e4:.1f} % (commandstats). Extrapolated "
+        f"linearly (an assumption, not measured beyond {big.size:,} nodes): one Redis core "
+        f"carries about **{per_core:,.0f} nodes** {at} by server CPU "
+        f"({per_core_usec:,.0f} by command time alone), with no lock traffic.",
+        "",
+        "#### Keyspace size and keyspace walks",
+        "",
+        "| scenario | size | commands, empty keyspace | commands, "
+        f"{s.unrelated:,} unrelated keys | equal |",
+        "|---|---:|---:|---:|---|",
+    ]
+    equal_all = True
+    for a, b in run.keyspace:
+        # SSCAN's call count follows the owners set's hashing: left out.
+        ca = {k: v for k, v in a.cost.calls.items() if k != "sscan"}
+        cb = {k: v for k, v in b.cost.calls.items() if k != "sscan"}
+        equal = ca == cb
+        equal_all = equal_all and equal
+        out.append(
+            f"| {a.scenario} | {a.size:,} | {a.cost.commands} | {b.cost.commands} | "
+            f"{'yes' if equal else 'NO'} |"
+        )
+    out += [
+        "",
+        f"- costs independent of unrelated keyspace size (commands equal, SSCAN calls aside): "
+        f"{'met' if equal_all else 'NOT met'}",
+        f"- SCAN + KEYS calls in every measured window: {run.walks} -> "
+        f"{'met' if run.walks == 0 else 'NOT met'}",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _verdict(lin: Linearity) -> str:
+    if lin.met:
+        return "met"
+    return f"NOT met ({lin.text()})"
+
+
+def _load() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    parser.add_argument("--nodes", help="two node counts, e.g. 500,1000")
+    parser.add_argument("--owners", help="two owner counts for reconcile, e.g. 5000,10000")
+    parser.add_argument("--workers", help="two worker counts starting at once, e.g. 75,150")
+    parser.add_argument("--locks", help="two lock counts for one worker's cleanup, e.g. 500,1000")
+    parser.add_argument("--window", type=float, help="heartbeat measuring window, seconds")
+    parser.add_argument("--out", type=Path, help="also write the markdown report here")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else Sizes()
+    for name in ("nodes", "owners", "workers", "locks"):
+        value = getattr(args, name)
+        if value:
+            a, b = (int(x) for x in value.split(","))
+            setattr(sizes, name, (a, b))
+    if args.window:
+        sizes.window = args.window
+    command = ".venv/bin/python -m benchmarks.fleet" + (
+        " " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else ""
+    )
+    report = run(sizes, command, lambda m: print(f"# {m}", file=sys.stderr, flush=True))
+    print(report)
+    if args.out:
+        args.out.write_text(report)
+    return 0
+
+
+def run(sizes: Sizes, command: str, progress: Callable[[str], None] = lambda _: None) -> str:
+    """Start a redis-server, run every scenario, return the markdown report."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from redis_server import RedisServer
+
+    _raise_nofile()  # one connection per blocking wait; the server inherits it
+    # The engine logs every eviction and cleanup it does (thousands here).
+    logging.getLogger("celery_redislock").setLevel(logging.ERROR)
+    started = time.monotonic()
+    before = _load()
+    with RedisServer(extra_args=["--maxclients", "20000"]) as server:
+        result = run_all(server.url, sizes, progress)
+        version = server.version_string
+    return render(result, command, version, (before, _load()), time.monotonic() - started)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
