@@ -229,6 +229,9 @@ def _manager(client: redis.Redis, ns: str, **kwargs: Any) -> LockManager:
     kwargs.setdefault("eviction_check", "ignore")
     mgr = LockManager(client, ns, **kwargs)
     mgr._lost_watch_exempt_pid = os.getpid()
+    # Set-up speed: the namespace's data format is checked once per run
+    # (``check_format`` below), not once per simulated process.
+    mgr._format_pending = False
     return mgr
 
 
@@ -448,6 +451,8 @@ def heartbeats(
             # within one interval: let the schedule fill before measuring.
             time.sleep(interval + 0.5)
             errors0 = sum(d.errors for d in drivers)
+            for d in drivers:
+                d.max_lag = 0.0
             a = snapshot(admin)
             time.sleep(window)
             b = snapshot(admin)
@@ -494,26 +499,35 @@ def heartbeats(
 def reconcile(
     url: str, sizes: Iterable[int], *, dead_share: float = 0.01, unrelated: int = 0
 ) -> list[Row]:
-    """One reconcile pass over ``size`` owners, ``dead_share`` of them dead."""
+    """One reconcile pass over ``size`` owners, ``dead_share`` of them dead.
+
+    The sizes share one namespace: after a pass, new owners (dead ones
+    among them) fill the owners set up to the next size.
+    """
     rows = []
+    admin = _admin(url)
+    admin.flushall()
+    if unrelated:
+        populate(admin, unrelated)
+    ns = "rec"
+    client = _admin(url)
+    beat = _manager(_admin(url), ns)
+    beat.check_format()  # also warms its connection
+    held: list[Any] = []
+    made = 0
     for size in sorted(sizes):
-        admin = _admin(url)
-        admin.flushall()
-        if unrelated:
-            populate(admin, unrelated)
-        ns = f"rec{size}"
-        client = _admin(url)
-        owners = []
-        held = []
-        for i in range(size):
-            mgr = _manager(client, ns, owner_ttl=SETUP_TTL)
-            held.append(mgr.acquire(f"r{i}", timeout=0))
-            owners.append(mgr)
         dead = max(1, round(size * dead_share))
+        new = size - int(admin.scard(beat.keys.owners))
+        if new < dead:
+            raise ValueError(f"sizes too close together: {sorted(sizes)}")
+        owners = []
+        for _ in range(new):
+            mgr = _manager(client, ns, owner_ttl=SETUP_TTL)
+            held.append(mgr.acquire(f"r{made}", timeout=0))
+            made += 1
+            owners.append(mgr)
         for mgr in random.sample(owners, dead):
             admin.delete(mgr.keys.alive(mgr.owner_id))  # its liveness expired
-        beat = _manager(_admin(url), ns)
-        beat.client.ping()
         a = snapshot(admin)
         report = beat.reconcile()
         b = snapshot(admin)
@@ -535,11 +549,11 @@ def reconcile(
                 },
             )
         )
-        del held, owners
-        beat.client.close()
-        client.close()
-        admin.flushall()
-        admin.close()
+    del held
+    beat.client.close()
+    client.close()
+    admin.flushall()
+    admin.close()
     return rows
 
 
@@ -588,11 +602,15 @@ def _worker_start(url: str, ns: str, name: str, go: threading.Barrier) -> dict[s
 
 
 def startups(
-    url: str, sizes: Iterable[int], *, children: int = CHILDREN, locks: int = 2
+    url: str, sizes: Iterable[int], *, children: int = CHILDREN, locks: int = 2, trials: int = 1
 ) -> list[Row]:
-    """``size`` workers starting at once, each evicting a dead predecessor."""
+    """``size`` workers starting at once, each evicting a dead predecessor.
+
+    ``trials`` rounds of every size, interleaved; the round with the least
+    server time of each size is kept (the machine is shared).
+    """
     rows = []
-    for size in sorted(sizes):
+    for size in [n for _ in range(trials) for n in sorted(sizes)]:
         admin = _admin(url)
         admin.flushall()
         ns = f"start{size}"
@@ -631,7 +649,21 @@ def startups(
         client.close()
         admin.flushall()
         admin.close()
-    return rows
+    return best_of(rows)
+
+
+def best_of(rows: list[Row]) -> list[Row]:
+    """Per scenario and size, the row with the least server time (in order).
+
+    Its counts are checked against the other rounds' by the callers' tests:
+    only the timings differ between rounds.
+    """
+    best: dict[tuple[str, int], Row] = {}
+    for r in rows:
+        key = (r.scenario, r.size)
+        if key not in best or r.cost.top_usec < best[key].cost.top_usec:
+            best[key] = r
+    return list(best.values())
 
 
 # -- 4. one worker's cleanup ---------------------------------------------------
@@ -680,13 +712,19 @@ def _close_node(node: Node) -> None:
 
 
 def cleanup(
-    url: str, sizes: Iterable[int], *, children: int = CHILDREN, unrelated: int = 0
+    url: str,
+    sizes: Iterable[int],
+    *,
+    children: int = CHILDREN,
+    unrelated: int = 0,
+    trials: int = 1,
 ) -> list[Row]:
     """A worker's pool children held ``size`` locks and died; freed by (a) the
     node's next tick (children died), (b) a same-name successor's start-up,
-    which evicts the worker (worker died too)."""
+    which evicts the worker (worker died too). ``trials``: as for
+    :func:`startups`."""
     rows = []
-    for size in sorted(sizes):
+    for size in [n for _ in range(trials) for n in sorted(sizes)]:
         for how in ("children died", "worker died"):
             admin = _admin(url)
             admin.flushall()
@@ -736,7 +774,7 @@ def cleanup(
             _close_node(node)
             admin.flushall()
             admin.close()
-    return rows
+    return best_of(rows)
 
 
 def _count_grants(admin: redis.Redis, ns: str) -> int:
@@ -771,6 +809,9 @@ class Sizes:
     #: Sizes of the keyspace check (reconcile owners, cleanup locks).
     keyspace_owners: int = 1000
     keyspace_locks: int = 200
+    #: Interleaved rounds of the start-up and cleanup scenarios (least
+    #: server time kept).
+    trials: int = 2
 
 
 #: Small enough for the smoke test (seconds): a 1 s heartbeat interval.
@@ -816,9 +857,9 @@ def run_all(url: str, sizes: Sizes, progress: Callable[[str], None] = lambda _: 
     progress(f"heartbeats: {[_brief(r) for r in hb]}")
     rec = reconcile(url, sizes.owners)
     progress(f"reconcile: {[_brief(r) for r in rec]}")
-    st = startups(url, sizes.workers)
+    st = startups(url, sizes.workers, trials=sizes.trials)
     progress(f"startup: {[_brief(r) for r in st]}")
-    cl = cleanup(url, sizes.locks)
+    cl = cleanup(url, sizes.locks, trials=sizes.trials)
     progress(f"cleanup: {[_brief(r) for r in cl]}")
     pairs = []
     for fn, n in ((reconcile, sizes.keyspace_owners), (cleanup, sizes.keyspace_locks)):
@@ -830,7 +871,14 @@ def run_all(url: str, sizes: Sizes, progress: Callable[[str], None] = lambda _: 
 
 
 def _brief(r: Row) -> str:
-    return f"{r.scenario}@{r.size}: {r.cost.commands} cmds {r.cost.cpu_s * 1000:.0f} ms cpu"
+    c = r.cost
+    each = ", ".join(
+        f"{k} {c.usec[k] / c.calls[k]:.1f}" for k in ("evalsha", "blpop", "blmove") if k in c.calls
+    )
+    return (
+        f"{r.scenario}@{r.size}: {c.commands} cmds {c.top_usec:.0f} usec "
+        f"{c.cpu_s * 1000:.0f} ms cpu {c.wall_s:.2f} s (usec per call: {each})"
+    )
 
 
 def _rate(r: Row, value: float) -> float:
@@ -917,12 +965,20 @@ def nodes_per_core(run: FleetRun) -> tuple[float, float, float]:
     return share, r.size / share if share else 0.0, r.size / usec_share if usec_share else 0.0
 
 
-def render(run: FleetRun, command: str, version: str, load: tuple[str, str], elapsed: float) -> str:
-    """The markdown report."""
+def render(
+    run: FleetRun,
+    command: str,
+    version: str,
+    load: tuple[str, str],
+    elapsed: float,
+    level: int = 2,
+) -> str:
+    """The markdown report; its title is a heading of ``level``."""
+    h1, h2 = "#" * level, "#" * (level + 1)
     s = run.sizes
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [
-        "### Fleet scale (simulated on one machine)",
+        f"{h1} Fleet scale (simulated on one machine)",
         "",
         f"- date: {now}; command: `{command}`; total {elapsed:.0f} s",
         f"- machine: {os.cpu_count()} CPUs, load average before/after {load[0]} / {load[1]} "
@@ -948,7 +1004,7 @@ def render(run: FleetRun, command: str, version: str, load: tuple[str, str], ela
     ]
     for title, rows, what in sections:
         lin = linearity(rows)
-        out += [f"#### {title}", "", *_table(rows), "", f"Ratio: {lin.text()}", ""]
+        out += [f"{h2} {title}", "", *_table(rows), "", f"Ratio: {lin.text()}", ""]
         out.append(f"{title.split('.')[0]}. target 4.x (linear in {what}): " + _verdict(lin))
         out.append("")
     for how in ("children died", "worker died"):
@@ -959,14 +1015,14 @@ def render(run: FleetRun, command: str, version: str, load: tuple[str, str], ela
             if how == "children died"
             else "4b. The worker died with them (freed by a same-name successor's start-up)"
         )
-        out += [f"#### {title}", "", *_table(rows), "", f"Ratio: {lin.text()}", ""]
+        out += [f"{h2} {title}", "", *_table(rows), "", f"Ratio: {lin.text()}", ""]
         out.append(f"{title[:2]}. target 4.x (linear in locks): " + _verdict(lin))
         out.append("")
     share, per_core, per_core_usec = nodes_per_core(run)
     at = "at the defaults" if s.interval == INTERVAL else f"at a {s.interval:g} s interval"
     big = run.heartbeats[-1]
     out += [
-        f"#### Nodes per Redis core {at}",
+        f"{h2} Nodes per Redis core {at}",
         "",
         f"At {big.size:,} nodes ({big.size * CHILDREN:,} pool children) the server used "
         f"{share * 100:.1f} % of one core (INFO cpu), its commands "
@@ -975,7 +1031,7 @@ def render(run: FleetRun, command: str, version: str, load: tuple[str, str], ela
         f"carries about **{per_core:,.0f} nodes** {at} by server CPU "
         f"({per_core_usec:,.0f} by command time alone), with no lock traffic.",
         "",
-        "#### Keyspace size and keyspace walks",
+        f"{h2} Keyspace size and keyspace walks",
         "",
         "| scenario | size | commands, empty keyspace | commands, "
         f"{s.unrelated:,} unrelated keys | equal |",

@@ -11,7 +11,9 @@ contention benchmark (open mode once per library and process count; relay
 mode, the handoff measurement, as ``--trials`` interleaved rounds of every
 library, pooled) and the cost benchmark, prints a markdown report and writes
 it to ``benchmarks/results.md``. Bounded: about ``6 x duration + 6 x trials x
-trial-duration`` seconds plus start-up (about 95 s with the defaults).
+trial-duration`` seconds plus start-up (about 95 s with the defaults), then
+the fleet-scale benchmark (``benchmarks/fleet.py``, on a redis-server of its
+own; ``--fleet quick`` or ``off`` to shorten it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks import cost, peers  # noqa: E402
+from benchmarks import cost, fleet, peers  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results.md"
@@ -74,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keys", default="100,50000", help="unrelated keyspace sizes for the cost benchmark"
     )
+    parser.add_argument(
+        "--fleet",
+        choices=("default", "quick", "off"),
+        default="default",
+        help="fleet-scale benchmark sizes (benchmarks/fleet.py)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report file")
     args = parser.parse_args(argv)
     procs = [int(p) for p in args.procs.split(",")]
@@ -108,11 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         costs = [cost.measure_costs(server.url, k) for k in sizes]
     finally:
         server.close()
+    fleet_report = ""
+    if args.fleet != "off":
+        quick = args.fleet == "quick"
+        fleet_report = fleet.run(
+            fleet.QUICK if quick else fleet.Sizes(),
+            ".venv/bin/python -m benchmarks.fleet" + (" --quick" if quick else ""),
+            lambda m: print(f"# fleet {m}", file=sys.stderr, flush=True),
+        )
     elapsed = time.monotonic() - started
 
     report = render(
         contention, costs, args, command, server.version_string, load_before, _load(), elapsed
     )
+    if fleet_report:
+        report += "\n" + fleet_report
     print(report)
     args.out.write_text(report)
     print(f"\n(written to {args.out})", file=sys.stderr)

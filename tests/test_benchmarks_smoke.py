@@ -202,3 +202,108 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
     assert len(res.plain) == len(res.locked) == 2
     assert all(rate > 0 for rate in res.plain + res.locked)
     assert "target 3b (@locked costs <= 10% tasks/s): " in celery_e2e.cost_markdown([res])
+
+
+# -- fleet scale (benchmarks/fleet.py): tiny sizes, counts only ---------------
+
+
+def test_fleet_heartbeats_tick_every_node_and_block_every_child(redis_url: str) -> None:
+    from benchmarks import fleet
+
+    (row,) = fleet.heartbeats(redis_url, [3], window=1.0, interval=0.5, threads=2)
+
+    assert row.per_second and row.cost.wall_s > 0
+    assert row.counts["owners"] == 3 * fleet.CHILDREN
+    # Every child stayed alive: no tick found a dead or lost owner.
+    assert row.counts["tick_errors"] == 0
+    assert row.counts["evalsha/s"] > 0  # node_heartbeat.lua and defer_tick.lua
+    assert row.counts["blpop/s"] > 0  # the children's lost-owner watchers
+    assert row.counts["blmove/s"] > 0  # the dispatcher's wait
+    assert {"pexpire", "hgetall"} <= set(row.cost.calls)  # node_heartbeat.lua ran
+    assert row.cost.walks == 0
+
+
+def test_fleet_reconcile_cleans_exactly_the_dead_owners(redis_url: str) -> None:
+    from benchmarks import fleet
+
+    (row,) = fleet.reconcile(redis_url, [100], dead_share=0.05)
+
+    assert row.counts["owners_seen"] == 100
+    assert row.counts["dead"] == row.counts["cleaned"] == row.counts["released"] == 5
+    assert row.counts["left"] == 95
+    assert row.counts["errors"] == 0
+    assert row.cost.calls.get("sscan", 0) >= 1
+    assert row.cost.walks == 0
+
+
+def test_fleet_workers_starting_at_once_each_evict_their_predecessor(redis_url: str) -> None:
+    from benchmarks import fleet
+
+    (row,) = fleet.startups(redis_url, [3], children=2, locks=2)
+
+    assert row.counts["owners"] == 3  # every worker owns its node record
+    assert row.counts["predecessor_grants"] == 12
+    assert row.counts["locks_left"] == 0  # every predecessor's lock freed
+    assert row.cost.calls["info"] == 3  # each worker's eviction check
+    assert row.cost.walks == 0
+
+
+def test_fleet_cleanup_frees_exactly_the_dead_childrens_locks(redis_url: str) -> None:
+    from benchmarks import fleet
+
+    rows = fleet.cleanup(redis_url, [20], children=4)
+
+    assert [r.scenario for r in rows] == ["cleanup (children died)", "cleanup (worker died)"]
+    for row in rows:
+        assert row.counts["owners"] == 4, row.scenario
+        assert row.counts["held"] == row.counts["freed"] == 20, row.scenario
+        assert row.counts["ok"], row.scenario
+        assert row.cost.walks == 0, row.scenario
+
+
+def test_fleet_cleanup_commands_do_not_depend_on_unrelated_keys(redis_url: str) -> None:
+    from benchmarks import fleet
+
+    plain = fleet.cleanup(redis_url, [8], children=2)
+    crowded = fleet.cleanup(redis_url, [8], children=2, unrelated=3000)
+
+    assert [r.cost.calls for r in plain] == [r.cost.calls for r in crowded]
+
+
+def test_fleet_report_gives_ratios_and_verdicts_per_scenario() -> None:
+    from benchmarks import fleet
+
+    def row(scenario: str, size: int, commands: int, per_second: bool = False) -> fleet.Row:
+        cost = fleet.Cost(
+            {"evalsha": commands // 2, "hset": commands - commands // 2},
+            {"evalsha": 10 * commands, "hset": commands},
+            cpu_s=commands / 1e5,
+            wall_s=2.0,
+        )
+        return fleet.Row(scenario, size, "n", cost, {}, per_second=per_second)
+
+    run = fleet.FleetRun(
+        fleet.QUICK,
+        heartbeats=[row("heartbeats", 10, 100, True), row("heartbeats", 20, 200, True)],
+        reconcile=[row("reconcile", 100, 300), row("reconcile", 200, 600)],
+        # Superlinear: four times the commands for twice the workers.
+        startup=[row("startup", 3, 100), row("startup", 6, 400)],
+        cleanup=[
+            row("cleanup (children died)", 16, 100),
+            row("cleanup (worker died)", 16, 100),
+            row("cleanup (children died)", 32, 180),
+            row("cleanup (worker died)", 32, 180),
+        ],
+        keyspace=[(row("reconcile", 100, 300), row("reconcile", 100, 300))],
+    )
+
+    text = fleet.render(run, "cmd", "7.0.0", ("0", "0"), 1.0)
+
+    assert "1. target 4.x (linear in what it touches: nodes" in text
+    assert "2. target 4.x (linear in what it touches: owners): met" in text
+    assert "3. target 4.x (linear in what it touches: workers" in text
+    assert "NOT met (size x2.00: commands x4.00" in text
+    assert "4a. target 4.x (linear in locks): met" in text
+    assert "4b. target 4.x (linear in locks): met" in text
+    assert "Nodes per Redis core at a 1 s interval" in text
+    assert "SCAN + KEYS calls in every measured window: 0 -> met" in text
