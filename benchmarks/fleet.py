@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import heapq
 import logging
 import multiprocessing as mp
 import os
@@ -274,8 +275,10 @@ class _TickDriver(threading.Thread):
         self._due: list[tuple[float, int, Callable[[], None]]] = []
         self._lock = threading.Lock()
         self._halt = threading.Event()
-        self.ticks = 0
+        #: Failed calls, and ticks that found a dead or lost owner (none
+        #: should: every simulated child is alive).
         self.errors = 0
+        #: Latest start of a due job, seconds (the driver keeping up).
         self.max_lag = 0.0
 
     def add(self, node: Node, dispatcher: Dispatcher, first: float) -> None:
@@ -283,10 +286,9 @@ class _TickDriver(threading.Thread):
         # has its own; Redis's cost per command is the same).
         dispatcher.manager = self.ops
         with self._lock:
-            n = len(self._due)
-            self._due.append((first, 2 * n, lambda: self._tick(node)))
-            self._due.append((first + 0.001, 2 * n + 1, dispatcher.upkeep))
-            self._due.sort(key=lambda x: x[0])
+            n = len(self._due)  # sequence numbers break ties: no callable compared
+            heapq.heappush(self._due, (first, 2 * n, lambda: self._tick(node)))
+            heapq.heappush(self._due, (first + 0.001, 2 * n + 1, dispatcher.upkeep))
 
     def _tick(self, node: Node) -> None:
         node._ops_by_thread[threading.get_ident()] = self.ops
@@ -295,15 +297,9 @@ class _TickDriver(threading.Thread):
             self.errors += 1
 
     def run(self) -> None:
-        import heapq
-
         while not self._halt.is_set():
             with self._lock:
-                if not self._due:
-                    job = None
-                else:
-                    heapq.heapify(self._due)
-                    job = self._due[0]
+                job = self._due[0] if self._due else None
             if job is None:
                 self._halt.wait(0.05)
                 continue
@@ -317,7 +313,6 @@ class _TickDriver(threading.Thread):
                 heapq.heapreplace(self._due, (at + self.interval, seq, fn))
             try:
                 fn()
-                self.ticks += 1
             except Exception:
                 self.errors += 1
 
@@ -331,8 +326,7 @@ def _waits_main(host: str, port: int, waits: list[tuple[bytes, list[float]]], re
     ``waits``: (command without its timeout, timeouts to cycle through). The
     first sends are spread over one block period. Runs until killed.
     """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    _raise_nofile()
     sel = selectors.DefaultSelector()
     state: list[list[Any]] = []
     for cmd, cycle in waits:
@@ -370,9 +364,9 @@ def _waits_main(host: str, port: int, waits: list[tuple[bytes, list[float]]], re
                 send(i)
 
 
-def _resp(*parts: str, timeout_follows: bool = True) -> bytes:
+def _resp(*parts: str) -> bytes:
     """A RESP command with one more argument (the timeout) to append."""
-    out = [b"*%d\r\n" % (len(parts) + (1 if timeout_follows else 0))]
+    out = [b"*%d\r\n" % (len(parts) + 1)]
     for p in parts:
         b = p.encode()
         out.append(b"$%d\r\n%s\r\n" % (len(b), b))
@@ -388,11 +382,11 @@ def _dispatch_cycle(interval: float) -> list[float]:
     return out
 
 
-def _raise_nofile() -> int:
+def _raise_nofile() -> None:
+    """Raise this process's open-file limit to its hard limit (one socket per wait)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
 
 
 def heartbeats(
@@ -572,7 +566,7 @@ def reconcile(
 
 
 def _dead_predecessor(
-    url: str, client: redis.Redis, ns: str, name: str, children: int, locks: int
+    client: redis.Redis, ns: str, name: str, children: int, locks: int
 ) -> list[Any]:
     """A worker ``name`` whose children hold locks, dead for a minute."""
     mgr = _manager(client, ns)
@@ -639,7 +633,7 @@ def startups(
         client = _admin(url)
         held = []
         for i in range(size):
-            held.extend(_dead_predecessor(url, client, ns, f"w{i}@fleet", children, locks))
+            held.extend(_dead_predecessor(client, ns, f"w{i}@fleet", children, locks))
         grants = size * children * locks
         threads = min(size, concurrency or size)
         go = threading.Barrier(threads + 1)
@@ -890,7 +884,7 @@ def run_all(url: str, sizes: Sizes, progress: Callable[[str], None] = lambda _: 
     progress(f"startup paced: {[_brief(r) for r in paced]}")
     cl = cleanup(url, sizes.locks, trials=sizes.trials)
     progress(f"cleanup: {[_brief(r) for r in cl]}")
-    pairs = []
+    pairs: list[tuple[Row, Row]] = []
     for fn, n in ((reconcile, sizes.keyspace_owners), (cleanup, sizes.keyspace_locks)):
         plain = fn(url, [n])
         crowded = fn(url, [n], unrelated=sizes.unrelated)
