@@ -475,6 +475,9 @@ def heartbeats(
                         "tick_errors": sum(d.errors for d in drivers) - errors0,
                         "max_tick_lag_s": round(lag, 3),
                         "connections": int(admin.info("clients")["connected_clients"]),
+                        "clients_mem_mb": round(
+                            int(admin.info("memory")["mem_clients_normal"]) / 2**20, 1
+                        ),
                         **{
                             f"{k}/s": round(cost.calls.get(k, 0) / cost.wall_s, 1)
                             for k in ("evalsha", "blpop", "blmove")
