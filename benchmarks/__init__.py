@@ -9,6 +9,10 @@ Run them all, against a throw-away redis-server they start themselves::
   python-redis-lock, with N contending processes on one Redis.
 - :mod:`benchmarks.cost`: Redis commands used by acquire+release,
   ``cleanup_owner`` and ``reconcile`` with a small and a large keyspace.
+- :mod:`benchmarks.fleet` (also alone: ``python -m benchmarks.fleet``): a
+  fleet's Redis cost simulated on one machine (idle heartbeats of 1,000
+  nodes, reconcile, 150 workers starting at once, one worker's cleanup),
+  each at two sizes, and the nodes one Redis core carries.
 - :mod:`benchmarks.memory` (run alone: ``python -m benchmarks.memory``):
   Redis bytes per held lock, owner and queued waiter, against the peers.
 - :mod:`benchmarks.celery_e2e` (run alone: ``make bench-celery``): real
