@@ -95,32 +95,16 @@ def _attempt_as_task(
 
     ``holder``: the task's holder record (task name, id, node), kept with the
     queued request and beside its grant (``{ns}:holder:<token>``)."""
-    owner = token.split("|", 1)[0]
-    keys = [
-        mgr.keys.fence,
-        mgr.keys.seq,
-        mgr.keys.owners,
-        mgr.keys.held(owner),
-        mgr.keys.alive(owner),
-        mgr.keys.req(token),
-        mgr.keys.wake(token),
-        *req.lock_keys,
-        *req.queue_keys,
-    ]
-    args = [
-        owner,
+    keys, args = mgr._acquire_call(
+        token.split("|", 1)[0],
         token,
-        req.modes,
-        "1",
-        "0",
-        liveness_ms,
-        register,
-        mgr.keys.prefix,
-        liveness_ms,  # the queued request's state lives as long as the park
-        str(mgr.queue_scan_limit),
-        "",
-        holder,
-    ]
+        req,
+        queue=True,
+        liveness_ms=liveness_ms,
+        register=register,
+        req_ttl=liveness_ms,  # the queued request's state lives as long as the park
+        holder=holder,
+    )
     reply = mgr._call("acquire", keys, args)
     mgr._note_reclaimed(reply)  # dead holders' grants it freed (metrics only)
     return reply

@@ -131,6 +131,10 @@ class OwnerIdentity:
     #: (``LockManager._confirm``); 0.0 until the first confirmation. Past it,
     #: every lease of the owner is lost, whatever Redis says later.
     valid_until: float = 0.0
+    #: True once a script added this owner to ``{ns}:owners`` (its first
+    #: grant or queued request): later acquires skip the SADD. Nothing takes
+    #: a live owner out of the set, only the cleanup that retires it.
+    listed: bool = False
 
     @functools.cached_property
     def tag(self) -> str:

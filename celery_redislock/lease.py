@@ -76,6 +76,10 @@ class Lease:
         self._holds = 1
         #: Outer leases this one counts on (reentrant resources).
         self._parents: tuple[Lease, ...] = ()
+        #: The grant left no request state, wake list or holder record in
+        #: Redis (acquire.lua granted it in the call that replied, without
+        #: holder info): release.lua need not delete them.
+        self._clean = False
 
     @property
     def resources(self) -> tuple[str, ...]:

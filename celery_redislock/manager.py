@@ -851,6 +851,14 @@ class LockManager:
                                 raise ShuttingDown(req.resources)
                             continue
                     lease = Lease(self, req, ident, token, int(reply[1]), depth)
+                    # Granted by the script call that replied (not a hand-off,
+                    # not a retry finding an earlier grant), without a holder
+                    # record: its release has no request keys to delete.
+                    lease._clean = (
+                        len(reply) > 2
+                        and not self.wait_replicas
+                        and not getattr(self._local, "holder", None)
+                    )
                     # Kept only while its identity is current (checked under the
                     # lock that _owner_lost takes to mark leases lost): a grant
                     # made to a retired identity, e.g. handed off just as a
@@ -1052,45 +1060,88 @@ class LockManager:
             outage.failures = 0
         return value
 
-    def _attempt(
-        self, ident: OwnerIdentity, token: str, req: _Request, queue: bool, nested: bool
-    ) -> Any:
-        ttl_ms = int(self.owner_ttl * 1000)
-        keys = [
-            self.keys.fence,
-            self.keys.seq,
-            self.keys.owners,
-            self.keys.held(ident.owner_id),
-            self.keys.alive(ident.owner_id),
-            self.keys.req(token),
-            self.keys.wake(token),
+    def _acquire_call(
+        self,
+        owner: str,
+        token: str,
+        req: _Request,
+        *,
+        queue: bool,
+        nested: bool = False,
+        liveness_ms: str,
+        register: str = "",
+        req_ttl: str | None = None,
+        group: str | None = None,
+        tag: str = "",
+        holder: str = "",
+        listed: bool = False,
+    ) -> tuple[list[str], list[str]]:
+        """KEYS and ARGV of one acquire.lua call (see its header for each slot).
+
+        ``register``: the liveness key's value when the call registers the
+        owner ('' when it is registered); ``group``: the group hash the owner
+        registers in (with its process ``tag``); ``holder``: the holder
+        record; ``listed``: the owner is in ``{ns}:owners`` already.
+        """
+        keys = self.keys
+        k = [
+            keys.fence,
+            keys.seq,
+            keys.owners,
+            keys.held(owner),
+            keys.alive(owner),
+            keys.req(token),
+            keys.wake(token),
             *req.lock_keys,
             *req.queue_keys,
         ]
-        group = self._group() if (self._group is not None and not ident.registered) else None
         if group is not None:
-            keys.append(group)
+            k.append(group)
         args = [
-            ident.owner_id,
+            owner,
             token,
             req.modes,
             "1" if queue else "0",
             "1" if nested else "0",
-            str(ttl_ms),  # every attempt refreshes the liveness (step 1)
-            # Registering (non-empty) or not; not built on every attempt.
-            "" if ident.registered else ident.describe(self.name),
-            self.keys.prefix,
-            self._req_ttl_arg,
+            liveness_ms,
+            register,
+            keys.prefix,
+            self._req_ttl_arg if req_ttl is None else req_ttl,
             self._limit_arg,
-            ident.tag if group is not None else "",
-            # Who holds it, only when a Celery task acquires (@locked sets it).
-            getattr(self._local, "holder", None) or "",
+            tag,
+            holder,
+            "1" if listed else "",
         ]
+        return k, args
+
+    def _attempt(
+        self, ident: OwnerIdentity, token: str, req: _Request, queue: bool, nested: bool
+    ) -> Any:
+        group = self._group() if (self._group is not None and not ident.registered) else None
+        keys, args = self._acquire_call(
+            ident.owner_id,
+            token,
+            req,
+            queue=queue,
+            nested=nested,
+            liveness_ms=self._ttl_arg,  # every attempt refreshes the liveness (step 1)
+            # Registering (non-empty) or not; not built on every attempt.
+            register="" if ident.registered else ident.describe(self.name),
+            group=group,
+            tag=ident.tag if group is not None else "",
+            # Who holds it, only when a Celery task acquires (@locked sets it).
+            holder=getattr(self._local, "holder", None) or "",
+            listed=ident.listed,
+        )
         if self.wait_replicas:
-            return self._call_and_wait("acquire", keys, args)
-        reply = self._call("acquire", keys, args)
-        if self._metrics is not None:
-            self._note_reclaimed(reply)
+            reply = self._call_and_wait("acquire", keys, args)
+        else:
+            reply = self._call("acquire", keys, args)
+            if self._metrics is not None:
+                self._note_reclaimed(reply)
+        code = int(reply[0])
+        if code == 1 or (code == 0 and queue):
+            ident.listed = True  # the script added it to {ns}:owners
         return reply
 
     def _note_reclaimed(self, reply: Any) -> None:
@@ -1227,6 +1278,10 @@ class LockManager:
         return str(self._req_ttl_ms)
 
     @functools.cached_property
+    def _ttl_arg(self) -> str:
+        return str(int(self.owner_ttl * 1000))
+
+    @functools.cached_property
     def _limit_arg(self) -> str:
         return str(self.queue_scan_limit)
 
@@ -1332,31 +1387,15 @@ class LockManager:
         owner = task_owner_id(task_id, attempt)
         ttl = _v.duration("ttl", ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL)
         token = task_token(owner, task_id)
-        keys = [
-            self.keys.fence,
-            self.keys.seq,
-            self.keys.owners,
-            self.keys.held(owner),
-            self.keys.alive(owner),
-            self.keys.req(token),
-            self.keys.wake(token),
-            *req.lock_keys,
-            *req.queue_keys,
-        ]
-        args = [
+        keys, args = self._acquire_call(
             owner,
             token,
-            req.modes,
-            "0",  # never queue
-            "0",
-            str(int(ttl * 1000)),
-            f"task={task_id}",  # registering: SET NX, or PEXPIRE when it exists
-            self.keys.prefix,
-            self._req_ttl_arg,
-            self._limit_arg,
-            "",
-            holder or "",
-        ]
+            req,
+            queue=False,  # never queue
+            liveness_ms=str(int(ttl * 1000)),
+            register=f"task={task_id}",  # registering: SET NX, or PEXPIRE when it exists
+            holder=holder or "",
+        )
         if self._eviction_pending or self._eviction_refusal is not None:
             self._check_eviction_once()  # first: a refusal must write nothing
         if self._format_pending:
@@ -1530,12 +1569,22 @@ class LockManager:
     # -- release ----------------------------------------------------------
 
     def _run_release(
-        self, owner_id: str, token: str, req: _Request, client: Any = None, *, lease: bool = False
+        self,
+        owner_id: str,
+        token: str,
+        req: _Request,
+        client: Any = None,
+        *,
+        lease: bool = False,
+        clean: bool = False,
     ) -> Any:
         """Run release.lua for one request (release its grant, leave its queues).
 
         ``lease=True`` for a request returned as a lease: granted, so it has no
-        queue entries left and the script skips leaving them.
+        queue entries left and the script skips leaving them. ``clean=True``
+        (with ``lease``): acquire.lua made the grant in the call that replied
+        it and no holder record was given, so the request has no state, wake
+        list or holder record to delete either.
         """
         keys = [
             self.keys.held(owner_id),
@@ -1551,7 +1600,7 @@ class LockManager:
             self.keys.prefix,
             self._req_ttl_arg,
             self._limit_arg,
-            "1" if lease else "0",
+            ("2" if clean else "1") if lease else "0",
         ]
         return self._call("release", keys, args, client=client)
 
@@ -1614,7 +1663,9 @@ class LockManager:
             self._metrics.held(time.time() - lease.acquired_at)
         req = lease._request
         try:
-            reply = self._run_release(lease.owner_id, lease.token, req, lease=True)
+            reply = self._run_release(
+                lease.owner_id, lease.token, req, lease=True, clean=lease._clean
+            )
         except BaseException:
             with self._state_lock:
                 self._orphans[lease.token] = req

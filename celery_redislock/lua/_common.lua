@@ -281,7 +281,7 @@ local wake_front
 -- Hand-off: grant the queued request TOKEN every lock it asked for, here and
 -- now, if nothing blocks it: no conflicting holder on any of its resources
 -- and (unless nested) no earlier conflicting queue entry. Its owner must be
--- alive. The grant is what acquire.lua step 5 does; the fencing token is
+-- alive. The grant is what acquire.lua step 6 does; the fencing token is
 -- stored with the grant in each lock hash and pushed to the request's wake
 -- list as 'g<fence>', so the waiter learns it from its BLPOP without
 -- another round trip. The push does not expire: a waiter blocked on the
@@ -395,7 +395,7 @@ end
 -- inside a run of shared entries, the wake-up is carried on: the last
 -- single-resource shared entry served gets a plain wake instead of a
 -- hand-off, and its own acquire script, granting it, runs wake_front on
--- this queue again (acquire.lua step 5); with no such entry, the next entry
+-- this queue again (acquire.lua step 6); with no such entry, the next entry
 -- not read gets a plain wake.
 wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
   local n = holders or redis.call('HLEN', lock)

@@ -38,6 +38,10 @@
 --     /proc is unavailable (only read when KEYS[8+2n] is given)
 --  12 holder info 'task name\ntask id\nnode' when a Celery task acquires,
 --     '' otherwise (a plain engine lock stores nothing more)
+--  13 (optional) '1' when this owner is in {ns}:owners already: an earlier
+--     grant or queued request of it added it, and only the cleanup that
+--     declares it dead (or retires it) takes it out, so the SADD is skipped;
+--     '' or absent: SADD on a grant or when joining the queues
 --
 -- Atomic steps:
 --   1. Liveness. Registering (ARGV[7] not ''): an owner with a tombstone
@@ -46,17 +50,23 @@
 --      group entry. Registered: PEXPIRE; a missing key means this owner was
 --      declared dead (or Redis lost it): reply {-1}. Never re-creates a key
 --      that existed: a dead owner stays dead.
---   2. Idempotency: a request already granted (its token is in its first
+--   2. Uncontended: when no lock hash and no queue of the request's
+--      resources exists (one EXISTS), nobody holds or waits for them and
+--      this token is neither granted nor queued (a grant or a queue entry
+--      of it would exist): grant at once as in step 6 (no queue to leave,
+--      no request state or wake list to delete, nobody to wake), reply
+--      {1, fence, 0}.
+--   3. Idempotency: a request already granted (its token is in its first
 --      lock hash: grants are all or nothing) replies its grant again, with
 --      the fence stored there.
---   3. Holders (_common.lua reclaim_holders): conflicting holders are read
+--   4. Holders (_common.lua reclaim_holders): conflicting holders are read
 --      until the first live one; one whose owner is dead is reclaimed (token
 --      removed from the lock, its request state and wake list deleted, and,
 --      if it was the owner's last token there, the resource removed from
 --      that owner's registry); the live one blocks, and the resource's
 --      contended stream, if a holder watches it (wait_for_contender), gets
 --      an entry.
---   4. Queue (not for nested requests): earlier entries are read in pages.
+--   5. Queue (not for nested requests): earlier entries are read in pages.
 --      One that conflicts blocks, unless its owner is dead or its state has
 --      expired, in which case the request is removed from every queue
 --      (_common.lua drop_entry). Compatible entries are checked only when
@@ -65,12 +75,15 @@
 --      against ARGV[10], which bounds the live entries looked at (past it:
 --      blocked, conservatively); at most 4 x ARGV[10] are removed per queue
 --      (past it: blocked with wait_ms 0, to run again at once).
---   5. Not blocked: grant every lock (token -> mode and fence), add the
---      resource names to the registry, leave the queues and the owner's
---      waits hash, wake whoever can follow (wake_front: this also carries on
---      a wake-up that a release's budget stopped); with holder info
---      (ARGV[12]), SET {ns}:holder:<token> to it (deleted with the grant).
---   6. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token,
+--   6. Not blocked: grant every lock (token -> mode and fence), add the
+--      resource names to the registry (one HSET), SADD the owner to
+--      {ns}:owners (unless ARGV[13]), leave the queues and the owner's
+--      waits hash, delete the request's state and wake list (a granted
+--      request needs neither: a retry finds its grant in step 3), wake
+--      whoever can follow (wake_front: this also carries on a wake-up that
+--      a release's budget stopped); with holder info (ARGV[12]), SET
+--      {ns}:holder:<token> to it (deleted with the grant).
+--   7. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token,
 --      record the request (modes, resource names, nested, holder info when
 --      given) in its state so a release can hand it the locks (_common.lua
 --      try_handoff, which copies the holder info to {ns}:holder:<token>), and in the
@@ -78,12 +91,17 @@
 --
 -- Reply:
 --   {1, fence, reclaimed}
---                      granted (or granted earlier: same fence, and no
---                      reclaimed element); the fence is a decimal string
+--                      granted by this call (steps 2 and 6; the fence is a
+--                      decimal string): the request has no state, wake list
+--                      or queue entry left, and a holder record only if
+--                      ARGV[12] gave one
+--   {1, fence}         granted earlier (step 3: same fence); a hand-off's
+--                      grant keeps its request state and wake list until
+--                      release.lua deletes them
 --   {0, wait_ms, why, reclaimed}
 --                      blocked; wait_ms = soonest a blocking owner's liveness
 --                      runs out (-1 if unknown); why = 'held' | 'queued'
---   reclaimed = dead holders' grants step 3 freed (for the metrics)
+--   reclaimed = dead holders' grants step 4 freed (for the metrics)
 --   {-1}               this owner's liveness is gone, or it is tombstoned:
 --                      use a new identity
 
@@ -108,7 +126,29 @@ elseif redis.call('PEXPIRE', KEYS[5], reg_ttl) == 0 then
   return {-1}
 end
 
--- 2. idempotency
+local held_names = {}
+for i = 1, n do
+  held_names[2 * i - 1] = name_of(prefix, KEYS[7 + i])
+  held_names[2 * i] = ''
+end
+local known = ARGV[13] == '1'
+
+-- 2. uncontended: no lock hash and no queue of any resource exists, so
+-- nobody holds or waits and this token is neither granted nor queued.
+if redis.call('EXISTS', unpack(KEYS, 8, 7 + 2 * n)) == 0 then
+  local fence = next_fence(KEYS[1])
+  for i = 1, n do
+    redis.call('HSET', KEYS[7 + i], token, string.sub(modes, i, i) .. fence)
+  end
+  redis.call('HSET', KEYS[4], unpack(held_names))
+  if not known then redis.call('SADD', KEYS[3], owner) end
+  if ARGV[12] and ARGV[12] ~= '' then
+    redis.call('SET', prefix .. 'holder:' .. token, ARGV[12])
+  end
+  return {1, fence, 0}
+end
+
+-- 3. idempotency
 local granted = redis.call('HGET', KEYS[8], token)
 if granted then return {1, string.sub(granted, 2)} end
 local state = redis.call('HMGET', req_key, 'state', 'seq')
@@ -122,7 +162,7 @@ end
 local rewake = {}
 local reclaimed = 0
 
--- 3. holders
+-- 4. holders
 for i = 1, n do
   local lock = KEYS[7 + i]
   local ms, freed = reclaim_holders(prefix, lock, string.sub(modes, i, i), limit)
@@ -137,7 +177,7 @@ for i = 1, n do
   end
 end
 
--- 4. queue
+-- 5. queue
 local function entry_dead(t)
   local ms = owner_pttl(prefix, owner_of(t))
   return ms < 0 or redis.call('EXISTS', prefix .. 'req:' .. t) == 0, ms
@@ -210,20 +250,20 @@ if not nested then
 end
 
 if not blocked then
-  -- 5. grant
+  -- 6. grant
   local fence = next_fence(KEYS[1])
   for i = 1, n do
     local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
     redis.call('HSET', lock, token, mode .. fence)
-    redis.call('HSET', KEYS[4], name_of(prefix, lock), '')
     if queued then
       redis.call('ZREM', KEYS[7 + n + i], mode .. token)
       rewake[i] = true
     end
   end
+  redis.call('HSET', KEYS[4], unpack(held_names))
   if queued then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
-  redis.call('SADD', KEYS[3], owner)
-  redis.call('DEL', wake_key)
+  if not known then redis.call('SADD', KEYS[3], owner) end
+  redis.call('DEL', wake_key, req_key)
   if ARGV[12] and ARGV[12] ~= '' then
     redis.call('SET', prefix .. 'holder:' .. token, ARGV[12])
   end
@@ -233,7 +273,7 @@ if not blocked then
   return {1, fence, reclaimed}
 end
 
--- 6. blocked
+-- 7. blocked
 for i, _ in pairs(rewake) do
   wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
 end
@@ -254,7 +294,7 @@ if want_queue then
       redis.call('HSET', req_key, 'holder', ARGV[12])
     end
     redis.call('HSET', prefix .. 'waits:' .. owner, token, modes .. '\n' .. res)
-    redis.call('SADD', KEYS[3], owner)
+    if not known then redis.call('SADD', KEYS[3], owner) end
   end
   redis.call('PEXPIRE', req_key, req_ttl)
 end

@@ -21,19 +21,30 @@
 --   4 request TTL in ms (for wake lists)
 --   5 queue scan limit
 --   6 '1' when the request was returned as a lease (granted, so it has no
---     queue entries: the queue ZREM is skipped); '0' on exit paths, where
---     it may still be queued
+--     queue entries: the queue ZREM is skipped); '2' for a lease whose grant
+--     acquire.lua made in the call that replied it ({1, fence, reclaimed})
+--     without holder info: it has no request state, wake list or holder
+--     record, so their DEL is skipped too; '0' on exit paths, where it may
+--     still be queued
 --
--- Atomic steps, per resource: HDEL the token (delete-if-holder: only this
--- token's field goes); drop the resource from the registry once the owner
--- holds no other token there (at once when the hash is left empty; HKEYS
--- only when other holders remain); ZREM the request's queue entry (not for a
--- lease, ARGV[6]); if anything changed, hand the locks to the head of the
--- queue (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake
--- it, every shared waiter it unblocked included (wake_front); when the lock
--- is left with no holder, delete its contended stream. Then delete the
--- request's state, wake list and holder info ({ns}:holder:<token>), and
--- (not for a lease) its line in the owner's waits hash.
+-- Atomic steps: per resource, HDEL the token (delete-if-holder: only this
+-- token's field goes), read how many holders are left (none after an
+-- exclusive grant: an exclusive holder is alone; HLEN for a shared one),
+-- and ZREM the request's queue entry (not for a lease, ARGV[6]). Then, in
+-- one HDEL, drop from the registry the resources where the owner holds no
+-- other token now (at once when the hash is left empty; HKEYS only when
+-- other holders remain). One EXISTS over the queues of the resources that
+-- changed and the contended streams of the locks left with no holder: when
+-- none exists, nobody waits and nobody watches (the uncontended release
+-- ends here). Otherwise, per changed resource: delete its contended stream
+-- when the lock has no holder, and hand the locks to the head of the queue
+-- (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake it,
+-- every shared waiter it unblocked included (wake_front; the holders of
+-- a later lock are read again once a waiter was served, since a hand-off
+-- may have granted that lock too). Every lock of the request is free
+-- before any waiter is served. Last, delete the
+-- request's state, wake list and holder info ({ns}:holder:<token>) unless
+-- ARGV[6] = '2', and (not for a lease) its line in the owner's waits hash.
 --
 -- Reply: {released, dequeued}: how many locks this token still held and how
 -- many queue entries it still had. released < n on a granted lease means
@@ -42,31 +53,57 @@
 local token, modes, prefix = ARGV[1], ARGV[2], ARGV[3]
 local owner = owner_of(token)
 local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
-local granted = ARGV[6] == '1'
+local granted = ARGV[6] ~= '0'
 local n = #modes
 local released, dequeued = 0, 0
+local unlisted = {} -- resource names leaving the registry
+local changed = {} -- i -> holders left (false: not read), for resources that changed
+local probe = {} -- their queues, and the contended streams of locks left free
 for i = 1, n do
   local lock, q, mode = KEYS[4 + i], KEYS[4 + n + i], string.sub(modes, i, i)
   local r = redis.call('HDEL', lock, token)
-  local holders = nil
+  local holders = false
   if r == 1 then
     released = released + 1
-    holders = redis.call('HLEN', lock)
-    local name = name_of(prefix, lock)
+    -- An exclusive holder is alone: nobody is left.
+    if mode == 'x' then holders = 0 else holders = redis.call('HLEN', lock) end
     if holders == 0 or not owner_holds(lock, owner) then
-      redis.call('HDEL', KEYS[1], name)
+      unlisted[#unlisted + 1] = name_of(prefix, lock)
     end
     if holders == 0 then
-      redis.call('DEL', prefix .. 'contended:' .. name)
+      probe[#probe + 1] = prefix .. 'contended:' .. name_of(prefix, lock)
     end
   end
   local d = 0
   if not granted then d = redis.call('ZREM', q, mode .. token) end
   dequeued = dequeued + d
   if r == 1 or d == 1 then
-    wake_front(prefix, q, lock, limit, req_ttl, false, holders)
+    changed[i] = holders
+    probe[#probe + 1] = q
   end
 end
-redis.call('DEL', KEYS[2], KEYS[3], prefix .. 'holder:' .. token)
+if #unlisted > 0 then redis.call('HDEL', KEYS[1], unpack(unlisted)) end
+-- Nobody queued and no contended stream: nothing to serve or delete.
+if #probe > 0 and redis.call('EXISTS', unpack(probe)) > 0 then
+  for i = 1, n do
+    if changed[i] == 0 then
+      redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, KEYS[4 + i]))
+    end
+  end
+  -- A waiter served on one resource may have been handed others of this
+  -- request too: once anyone is served, later locks' holders are read again.
+  local served = 0
+  for i = 1, n do
+    local holders = changed[i]
+    if holders ~= nil then
+      if served > 0 or holders == false then holders = nil end
+      served = served + wake_front(prefix, KEYS[4 + n + i], KEYS[4 + i], limit, req_ttl, false,
+        holders)
+    end
+  end
+end
+if ARGV[6] ~= '2' then
+  redis.call('DEL', KEYS[2], KEYS[3], prefix .. 'holder:' .. token)
+end
 if not granted then redis.call('HDEL', KEYS[4], token) end
 return {released, dequeued}
