@@ -96,7 +96,6 @@ def _attempt_as_task(
     ``holder``: the task's holder record (task name, id, node), kept with the
     queued request and beside its grant (``{ns}:holder:<token>``)."""
     keys, args = mgr._acquire_call(
-        token.split("|", 1)[0],
         token,
         req,
         queue=True,

@@ -101,6 +101,8 @@ MAX_WAIT_TIMEOUT = 60.0
 #: a tenth of owner_ttl, at most LIVENESS_MARGIN_MAX seconds.
 LIVENESS_MARGIN_FRACTION = 0.1
 LIVENESS_MARGIN_MAX = 2.0
+#: Most validated requests a manager keeps (see ``LockManager._request``).
+_REQUEST_CACHE = 1024
 #: Values of ``LockManager(eviction_check=...)``.
 EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
 
@@ -231,6 +233,9 @@ class _Request:
     modes: str
     lock_keys: tuple[str, ...]
     queue_keys: tuple[str, ...]
+    #: ``modes`` and ``lock_keys`` encoded once, as the scripts receive them.
+    wire_modes: bytes = b""
+    wire_locks: tuple[bytes, ...] = ()
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -540,6 +545,9 @@ class LockManager:
         #: a short timeout as margin (a 0.4 s socket timeout blocks 0.2 s).
         self._block_cap = max(0.05, timeout - min(1.0, timeout / 2)) if timeout else 30.0
         self._scripts = Scripts(self.client)
+        self._requests: dict[tuple[str | None, str | None], _Request] = {}
+        #: The prefix as the scripts receive it.
+        self._wire_prefix = self.keys.prefix.encode()
         self.wait_replicas, self.wait_timeout, self.wait_policy = self._wait_options(
             wait_replicas, wait_timeout, wait_policy
         )
@@ -658,6 +666,24 @@ class LockManager:
     def _request(
         self, exclusive: str | Iterable[str] | None, shared: str | Iterable[str] | None
     ) -> _Request:
+        # The usual request names its resources as str or None: validated
+        # once and kept (a bounded cache; a _Request is immutable).
+        if (exclusive is None or type(exclusive) is str) and (
+            shared is None or type(shared) is str
+        ):
+            cached = self._requests.get((exclusive, shared))
+            if cached is not None:
+                return cached
+            req = self._validated_request(exclusive, shared)
+            if len(self._requests) >= _REQUEST_CACHE:
+                self._requests.clear()
+            self._requests[(exclusive, shared)] = req
+            return req
+        return self._validated_request(exclusive, shared)
+
+    def _validated_request(
+        self, exclusive: str | Iterable[str] | None, shared: str | Iterable[str] | None
+    ) -> _Request:
         ex = _names(exclusive, "exclusive")
         sh = _names(shared, "shared")
         if not ex and not sh:
@@ -670,12 +696,16 @@ class LockManager:
         if len(ex) + len(sh) > MAX_RESOURCES:
             raise InvalidResource(f"a request may name at most {MAX_RESOURCES} resources")
         names = ex + sh
+        modes = "x" * len(ex) + "s" * len(sh)
+        lock_keys = tuple(self.keys.lock(r) for r in names)
         return _Request(
             exclusive=ex,
             shared=sh,
-            modes="x" * len(ex) + "s" * len(sh),
-            lock_keys=tuple(self.keys.lock(r) for r in names),
+            modes=modes,
+            lock_keys=lock_keys,
             queue_keys=tuple(self.keys.queue(r) for r in names),
+            wire_modes=modes.encode(),
+            wire_locks=tuple(k.encode() for k in lock_keys),
         )
 
     def _call(
@@ -1062,64 +1092,51 @@ class LockManager:
 
     def _acquire_call(
         self,
-        owner: str,
         token: str,
         req: _Request,
         *,
         queue: bool,
         nested: bool = False,
-        liveness_ms: str,
+        liveness_ms: str | bytes,
         register: str = "",
-        req_ttl: str | None = None,
+        req_ttl: str | bytes | None = None,
         group: str | None = None,
         tag: str = "",
         holder: str = "",
         listed: bool = False,
-    ) -> tuple[list[str], list[str]]:
+    ) -> tuple[list[Any], list[Any]]:
         """KEYS and ARGV of one acquire.lua call (see its header for each slot).
 
         ``register``: the liveness key's value when the call registers the
         owner ('' when it is registered); ``group``: the group hash the owner
         registers in (with its process ``tag``); ``holder``: the holder
-        record; ``listed``: the owner is in ``{ns}:owners`` already.
+        record; ``listed``: the owner is in ``{ns}:owners`` already. Only the
+        lock keys travel as KEYS (the script builds the rest from the
+        prefix), and the arguments are bytes where they repeat: each
+        argument costs the client an encoding on every call.
         """
-        keys = self.keys
-        k = [
-            keys.fence,
-            keys.seq,
-            keys.owners,
-            keys.held(owner),
-            keys.alive(owner),
-            keys.req(token),
-            keys.wake(token),
-            *req.lock_keys,
-            *req.queue_keys,
-        ]
+        keys: list[Any] = list(req.wire_locks)
         if group is not None:
-            k.append(group)
-        args = [
-            owner,
+            keys.append(group)
+        flags = ("q" if queue else "") + ("n" if nested else "") + ("l" if listed else "")
+        args: list[Any] = [
             token,
-            req.modes,
-            "1" if queue else "0",
-            "1" if nested else "0",
+            req.wire_modes,
+            flags,
             liveness_ms,
-            register,
-            keys.prefix,
+            self._wire_prefix,
             self._req_ttl_arg if req_ttl is None else req_ttl,
             self._limit_arg,
-            tag,
-            holder,
-            "1" if listed else "",
         ]
-        return k, args
+        if register or group is not None or holder:
+            args += [register, tag, holder]
+        return keys, args
 
     def _attempt(
         self, ident: OwnerIdentity, token: str, req: _Request, queue: bool, nested: bool
     ) -> Any:
         group = self._group() if (self._group is not None and not ident.registered) else None
         keys, args = self._acquire_call(
-            ident.owner_id,
             token,
             req,
             queue=queue,
@@ -1274,16 +1291,16 @@ class LockManager:
         return int(self.owner_ttl * 3000)
 
     @functools.cached_property
-    def _req_ttl_arg(self) -> str:
-        return str(self._req_ttl_ms)
+    def _req_ttl_arg(self) -> bytes:
+        return str(self._req_ttl_ms).encode()
 
     @functools.cached_property
-    def _ttl_arg(self) -> str:
-        return str(int(self.owner_ttl * 1000))
+    def _ttl_arg(self) -> bytes:
+        return str(int(self.owner_ttl * 1000)).encode()
 
     @functools.cached_property
-    def _limit_arg(self) -> str:
-        return str(self.queue_scan_limit)
+    def _limit_arg(self) -> bytes:
+        return str(self.queue_scan_limit).encode()
 
     def _block(self, token: str, seconds: float, halt: bool = False) -> int | None:
         """Wait for a push to the request's wake list; the fence of a hand-off.
@@ -1388,7 +1405,6 @@ class LockManager:
         ttl = _v.duration("ttl", ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL)
         token = task_token(owner, task_id)
         keys, args = self._acquire_call(
-            owner,
             token,
             req,
             queue=False,  # never queue
@@ -1409,7 +1425,10 @@ class LockManager:
                     list(req.lock_keys),
                     probe=(req.lock_keys[0], token),
                     # A refused try leaves no liveness key behind for `ttl`.
-                    then=("forget_idle", [keys[3], self.keys.waits(owner), keys[4]]),
+                    then=(
+                        "forget_idle",
+                        [self.keys.held(owner), self.keys.waits(owner), self.keys.alive(owner)],
+                    ),
                 )
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
@@ -1586,22 +1605,15 @@ class LockManager:
         it and no holder record was given, so the request has no state, wake
         list or holder record to delete either.
         """
-        keys = [
-            self.keys.held(owner_id),
-            self.keys.req(token),
-            self.keys.wake(token),
-            self.keys.waits(owner_id),
-            *req.lock_keys,
-            *req.queue_keys,
-        ]
         args = [
             token,
-            req.modes,
-            self.keys.prefix,
+            req.wire_modes,
+            self._wire_prefix,
             self._req_ttl_arg,
             self._limit_arg,
-            ("2" if clean else "1") if lease else "0",
+            (b"2" if clean else b"1") if lease else b"0",
         ]
+        keys: list[Any] = list(req.wire_locks)
         return self._call("release", keys, args, client=client)
 
     def _end_request(self, owner_id: str, token: str, req: _Request, quiet: bool = False) -> None:

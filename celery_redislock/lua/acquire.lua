@@ -1,50 +1,48 @@
 -- acquire.lua: try to take every lock of one request at once, in FIFO order.
 --
 -- KEYS (all in the namespace's hash tag {ns}):
---   1        {ns}:fence          fencing counter (string)
---   2        {ns}:seq            arrival sequence counter (string)
---   3        {ns}:owners         set of owners that may hold or wait for locks
---   4        {ns}:held:<owner>   this owner's registry: hash, resource name -> ''
---   5        {ns}:alive:<owner>  this owner's liveness key (string, TTL)
---   6        {ns}:req:<token>    this request's state hash while it queues
---                                 (state 'q', seq, modes, res, nested: what a
---                                 hand-off needs)
---   7        {ns}:wake:<token>   this request's wake list
---   8..7+n   {ns}:lock:<res>     lock hashes, one per resource
---   8+n..7+2n {ns}:q:<res>       wait queues (zsets), same order
---   8+2n     (optional) {ns}:group:<id>  hash owner -> process tag of a
+--   1..n     {ns}:lock:<res>     lock hashes, one per resource
+--   n+1      (optional) {ns}:group:<id>  hash owner -> process tag of a
 --            group of owners (a Celery worker incarnation), written on
 --            registration
--- Keys read from locks and queues (other owners' alive, req, wake, waits
--- and held keys), this owner's {ns}:waits:<owner>, its tombstone
--- {ns}:dead:<owner> and the resources' {ns}:contended:<res> streams are
--- built from ARGV[8] and stay in the same hash tag; {ns}:format is
--- written (SET NX) when the grant creates the fence (_common.lua next_fence).
+-- Every other key is built from the prefix ARGV[5], the token and the
+-- resource names, and stays in the same hash tag (one argument per key
+-- costs the caller more than building it here): {ns}:fence (fencing
+-- counter), {ns}:seq (arrival counter), {ns}:owners (owners that may hold
+-- or wait for locks), this owner's {ns}:held:<owner> (registry: resource
+-- name -> ''), {ns}:alive:<owner> (liveness, TTL), {ns}:waits:<owner> and
+-- tombstone {ns}:dead:<owner>, this request's {ns}:req:<token> (state
+-- while it queues: state 'q', seq, modes, res, nested, what a hand-off
+-- needs) and {ns}:wake:<token> (wake list), the wait queues {ns}:q:<res>
+-- (zsets, same order as KEYS), the resources' {ns}:contended:<res>
+-- streams, and the keys read from locks and queues (other owners' alive,
+-- req, wake, waits and held keys); {ns}:format is written (SET NX) when
+-- the grant creates the fence (_common.lua next_fence).
 --
 -- ARGV:
---   1 owner id
---   2 token '<owner>|<request id>' (unique per acquisition)
---   3 modes: one char per resource, 'x' exclusive or 's' shared
---   4 '1' to join the wait queue when blocked, '0' to try once
---   5 '1' for a nested request (waits only for holders, queued first)
---   6 liveness TTL in ms (every attempt refreshes the owner's liveness)
---   7 value of the liveness key when registering (owner description), ''
---     when the owner is registered already
---   8 key prefix '{ns}:'
---   9 request TTL in ms (queued request state, wake list)
---  10 queue scan limit (entries looked at per queue)
---  11 process tag recorded in the group hash: '<pid>.<starttime>' (field 22
---     of /proc/<pid>/stat, so a reused pid does not match), or '<pid>' where
---     /proc is unavailable (only read when KEYS[8+2n] is given)
---  12 holder info 'task name\ntask id\nnode' when a Celery task acquires,
---     '' otherwise (a plain engine lock stores nothing more)
---  13 (optional) '1' when this owner is in {ns}:owners already: an earlier
---     grant or queued request of it added it, and only the cleanup that
---     declares it dead (or retires it) takes it out, so the SADD is skipped;
---     '' or absent: SADD on a grant or when joining the queues
+--   1 token '<owner>|<request id>' (unique per acquisition; the owner id is
+--     read from it)
+--   2 modes: one char per resource, 'x' exclusive or 's' shared
+--   3 flags, any of: 'q' join the wait queue when blocked (else try once),
+--     'n' a nested request (waits only for holders, queued first), 'l' this
+--     owner is in {ns}:owners already (an earlier grant or queued request
+--     of it added it, and only the cleanup that declares it dead or
+--     retires it takes it out: the SADD is skipped)
+--   4 liveness TTL in ms (every attempt refreshes the owner's liveness)
+--   5 key prefix '{ns}:'
+--   6 request TTL in ms (queued request state, wake list)
+--   7 queue scan limit (entries looked at per queue)
+--   8 (optional) value of the liveness key when registering (owner
+--     description); '' or absent when the owner is registered already
+--   9 (optional) process tag recorded in the group hash: '<pid>.<starttime>'
+--     (field 22 of /proc/<pid>/stat, so a reused pid does not match), or
+--     '<pid>' where /proc is unavailable (only read with KEYS[n+1])
+--  10 (optional) holder info 'task name\ntask id\nnode' when a Celery task
+--     acquires; '' or absent otherwise (a plain engine lock stores nothing
+--     more)
 --
 -- Atomic steps:
---   1. Liveness. Registering (ARGV[7] not ''): an owner with a tombstone
+--   1. Liveness. Registering (ARGV[8] not ''): an owner with a tombstone
 --      (cleaned up: declared dead) is refused, {-1}; else SET NX PX, or
 --      PEXPIRE when the key exists (another request registered it), and the
 --      group entry. Registered: PEXPIRE; a missing key means this owner was
@@ -72,18 +70,18 @@
 --      (_common.lua drop_entry). Compatible entries are checked only when
 --      they fill the window while nothing blocks; dead ones are then removed
 --      the same way and the scan reads on. Removed entries do not count
---      against ARGV[10], which bounds the live entries looked at (past it:
---      blocked, conservatively); at most 4 x ARGV[10] are removed per queue
+--      against ARGV[7], which bounds the live entries looked at (past it:
+--      blocked, conservatively); at most 4 x ARGV[7] are removed per queue
 --      (past it: blocked with wait_ms 0, to run again at once).
 --   6. Not blocked: grant every lock (token -> mode and fence), add the
 --      resource names to the registry (one HSET), SADD the owner to
---      {ns}:owners (unless ARGV[13]), leave the queues and the owner's
+--      {ns}:owners (unless flag 'l'), leave the queues and the owner's
 --      waits hash, delete the request's state and wake list (a granted
 --      request needs neither: a retry finds its grant in step 3), wake
 --      whoever can follow (wake_front: this also carries on a wake-up that
---      a release's budget stopped); with holder info (ARGV[12]), SET
+--      a release's budget stopped); with holder info (ARGV[10]), SET
 --      {ns}:holder:<token> to it (deleted with the grant).
---   7. Blocked: join the queues once (ARGV[4] = '1'), keyed by the token,
+--   7. Blocked: join the queues once (flag 'q'), keyed by the token,
 --      record the request (modes, resource names, nested, holder info when
 --      given) in its state so a release can hand it the locks (_common.lua
 --      try_handoff, which copies the holder info to {ns}:holder:<token>), and in the
@@ -94,7 +92,7 @@
 --                      granted by this call (steps 2 and 6; the fence is a
 --                      decimal string): the request has no state, wake list
 --                      or queue entry left, and a holder record only if
---                      ARGV[12] gave one
+--                      ARGV[10] gave one
 --   {1, fence}         granted earlier (step 3: same fence); a hand-off's
 --                      grant keeps its request state and wake list until
 --                      release.lua deletes them
@@ -105,51 +103,59 @@
 --   {-1}               this owner's liveness is gone, or it is tombstoned:
 --                      use a new identity
 
-local prefix = ARGV[8]
-local owner, token, modes = ARGV[1], ARGV[2], ARGV[3]
-local want_queue, nested = ARGV[4] == '1', ARGV[5] == '1'
-local reg_ttl = ARGV[6]
-local req_ttl, limit = ARGV[9], tonumber(ARGV[10])
+local prefix = ARGV[5]
+local token, modes, flags = ARGV[1], ARGV[2], ARGV[3]
+local owner = owner_of(token)
+local want_queue = string.find(flags, 'q', 1, true) ~= nil
+local nested = string.find(flags, 'n', 1, true) ~= nil
+local known = string.find(flags, 'l', 1, true) ~= nil
+local reg_ttl = ARGV[4]
+local req_ttl, limit = ARGV[6], tonumber(ARGV[7])
+local register, holder = ARGV[8] or '', ARGV[10] or ''
 local n = #modes
-local req_key, wake_key = KEYS[6], KEYS[7]
+local alive_key = prefix .. 'alive:' .. owner
+local req_key, wake_key = prefix .. 'req:' .. token, prefix .. 'wake:' .. token
+-- probe: the lock keys, then their queues (probe[n + i] is lock i's queue)
+local names, probe, held_names = {}, {}, {}
+for i = 1, n do
+  local name = name_of(prefix, KEYS[i])
+  names[i] = name
+  probe[i] = KEYS[i]
+  probe[n + i] = prefix .. 'q:' .. name
+  held_names[2 * i - 1] = name
+  held_names[2 * i] = ''
+end
 
 -- 1. liveness
-if ARGV[7] ~= '' then
+if register ~= '' then
   if redis.call('EXISTS', prefix .. 'dead:' .. owner) == 1 then return {-1} end
-  if not redis.call('SET', KEYS[5], ARGV[7], 'NX', 'PX', reg_ttl) then
-    redis.call('PEXPIRE', KEYS[5], reg_ttl)
+  if not redis.call('SET', alive_key, register, 'NX', 'PX', reg_ttl) then
+    redis.call('PEXPIRE', alive_key, reg_ttl)
   end
-  if #KEYS > 7 + 2 * n then
-    redis.call('HSET', KEYS[8 + 2 * n], owner, ARGV[11])
+  if #KEYS > n then
+    redis.call('HSET', KEYS[n + 1], owner, ARGV[9] or '')
   end
-elseif redis.call('PEXPIRE', KEYS[5], reg_ttl) == 0 then
+elseif redis.call('PEXPIRE', alive_key, reg_ttl) == 0 then
   return {-1}
 end
 
-local held_names = {}
-for i = 1, n do
-  held_names[2 * i - 1] = name_of(prefix, KEYS[7 + i])
-  held_names[2 * i] = ''
-end
-local known = ARGV[13] == '1'
-
 -- 2. uncontended: no lock hash and no queue of any resource exists, so
 -- nobody holds or waits and this token is neither granted nor queued.
-if redis.call('EXISTS', unpack(KEYS, 8, 7 + 2 * n)) == 0 then
-  local fence = next_fence(KEYS[1])
+if redis.call('EXISTS', unpack(probe)) == 0 then
+  local fence = next_fence(prefix .. 'fence')
   for i = 1, n do
-    redis.call('HSET', KEYS[7 + i], token, string.sub(modes, i, i) .. fence)
+    redis.call('HSET', KEYS[i], token, string.sub(modes, i, i) .. fence)
   end
-  redis.call('HSET', KEYS[4], unpack(held_names))
-  if not known then redis.call('SADD', KEYS[3], owner) end
-  if ARGV[12] and ARGV[12] ~= '' then
-    redis.call('SET', prefix .. 'holder:' .. token, ARGV[12])
+  redis.call('HSET', prefix .. 'held:' .. owner, unpack(held_names))
+  if not known then redis.call('SADD', prefix .. 'owners', owner) end
+  if holder ~= '' then
+    redis.call('SET', prefix .. 'holder:' .. token, holder)
   end
   return {1, fence, 0}
 end
 
 -- 3. idempotency
-local granted = redis.call('HGET', KEYS[8], token)
+local granted = redis.call('HGET', KEYS[1], token)
 if granted then return {1, string.sub(granted, 2)} end
 local state = redis.call('HMGET', req_key, 'state', 'seq')
 local queued = state[1] == 'q'
@@ -164,7 +170,7 @@ local reclaimed = 0
 
 -- 4. holders
 for i = 1, n do
-  local lock = KEYS[7 + i]
+  local lock = KEYS[i]
   local ms, freed = reclaim_holders(prefix, lock, string.sub(modes, i, i), limit)
   if freed > 0 then
     rewake[i] = true
@@ -187,7 +193,7 @@ if not nested then
   if queued then max = '(' .. state[2] end
   local budget = purge_budget(limit)
   for i = 1, n do
-    local q, mode = KEYS[7 + n + i], string.sub(modes, i, i)
+    local q, mode = probe[n + i], string.sub(modes, i, i)
     local kept, purged, cursor, stop = 0, 0, '-inf', false
     local unchecked = {} -- compatible entries kept without a liveness check
     local function purge(m)
@@ -251,50 +257,48 @@ end
 
 if not blocked then
   -- 6. grant
-  local fence = next_fence(KEYS[1])
+  local fence = next_fence(prefix .. 'fence')
   for i = 1, n do
-    local lock, mode = KEYS[7 + i], string.sub(modes, i, i)
+    local lock, mode = KEYS[i], string.sub(modes, i, i)
     redis.call('HSET', lock, token, mode .. fence)
     if queued then
-      redis.call('ZREM', KEYS[7 + n + i], mode .. token)
+      redis.call('ZREM', probe[n + i], mode .. token)
       rewake[i] = true
     end
   end
-  redis.call('HSET', KEYS[4], unpack(held_names))
+  redis.call('HSET', prefix .. 'held:' .. owner, unpack(held_names))
   if queued then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
-  if not known then redis.call('SADD', KEYS[3], owner) end
+  if not known then redis.call('SADD', prefix .. 'owners', owner) end
   redis.call('DEL', wake_key, req_key)
-  if ARGV[12] and ARGV[12] ~= '' then
-    redis.call('SET', prefix .. 'holder:' .. token, ARGV[12])
+  if holder ~= '' then
+    redis.call('SET', prefix .. 'holder:' .. token, holder)
   end
   for i, _ in pairs(rewake) do
-    wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
+    wake_front(prefix, probe[n + i], KEYS[i], limit, req_ttl)
   end
   return {1, fence, reclaimed}
 end
 
 -- 7. blocked
 for i, _ in pairs(rewake) do
-  wake_front(prefix, KEYS[7 + n + i], KEYS[7 + i], limit, req_ttl)
+  wake_front(prefix, probe[n + i], KEYS[i], limit, req_ttl)
 end
 if want_queue then
   if not queued then
-    local seq = redis.call('INCR', KEYS[2])
+    local seq = redis.call('INCR', prefix .. 'seq')
     if nested then seq = seq - 1e15 end
     for i = 1, n do
       local mode = string.sub(modes, i, i)
-      redis.call('ZADD', KEYS[7 + n + i], int(seq), mode .. token)
+      redis.call('ZADD', probe[n + i], int(seq), mode .. token)
     end
-    local names = {}
-    for i = 1, n do names[i] = string.sub(KEYS[7 + i], #prefix + 6) end
     local res = table.concat(names, '\n')
     redis.call('HSET', req_key, 'state', 'q', 'seq', int(seq),
-      'modes', modes, 'res', res, 'nested', ARGV[5])
-    if ARGV[12] and ARGV[12] ~= '' then
-      redis.call('HSET', req_key, 'holder', ARGV[12])
+      'modes', modes, 'res', res, 'nested', nested and '1' or '0')
+    if holder ~= '' then
+      redis.call('HSET', req_key, 'holder', holder)
     end
     redis.call('HSET', prefix .. 'waits:' .. owner, token, modes .. '\n' .. res)
-    if not known then redis.call('SADD', KEYS[3], owner) end
+    if not known then redis.call('SADD', prefix .. 'owners', owner) end
   end
   redis.call('PEXPIRE', req_key, req_ttl)
 end

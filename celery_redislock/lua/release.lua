@@ -4,15 +4,15 @@
 -- so it is safe to call twice and never touches another acquisition's locks.
 --
 -- KEYS (all in {ns}):
---   1        {ns}:held:<owner>   this owner's registry (hash: resource name -> '')
---   2        {ns}:req:<token>    the request's state hash
---   3        {ns}:wake:<token>   the request's wake list
---   4        {ns}:waits:<owner>  this owner's queued requests (hash)
---   5..4+n   {ns}:lock:<res>     lock hashes
---   5+n..4+2n {ns}:q:<res>       wait queues, same order
--- Keys of waiters to wake, of holders freed on the way (see _common.lua
--- reclaim_holders) and {ns}:contended:<res> are built from ARGV[3] and stay
--- in {ns}.
+--   1..n     {ns}:lock:<res>     lock hashes
+-- Every other key is built from the prefix ARGV[3], the token and the
+-- resource names, and stays in {ns}: this owner's registry
+-- {ns}:held:<owner> (hash: resource name -> '') and queued requests
+-- {ns}:waits:<owner> (hash), the request's state {ns}:req:<token>, wake
+-- list {ns}:wake:<token> and holder record {ns}:holder:<token>, the wait
+-- queues {ns}:q:<res> (same order as KEYS), the {ns}:contended:<res>
+-- streams, and the keys of waiters to wake and of holders freed on the
+-- way (see _common.lua reclaim_holders).
 --
 -- ARGV:
 --   1 token '<owner>|<request id>' (the owner id is read from it)
@@ -55,12 +55,16 @@ local owner = owner_of(token)
 local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
 local granted = ARGV[6] ~= '0'
 local n = #modes
+local held_key = prefix .. 'held:' .. owner
 local released, dequeued = 0, 0
+local queues = {}
 local unlisted = {} -- resource names leaving the registry
 local changed = {} -- i -> holders left (false: not read), for resources that changed
 local probe = {} -- their queues, and the contended streams of locks left free
 for i = 1, n do
-  local lock, q, mode = KEYS[4 + i], KEYS[4 + n + i], string.sub(modes, i, i)
+  local lock, mode = KEYS[i], string.sub(modes, i, i)
+  local q = prefix .. 'q:' .. name_of(prefix, lock)
+  queues[i] = q
   local r = redis.call('HDEL', lock, token)
   local holders = false
   if r == 1 then
@@ -82,12 +86,12 @@ for i = 1, n do
     probe[#probe + 1] = q
   end
 end
-if #unlisted > 0 then redis.call('HDEL', KEYS[1], unpack(unlisted)) end
+if #unlisted > 0 then redis.call('HDEL', held_key, unpack(unlisted)) end
 -- Nobody queued and no contended stream: nothing to serve or delete.
 if #probe > 0 and redis.call('EXISTS', unpack(probe)) > 0 then
   for i = 1, n do
     if changed[i] == 0 then
-      redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, KEYS[4 + i]))
+      redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, KEYS[i]))
     end
   end
   -- A waiter served on one resource may have been handed others of this
@@ -97,13 +101,13 @@ if #probe > 0 and redis.call('EXISTS', unpack(probe)) > 0 then
     local holders = changed[i]
     if holders ~= nil then
       if served > 0 or holders == false then holders = nil end
-      served = served + wake_front(prefix, KEYS[4 + n + i], KEYS[4 + i], limit, req_ttl, false,
-        holders)
+      served = served + wake_front(prefix, queues[i], KEYS[i], limit, req_ttl, false, holders)
     end
   end
 end
 if ARGV[6] ~= '2' then
-  redis.call('DEL', KEYS[2], KEYS[3], prefix .. 'holder:' .. token)
+  redis.call('DEL', prefix .. 'req:' .. token, prefix .. 'wake:' .. token,
+    prefix .. 'holder:' .. token)
 end
-if not granted then redis.call('HDEL', KEYS[4], token) end
+if not granted then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
 return {released, dequeued}
