@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -189,3 +190,220 @@ def markdown_table(runs: list[CostRun]) -> str:
             f"{walks(little) + walks(big)} | {detail} |"
         )
     return "\n".join(lines)
+
+
+# -- uncontended lock cycle: time, round trips and commands per library ------
+
+#: Libraries timed by :func:`measure_cycles`, in table order; the first is
+#: the reference of the ratios.
+CYCLE_LIBS = ("redis-py Lock", "python-redis-lock", "celery-redislock")
+#: Resources of the one-resource and the five-resource cycle.
+CYCLE_SHAPES = {1: ["r0"], 5: [f"r{i}" for i in range(5)]}
+#: Target 1: celery-redislock's cycle against redis-py Lock's one-lock cycle
+#: (p50 and p99), one resource and five resources in one call.
+CYCLE_TARGETS = {1: 1.0, 5: 1.2}
+
+
+class _CountingConnection(redis.Connection):
+    """A connection that counts what it sends: one send is one round trip
+    (a pipeline is one send); commands a script runs are not sends."""
+
+    sends = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        _CountingConnection.sends += 1
+        super().send_packed_command(command, check_health)
+
+
+def _cycle_client(url: str) -> redis.Redis:
+    kwargs = redis.Redis.from_url(url).connection_pool.connection_kwargs
+    pool = redis.ConnectionPool(connection_class=_CountingConnection, **kwargs)
+    return redis.Redis(connection_pool=pool, socket_timeout=None)
+
+
+def _cycle(lib: str, client: redis.Redis, names: list[str]) -> Callable[[], None]:
+    """One uncontended acquire+release of ``names``: one call for
+    celery-redislock, one lock after the other for the peers (they lock one
+    name per call)."""
+    if lib == "celery-redislock":
+        mgr = LockManager(client, namespace="cycle", owner_ttl=60)
+        if len(names) == 1:
+            name = names[0]
+
+            def ours_one() -> None:
+                with mgr.lock(name):
+                    pass
+
+            return ours_one
+
+        def ours_many() -> None:
+            with mgr.lock(names):
+                pass
+
+        return ours_many
+    if lib == "redis-py Lock":
+
+        def redis_py() -> None:
+            locks = [client.lock(f"cycle:{n}", timeout=60) for n in names]
+            for lk in locks:
+                lk.acquire()
+            for lk in reversed(locks):
+                lk.release()
+
+        return redis_py
+    if lib == "python-redis-lock":
+        import redis_lock
+
+        def prl() -> None:
+            locks = [redis_lock.Lock(client, f"cycle:{n}", expire=60) for n in names]
+            for lk in locks:
+                lk.acquire()
+            for lk in reversed(locks):
+                lk.release()
+
+        return prl
+    raise ValueError(f"unknown library {lib!r}; choose from {CYCLE_LIBS}")
+
+
+@dataclass
+class CycleResult:
+    """One library's uncontended cycle of ``resources`` resources."""
+
+    lib: str
+    resources: int
+    samples_us: list[float] = field(default_factory=list)
+    round_trips: float = 0.0
+    commands: dict[str, float] = field(default_factory=dict)
+    #: p50 of each round (us), in run order.
+    round_p50s_us: list[float] = field(default_factory=list)
+
+    @property
+    def p50_us(self) -> float:
+        return _percentile(self.samples_us, 0.50)
+
+    @property
+    def p99_us(self) -> float:
+        return _percentile(self.samples_us, 0.99)
+
+    @property
+    def commands_per_cycle(self) -> float:
+        return sum(self.commands.values())
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
+
+
+def measure_cycles(
+    url: str,
+    rounds: int = 7,
+    ops: int = 300,
+    shapes: tuple[int, ...] = (1, 5),
+    progress: Callable[[str], None] | None = None,
+) -> list[CycleResult]:
+    """Time uncontended acquire+release cycles of every library, interleaved.
+
+    Each round runs ``ops`` cycles of every (library, shape) in an order
+    rotated by the round, so that machine noise falls on all alike; every
+    cycle is one sample (``time.perf_counter_ns``). Round trips per cycle
+    are counted on the client's connections, Redis commands per cycle with
+    ``INFO commandstats`` over a separate run of ``ops`` cycles. Flushes the
+    Redis at ``url`` first.
+    """
+    admin = redis.Redis.from_url(url, socket_timeout=None, decode_responses=True)
+    admin.flushdb()
+    configs = [(lib, n) for n in shapes for lib in CYCLE_LIBS]
+    clients = {c: _cycle_client(url) for c in configs}
+    cycles = {c: _cycle(c[0], clients[c], CYCLE_SHAPES[c[1]]) for c in configs}
+    results = {c: CycleResult(c[0], c[1]) for c in configs}
+    for c in configs:  # warm-up: connections, scripts, registration
+        for _ in range(20):
+            cycles[c]()
+        before = _CountingConnection.sends
+        admin.config_resetstat()
+        for _ in range(ops):
+            cycles[c]()
+        counts = commandstats(admin)
+        results[c].round_trips = (_CountingConnection.sends - before) / ops
+        results[c].commands = {
+            k: v / ops for k, v in sorted(counts.items()) if k not in EXCLUDED and v
+        }
+    clock = time.perf_counter_ns
+    for i in range(rounds):
+        order = configs[i % len(configs) :] + configs[: i % len(configs)]
+        for c in order:
+            run = cycles[c]
+            samples = []
+            for _ in range(ops):
+                t = clock()
+                run()
+                samples.append((clock() - t) / 1000)
+            results[c].samples_us.extend(samples)
+            results[c].round_p50s_us.append(_percentile(samples, 0.5))
+        if progress is not None:
+            progress(f"cycle round {i + 1}/{rounds}")
+    for client in clients.values():
+        client.close()
+    admin.flushdb()
+    admin.close()
+    return [results[c] for c in configs]
+
+
+def cycle_table(results: list[CycleResult]) -> str:
+    """The cycle results as a markdown table, ratios against redis-py Lock's one-lock cycle."""
+    ref = next(r for r in results if r.lib == CYCLE_LIBS[0] and r.resources == 1)
+    lines = [
+        "| resources | library | p50 us | p99 us | p50 / redis-py Lock (1) | "
+        "p99 / redis-py Lock (1) | round trips | server commands | commands |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        detail = ", ".join(f"{k} {v:g}" for k, v in r.commands.items())
+        lines.append(
+            f"| {r.resources} | {r.lib} | {r.p50_us:.0f} | {r.p99_us:.0f} | "
+            f"{r.p50_us / ref.p50_us:.2f}x | {r.p99_us / ref.p99_us:.2f}x | "
+            f"{r.round_trips:g} | {r.commands_per_cycle:g} | {detail} |"
+        )
+    return "\n".join(lines)
+
+
+def cycle_target_lines(results: list[CycleResult]) -> list[str]:
+    """One ``target 1 ...: met`` / ``NOT met`` line per shape."""
+    ref = next(r for r in results if r.lib == CYCLE_LIBS[0] and r.resources == 1)
+    lines = []
+    for r in results:
+        if r.lib != "celery-redislock":
+            continue
+        limit = CYCLE_TARGETS.get(r.resources, 1.0)
+        p50, p99 = r.p50_us / ref.p50_us, r.p99_us / ref.p99_us
+        rounds = [a / b for a, b in zip(r.round_p50s_us, ref.round_p50s_us)]
+        within = sum(x <= limit for x in rounds)
+        ok = p50 <= limit and p99 <= limit and r.round_trips == 2
+        what = (
+            f"uncontended {r.resources} resource{'s' if r.resources > 1 else ''} "
+            f"<= {limit:g}x redis-py Lock p50/p99, 2 round trips"
+        )
+        verdict = (
+            "met"
+            if ok
+            else "NOT met ("
+            + ", ".join(
+                x
+                for x in (
+                    f"{p50:.2f}x p50" if p50 > limit else "",
+                    f"{p99:.2f}x p99" if p99 > limit else "",
+                    f"{r.round_trips:g} round trips" if r.round_trips != 2 else "",
+                )
+                if x
+            )
+            + ")"
+        )
+        lines.append(
+            f"target 1 ({what}): {verdict}; {p50:.2f}x p50, {p99:.2f}x p99, "
+            f"{r.commands_per_cycle:g} server commands per cycle; round p50 ratio at or below "
+            f"{limit:g}x in {within} of {len(rounds)} rounds"
+        )
+    return lines

@@ -259,6 +259,17 @@ class ContentionResult:
     #: Handoff p50 (ms) of each trial pooled into this result, in run order
     #: (one entry for a single run).
     trial_p50s_ms: list[float] = field(default_factory=list)
+    #: Grants per second of each trial, in run order.
+    trial_throughputs: list[float] = field(default_factory=list)
+    #: Commands Redis ran during the run (INFO commandstats, scripts' own
+    #: commands included), when counted (``count_commands=True``).
+    commands: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def commands_per_grant(self) -> float:
+        """Redis commands per grant (NaN when not counted or nothing granted)."""
+        total = sum(self.commands.values())
+        return total / self.grants if total and self.grants else math.nan
 
     @property
     def throughput(self) -> float:
@@ -301,6 +312,7 @@ def run_contention(
     cs_seconds: float = 0.0005,
     *,
     relay: bool = False,
+    count_commands: bool = False,
 ) -> ContentionResult:
     """Run ``procs`` forked processes contending for one lock of ``lib``.
 
@@ -312,12 +324,16 @@ def run_contention(
 
     Blocks for about ``duration`` seconds plus start-up and drain. Uses the
     Redis at ``url`` as a scratch server (its keys are flushed first).
+    ``count_commands``: reset the server's command statistics first and keep
+    the commands run meanwhile (start-up and drain included) in the result.
     """
     if lib not in LIBS:
         raise ValueError(f"unknown library {lib!r}; choose from {LIBS}")
     admin = make_client(url)
     try:
         admin.flushdb()
+        if count_commands:
+            admin.config_resetstat()
     finally:
         admin.close()
     ctx = mp.get_context("fork")
@@ -355,6 +371,22 @@ def run_contention(
     out.close()
     res = _summarise(lib, procs, duration, shared, reports, killed)
     res.mode = "relay" if relay else "open"
+    if count_commands:
+        admin = make_client(url)
+        try:
+            for key, value in admin.info("commandstats").items():
+                name = str(key).removeprefix("cmdstat_")
+                if name not in (
+                    "info",
+                    "config|resetstat",
+                    "flushdb",
+                    "ping",
+                    "hello",
+                    "client|setinfo",
+                ):
+                    res.commands[name] = int(value["calls"])
+        finally:
+            admin.close()
     return res
 
 
@@ -402,6 +434,7 @@ def _summarise(
     waits.sort()
     res.waits_ms = waits
     res.trial_p50s_ms = [res.handoff_p50_ms]
+    res.trial_throughputs = [res.throughput]
     return res
 
 
@@ -435,6 +468,9 @@ def pool(trials: list[ContentionResult]) -> ContentionResult:
         out.gave_up += t.gave_up
         out.killed += t.killed
         out.trial_p50s_ms.extend(t.trial_p50s_ms)
+        out.trial_throughputs.extend(t.trial_throughputs)
+        for name, calls in t.commands.items():
+            out.commands[name] = out.commands.get(name, 0) + calls
     out.handoffs_ms.sort()
     out.waits_ms.sort()
     return out
@@ -450,6 +486,7 @@ def run_trials(
     relay: bool = False,
     libs: tuple[str, ...] = LIBS,
     progress: Callable[[ContentionResult], None] | None = None,
+    count_commands: bool = False,
 ) -> list[ContentionResult]:
     """Run ``trials`` rounds of every library, interleaved, and pool each library's rounds.
 
@@ -464,7 +501,9 @@ def run_trials(
     for i in range(trials):
         order = libs[i % len(libs) :] + libs[: i % len(libs)]
         for lib in order:
-            res = run_contention(url, lib, procs, duration, cs_seconds, relay=relay)
+            res = run_contention(
+                url, lib, procs, duration, cs_seconds, relay=relay, count_commands=count_commands
+            )
             if progress is not None:
                 progress(res)
             runs[lib].append(res)
@@ -537,4 +576,76 @@ def ratio_lines(results: list[ContentionResult], subject: str = "celery-redisloc
                 )
             if parts:
                 lines.append(f"- {procs} processes, {subject} vs {lib}: " + "; ".join(parts))
+    return lines
+
+
+#: Target 2: celery-redislock's open-mode throughput with a zero-length
+#: critical section against python-redis-lock's, at every process count.
+THROUGHPUT_TARGET = 1.5
+
+
+def throughput_lines(results: list[ContentionResult]) -> list[str]:
+    """Open-mode throughput of each library against python-redis-lock's, per
+    process count, with Redis commands per grant and each round's ratio."""
+    by = {(r.lib, r.procs): r for r in results if r.mode == "open"}
+    lines = []
+    for procs in sorted({r.procs for r in results}):
+        ref = by.get(("python-redis-lock", procs))
+        for r in (x for x in results if x.mode == "open" and x.procs == procs):
+            text = (
+                f"- {procs} processes, {r.lib}: {r.throughput:.0f} grants/s"
+                f", {r.commands_per_grant:.1f} Redis commands per grant"
+                f", Jain {r.jain:.3f}"
+            )
+            if ref is not None and r is not ref:
+                text += f", {_ratio(r.throughput, ref.throughput)} python-redis-lock's"
+                pairs = list(zip(r.trial_throughputs, ref.trial_throughputs))
+                if len(pairs) > 1:
+                    text += " (per round: " + ", ".join(_ratio(a, b) for a, b in pairs) + ")"
+            if r.commands:
+                top = sorted(r.commands.items(), key=lambda kv: -kv[1])[:8]
+                text += "; per grant: " + ", ".join(
+                    f"{k} {v / r.grants:.1f}" for k, v in top if r.grants
+                )
+            lines.append(text)
+    return lines
+
+
+def throughput_target_lines(
+    open_zero: list[ContentionResult], relay: list[ContentionResult]
+) -> list[str]:
+    """``target 2 ...: met`` / ``NOT met`` per process count: open-mode throughput
+    (zero-length critical section) at least THROUGHPUT_TARGET x python-redis-lock's,
+    relay handoff p50 at or below it in every round, Jain >= 0.99, no violation."""
+    lines = []
+    for procs in sorted({r.procs for r in open_zero}):
+        by = {r.lib: r for r in open_zero if r.procs == procs}
+        me, ref = by.get("celery-redislock"), by.get("python-redis-lock")
+        if me is None or ref is None:
+            continue
+        ratio = me.throughput / ref.throughput if ref.throughput else math.nan
+        relay_by = {r.lib: r for r in relay if r.procs == procs and r.mode == "relay"}
+        rme, rref = relay_by.get("celery-redislock"), relay_by.get("python-redis-lock")
+        problems = []
+        if not ratio >= THROUGHPUT_TARGET:
+            problems.append(f"{ratio:.2f}x throughput")
+        rounds = ""
+        if rme is not None and rref is not None:
+            pairs = list(zip(rme.trial_p50s_ms, rref.trial_p50s_ms))
+            below = sum(a <= b for a, b in pairs)
+            rounds = f", handoff p50 at or below in {below} of {len(pairs)} relay rounds"
+            if below < len(pairs):
+                problems.append(f"handoff p50 above in {len(pairs) - below} rounds")
+        if me.jain < 0.99:
+            problems.append(f"Jain {me.jain:.3f}")
+        if me.violations or me.lost_updates:
+            problems.append("exclusion violated")
+        verdict = "met" if not problems else "NOT met (" + ", ".join(problems) + ")"
+        lines.append(
+            f"target 2 ({procs} processes: open throughput >= {THROUGHPUT_TARGET:g}x "
+            f"python-redis-lock's with a zero-length critical section, relay handoff p50 at or "
+            f"below it in every round, Jain >= 0.99): {verdict}; {ratio:.2f}x "
+            f"({me.throughput:.0f} vs {ref.throughput:.0f} grants/s), "
+            f"{me.commands_per_grant:.1f} Redis commands per grant, Jain {me.jain:.3f}{rounds}"
+        )
     return lines

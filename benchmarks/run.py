@@ -9,10 +9,16 @@ Starts redis-server (the one ``tests/redis_server.py`` picks: ``redis-server``
 from PATH, or ``REDISLOCK_TEST_REDIS``) on a free loopback port, runs the
 contention benchmark (open mode once per library and process count; relay
 mode, the handoff measurement, as ``--trials`` interleaved rounds of every
-library, pooled) and the cost benchmark, prints a markdown report and writes
-it to ``benchmarks/results.md``. Bounded: about ``6 x duration + 6 x trials x
-trial-duration`` seconds plus start-up (about 95 s with the defaults), then
-the fleet-scale benchmark (``benchmarks/fleet.py``, on a redis-server of its
+library, pooled; open mode with a zero-length critical section as
+``--zero-trials`` interleaved rounds of celery-redislock and
+python-redis-lock, with Redis commands per grant), the uncontended cycle
+benchmark (``--cycle-rounds`` interleaved rounds of ``--cycle-ops`` cycles
+per library, one and five resources) and the cost benchmark, prints a
+markdown report with a ``target ...: met`` / ``NOT met`` line per target and
+writes it to ``benchmarks/results.md``. Bounded: about ``6 x duration + 6 x
+trials x trial-duration + 4 x zero-trials x zero-duration`` seconds plus the
+cycles and start-up (about 2.5 minutes with the defaults), then the
+fleet-scale benchmark (``benchmarks/fleet.py``, on a redis-server of its
 own; ``--fleet quick`` or ``off`` to shorten it).
 """
 
@@ -36,6 +42,8 @@ from benchmarks import cost, fleet, peers  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results.md"
+#: Libraries of the zero-length critical section runs (target 2's pair).
+ZERO_CS_LIBS = ("celery-redislock", "python-redis-lock")
 
 
 def _version(dist: str) -> str:
@@ -82,6 +90,24 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help="fleet-scale benchmark sizes (benchmarks/fleet.py)",
     )
+    parser.add_argument(
+        "--zero-duration",
+        type=float,
+        default=2.0,
+        help="seconds per round of the zero-length critical section open runs",
+    )
+    parser.add_argument(
+        "--zero-trials",
+        type=int,
+        default=3,
+        help="interleaved rounds of the zero-length critical section open runs",
+    )
+    parser.add_argument(
+        "--cycle-rounds", type=int, default=7, help="interleaved rounds of uncontended cycles"
+    )
+    parser.add_argument(
+        "--cycle-ops", type=int, default=300, help="cycles per round, library and shape"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report file")
     args = parser.parse_args(argv)
     procs = [int(p) for p in args.procs.split(",")]
@@ -113,6 +139,26 @@ def main(argv: list[str] | None = None) -> int:
                     progress=_progress,
                 )
             )
+        zero: list[peers.ContentionResult] = []
+        for n in procs:
+            zero.extend(
+                peers.run_trials(
+                    server.url,
+                    n,
+                    args.zero_duration,
+                    args.zero_trials,
+                    0.0,
+                    libs=ZERO_CS_LIBS,
+                    progress=_progress,
+                    count_commands=True,
+                )
+            )
+        cycles = cost.measure_cycles(
+            server.url,
+            args.cycle_rounds,
+            args.cycle_ops,
+            progress=lambda text: print(f"# {text}", file=sys.stderr, flush=True),
+        )
         costs = [cost.measure_costs(server.url, k) for k in sizes]
     finally:
         server.close()
@@ -127,7 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
 
     report = render(
-        contention, costs, args, command, server.version_string, load_before, _load(), elapsed
+        contention,
+        costs,
+        args,
+        command,
+        server.version_string,
+        load_before,
+        _load(),
+        elapsed,
+        zero=zero,
+        cycles=cycles,
     )
     if fleet_report:
         report += "\n" + fleet_report
@@ -168,8 +223,13 @@ def render(
     load_before: str,
     load_after: str,
     elapsed: float,
+    *,
+    zero: list[peers.ContentionResult] | None = None,
+    cycles: list[cost.CycleResult] | None = None,
 ) -> str:
     """The markdown report."""
+    zero = zero or []
+    cycles = cycles or []
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ours = [r for r in contention if r.lib == "celery-redislock"]
     jain_min = min((r.jain for r in ours if r.mode == "open"), default=0.0)
@@ -214,6 +274,26 @@ def render(
         "",
         *peers.ratio_lines(contention),
         "",
+        "## Contention with a zero-length critical section (open mode, interleaved rounds)",
+        "",
+        f"{args.zero_trials} rounds of {args.zero_duration:g} s per library and process count, "
+        "rotated order, pooled. Redis commands per grant: every command the server ran during "
+        "the rounds (INFO commandstats, scripts' own commands included) / grants.",
+        "",
+        peers.markdown_table(zero) if zero else "(not run)",
+        "",
+        *peers.throughput_lines(zero),
+        "",
+        "## Uncontended lock cycle (acquire + release, one process, interleaved rounds)",
+        "",
+        f"{args.cycle_rounds} rounds of {args.cycle_ops} cycles per library and shape, rotated "
+        "order, every cycle one sample. Five resources: one call for celery-redislock, five "
+        "locks one after the other for the peers (one name per call). Ratios against redis-py "
+        "Lock's one-resource cycle. Round trips counted on the client's connections; server "
+        "commands from INFO commandstats.",
+        "",
+        cost.cycle_table(cycles) if cycles else "(not run)",
+        "",
         "## Cost against keyspace size (Redis commands per operation, from INFO commandstats)",
         "",
         cost.markdown_table(costs),
@@ -243,6 +323,9 @@ def render(
                 f"{'met' if me.handoff_p50_ms * 10 < rp.handoff_p50_ms else 'NOT met'} "
                 "against redis-py"
             )
+    relay = [r for r in contention if r.mode == "relay"]
+    lines += [f"- {line}" for line in cost.cycle_target_lines(cycles)]
+    lines += [f"- {line}" for line in peers.throughput_target_lines(zero, relay)]
     lines.append(
         f"- cost independent of keyspace, zero SCAN/KEYS: counts equal = {equal}, "
         f"SCAN+KEYS = {walks} -> {'met' if equal and walks == 0 else 'NOT met'}; "

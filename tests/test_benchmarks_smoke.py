@@ -313,3 +313,37 @@ def test_fleet_report_gives_ratios_and_verdicts_per_scenario() -> None:
     assert "4b. target 4.x (linear in locks): met" in text
     assert "Nodes per Redis core at a 1 s interval" in text
     assert "SCAN + KEYS calls in every measured window: 0 -> met" in text
+
+
+def test_cycle_benchmark_times_every_library_and_counts_round_trips_and_commands(
+    redis_url: str,
+) -> None:
+    results = cost.measure_cycles(redis_url, rounds=2, ops=5)
+
+    assert [(r.lib, r.resources) for r in results] == [
+        (lib, n) for n in (1, 5) for lib in cost.CYCLE_LIBS
+    ]
+    for r in results:
+        assert len(r.samples_us) == 10 and len(r.round_p50s_us) == 2
+        assert r.round_trips > 0 and r.commands_per_cycle > 0
+    ours = {r.resources: r for r in results if r.lib == "celery-redislock"}
+    assert ours[1].round_trips == ours[5].round_trips == 2  # one call each way
+    assert "celery-redislock" in cost.cycle_table(results)
+    lines = cost.cycle_target_lines(results)
+    assert len(lines) == 2 and all(line.startswith("target 1 (") for line in lines)
+
+
+def test_zero_length_critical_section_rounds_count_commands_and_state_target_2(
+    redis_url: str,
+) -> None:
+    libs = ("celery-redislock", "python-redis-lock")
+    pooled = peers.run_trials(redis_url, 2, 0.4, 2, 0.0, libs=libs, count_commands=True)
+
+    for res in pooled:
+        assert res.mode == "open" and res.grants > 0
+        assert len(res.trial_throughputs) == 2
+        assert res.commands_per_grant > 0
+    assert pooled[0].violations == pooled[0].lost_updates == pooled[0].errors == 0
+    assert "commands per grant" in "\n".join(peers.throughput_lines(pooled))
+    lines = peers.throughput_target_lines(pooled, [])
+    assert len(lines) == 1 and lines[0].startswith("target 2 (2 processes")
