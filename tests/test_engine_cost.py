@@ -164,6 +164,52 @@ def test_cost_is_the_same_with_100_or_50000_unrelated_keys_and_never_scans(
         assert "sscan" not in small
 
 
+#: Commands Redis runs for one uncontended acquire+release of a registered
+#: owner (two EVALSHA, one round trip each), by resources per request. Each
+#: one is accounted for in docs/design.md ("Redis cost"): acquire.lua runs
+#: PEXPIRE (liveness), EXISTS (locks and queues: nobody holds or waits),
+#: TIME + SET (fence), HSET per lock, one HSET (registry); release.lua runs
+#: HDEL per lock, one HDEL (registry), one EXISTS (queues and contended
+#: streams: nobody to serve).
+UNCONTENDED_CYCLE = {
+    1: {"evalsha": 2, "pexpire": 1, "exists": 2, "time": 1, "set": 1, "hset": 2, "hdel": 2},
+    5: {"evalsha": 2, "pexpire": 1, "exists": 2, "time": 1, "set": 1, "hset": 6, "hdel": 6},
+}
+
+
+def uncontended_cycle_scenario(resources: int) -> Callable[..., Callable[[], Any]]:
+    names = [f"r{i}" for i in range(resources)]
+
+    def scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+        mgr = managers(owner_ttl=OWNER_TTL)
+        with mgr.lock(names):  # registers the owner (and lists it in {ns}:owners)
+            pass
+
+        def run() -> None:
+            with mgr.lock(names) as lease:
+                assert lease.fencing_token > 0
+
+        return run
+
+    return scenario
+
+
+@pytest.mark.parametrize("resources", [1, 5])
+def test_uncontended_cycle_runs_a_pinned_set_of_commands_whatever_the_keyspace(
+    rc: redis.Redis, managers: Managers, resources: int
+) -> None:
+    # Before: 19 commands for one resource (HGET and HMGET idempotency reads,
+    # the holders' HLEN, the queue scan, SADD and DEL of request keys on every
+    # grant; HLEN, ZRANGE, DEL of the contended stream and of request keys on
+    # every release), 55 for five.
+    scenario = uncontended_cycle_scenario(resources)
+    small = measure(rc, managers, SMALL, scenario)
+    large = measure(rc, managers, LARGE, scenario)
+
+    assert small == large == UNCONTENDED_CYCLE[resources], f"{small} vs {large}"
+    assert rc.dbsize() == LARGE + 4  # format, fence, owners, the liveness key: nothing left
+
+
 def test_commandstats_counts_commands_run_inside_scripts(
     rc: redis.Redis, managers: Managers
 ) -> None:

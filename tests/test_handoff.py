@@ -97,6 +97,33 @@ def test_handoff_of_a_multi_resource_request_is_all_or_nothing(rs: redis.Redis, 
     waiter.lease.release()
 
 
+def test_releasing_two_locks_hands_both_to_the_waiter_for_both_and_not_b_to_the_next(
+    rs: redis.Redis, make: Any
+) -> None:
+    # One release frees A and B, then serves their queues: the head of A's
+    # queue wants A and B and is handed both; B's queue must then be served
+    # against B's new holder, not against the count of holders read before
+    # the hand-off (which would hand B to the waiter for B alone too).
+    holder, both_mgr, b_mgr = make(), make(), make()
+    lease = holder.acquire(["A", "B"])
+    both = ThreadWaiter(both_mgr, ["A", "B"], release=False)
+    wait_until(lambda: queue_len(rs, "A") == 1, what="waiter for A and B queued")
+    b_only = ThreadWaiter(b_mgr, "B", release=False)
+    wait_until(lambda: queue_len(rs, "B") == 2, what="waiter for B queued")
+    lease.release()
+    both.join()
+    assert both.error is None
+    token, fence = both.lease.token, both.lease.fencing_token
+    assert rs.hgetall(f"{PREFIX}lock:A") == {token: f"x{fence}"}
+    assert rs.hgetall(f"{PREFIX}lock:B") == {token: f"x{fence}"}
+    assert not b_only.granted.is_set()
+    assert queue_len(rs, "B") == 1
+    both.lease.release()
+    b_only.join()
+    assert b_only.error is None
+    b_only.lease.release()
+
+
 def test_shared_waiters_behind_a_writer_are_all_handed_the_lock_together(
     rs: redis.Redis, make: Any
 ) -> None:
