@@ -336,6 +336,12 @@ def run_contention(
             admin.config_resetstat()
     finally:
         admin.close()
+    # Imported here, before forking: an import in each child would fall
+    # inside the timed window (about a second per child on a loaded machine).
+    if lib == "celery-redislock":
+        import celery_redislock  # noqa: F401
+    elif lib == "python-redis-lock":
+        import redis_lock  # noqa: F401
     ctx = mp.get_context("fork")
     shared = _Shared(*(ctx.RawValue("q", 0) for _ in range(4)))
     barrier = ctx.Barrier(procs, action=_set_start(shared))
