@@ -1,6 +1,8 @@
 """Loads the Lua scripts in ``lua/`` and runs them with EVALSHA.
 
-Each script is ``_common.lua`` followed by the script's own file.
+Each script is ``_common.lua`` followed by the script's own file (the part of
+``_common.lua`` below its ``-- @helpers`` line goes where the script has that
+line, if it has one: after the script's fast path).
 :meth:`Scripts.run` sends EVALSHA and, on NOSCRIPT (after a Redis restart or
 SCRIPT FLUSH), loads the script and retries, so callers never see a missing
 script. :meth:`Scripts.run_and_wait` sends EVALSHA and ``WAIT`` in one
@@ -47,9 +49,18 @@ SCRIPT_NAMES = (
 )
 
 
+#: The line that splits ``_common.lua`` into the helpers every script gets
+#: first and those placed where a script has the same line (after its fast
+#: path: creating a closure costs each call of the script, returned early or not).
+HELPERS = "-- @helpers\n"
+
+
 @cache
 def source(name: str) -> str:
     """Full source of script ``name``: the format constant, the shared helpers, the script.
+
+    The helpers below ``_common.lua``'s :data:`HELPERS` line go where the
+    script has that line, if it has one (after its fast path), else before it.
 
     ``FORMAT_VERSION`` (a Lua string) is this release's data format, which
     ``_common.lua``'s ``next_fence`` records when it creates the fence.
@@ -57,7 +68,16 @@ def source(name: str) -> str:
     lua = resources.files("celery_redislock") / "lua"
     common = (lua / "_common.lua").read_text(encoding="utf-8")
     own = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    return f"local FORMAT_VERSION = '{int(FORMAT_VERSION)}'\n" + common + "\n" + own
+    head = f"local FORMAT_VERSION = '{int(FORMAT_VERSION)}'\n"
+    core, found, rest = common.partition(HELPERS)
+    if not found:
+        raise RuntimeError(f"_common.lua has no {HELPERS.strip()!r} line")
+    before, found, after = own.partition(HELPERS)
+    if not found:
+        return head + common + "\n" + own
+    # The script's fast path (before its marker) runs before the closures of
+    # the helpers below _common.lua's marker are made.
+    return head + core + "\n" + before + rest + "\n" + after
 
 
 class Scripts:

@@ -1,4 +1,5 @@
--- _common.lua: helpers prepended to every script by celery_redislock/scripts.py.
+-- _common.lua: helpers prepended to every script by celery_redislock/scripts.py
+-- (those below the '-- @helpers' line go where the script has that line).
 -- Not a script of its own. Every key these helpers build is
 -- PREFIX .. kind .. ':' .. id, where PREFIX is '{namespace}:' (hash tag
 -- included), so a key read from a lock, a queue or a registry stays in the
@@ -58,6 +59,55 @@ end
 local function conflicts(a, b)
   return a == 'x' or b == 'x'
 end
+
+-- The resource name of a lock key '{ns}:lock:<res>'.
+local function name_of(prefix, lock)
+  return string.sub(lock, #prefix + 6)
+end
+
+-- Does OWNER still hold any token in LOCK?
+local function owner_holds(lock, owner)
+  local fields = redis.call('HKEYS', lock)
+  local p = owner .. '|'
+  for _, f in ipairs(fields) do
+    if string.sub(f, 1, #p) == p then return true end
+  end
+  return false
+end
+
+-- Next fencing token: one above the last, never below the server clock in
+-- microseconds, so it stays monotonic across a restart without persistence.
+-- (SET ... GET, Redis >= 6.2: one call in the usual case, where the clock
+-- is ahead of the counter; a second SET when it is not.) The clock's token
+-- is TIME's seconds followed by its microseconds padded to six digits, and
+-- the usual case compares it with the last token as strings (digit strings
+-- of equal length order like their numbers), so no number is formatted.
+-- Returns the token as the decimal string stored.
+-- Creating the fence (a new namespace, or a Redis that lost its data) also
+-- records this release's data format ({ns}:format, SET NX; FORMAT_VERSION
+-- is prepended to the source by scripts.py): a fence without a format key
+-- means data of a release from before format versioning, so the script that
+-- re-creates one must never leave it without its format.
+local function next_fence(key)
+  local t = redis.call('TIME')
+  local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+  local last = redis.call('SET', key, now, 'GET')
+  if not last then
+    redis.call('SET', string.sub(key, 1, #key - #'fence') .. 'format', FORMAT_VERSION, 'NX')
+  end
+  if last and (#last > #now or (#last == #now and last >= now)) then
+    local f = int(tonumber(last) + 1)
+    redis.call('SET', key, f)
+    return f
+  end
+  return now
+end
+
+-- Everything below the next line goes where a script has the line
+-- '-- @helpers' (scripts.py), or right here when it has none: a fast path
+-- above that line returns before Lua creates the closures below (a few
+-- microseconds per call). What a fast path may use is above it.
+-- @helpers
 
 -- Milliseconds the owner's liveness has left: -2 when dead (no key),
 -- a large number when the key has no TTL (treated as alive).
@@ -125,11 +175,6 @@ local function purge_budget(limit)
   return 4 * limit
 end
 
--- The resource name of a lock key '{ns}:lock:<res>'.
-local function name_of(prefix, lock)
-  return string.sub(lock, #prefix + 6)
-end
-
 -- Tell the holders of the resource of LOCK that watch for contenders that a
 -- request waits for it: one entry on the resource's contended stream (XREAD
 -- wakes every reader), if it exists (a holder watches: it keeps the TTL).
@@ -138,44 +183,6 @@ local function contended(prefix, lock)
   if redis.call('EXISTS', k) == 1 then
     redis.call('XADD', k, 'MAXLEN', '1', '*', 'c', '1')
   end
-end
-
--- Does OWNER still hold any token in LOCK?
-local function owner_holds(lock, owner)
-  local fields = redis.call('HKEYS', lock)
-  local p = owner .. '|'
-  for _, f in ipairs(fields) do
-    if string.sub(f, 1, #p) == p then return true end
-  end
-  return false
-end
-
--- Next fencing token: one above the last, never below the server clock in
--- microseconds, so it stays monotonic across a restart without persistence.
--- (SET ... GET, Redis >= 6.2: one call in the usual case, where the clock
--- is ahead of the counter; a second SET when it is not.) The clock's token
--- is TIME's seconds followed by its microseconds padded to six digits, and
--- the usual case compares it with the last token as strings (digit strings
--- of equal length order like their numbers), so no number is formatted.
--- Returns the token as the decimal string stored.
--- Creating the fence (a new namespace, or a Redis that lost its data) also
--- records this release's data format ({ns}:format, SET NX; FORMAT_VERSION
--- is prepended to the source by scripts.py): a fence without a format key
--- means data of a release from before format versioning, so the script that
--- re-creates one must never leave it without its format.
-local function next_fence(key)
-  local t = redis.call('TIME')
-  local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
-  local last = redis.call('SET', key, now, 'GET')
-  if not last then
-    redis.call('SET', string.sub(key, 1, #key - #'fence') .. 'format', FORMAT_VERSION, 'NX')
-  end
-  if last and (#last > #now or (#last == #now and last >= now)) then
-    local f = int(tonumber(last) + 1)
-    redis.call('SET', key, f)
-    return f
-  end
-  return now
 end
 
 -- Resource names stored in a request's state, '\n'-separated (names never
@@ -296,7 +303,7 @@ local wake_front
 -- earlier entry of that queue conflicts with it, so those checks are not
 -- repeated for that resource (hand-off sits on the release's critical path).
 -- ST is the request's state as wake_front read it (HMGET state, seq, modes,
--- res, nested). It is left as it is: once granted, the request is in no
+-- res, nested, holder). It is left as it is: once granted, the request is in no
 -- queue, and a retry of its acquire finds its token in the lock hash.
 -- Returns true when granted.
 local function try_handoff(prefix, token, ttl_ms, limit, served, st)
@@ -333,8 +340,7 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   end
   redis.call('HDEL', prefix .. 'waits:' .. owner, token)
   -- A task's request carries who it is: kept beside the grant for operators.
-  local holder = redis.call('HGET', prefix .. 'req:' .. token, 'holder')
-  if holder then redis.call('SET', prefix .. 'holder:' .. token, holder) end
+  if st[6] then redis.call('SET', prefix .. 'holder:' .. token, st[6]) end
   local tid = parked_task(prefix, token)
   if tid then
     -- A parked task: its grant goes to the dispatch list (docs/defer.md).
@@ -356,12 +362,14 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   return true
 end
 
--- The state of queue entry token T (HMGET state, seq, modes, res, nested),
+-- The state of queue entry token T (HMGET state, seq, modes, res, nested,
+-- holder),
 -- or nil when the entry is dead: its owner's liveness is gone or its
 -- request state expired.
 local function entry_state(prefix, t)
   if owner_pttl(prefix, owner_of(t)) < 0 then return nil end
-  local st = redis.call('HMGET', prefix .. 'req:' .. t, 'state', 'seq', 'modes', 'res', 'nested')
+  local st = redis.call('HMGET', prefix .. 'req:' .. t, 'state', 'seq', 'modes', 'res', 'nested',
+    'holder')
   if not st[1] then return nil end
   return st
 end

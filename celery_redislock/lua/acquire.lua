@@ -154,6 +154,8 @@ if redis.call('EXISTS', unpack(probe)) == 0 then
   return {1, fence, 0}
 end
 
+-- @helpers
+
 -- 3. idempotency
 local granted = redis.call('HGET', KEYS[1], token)
 if granted then return {1, string.sub(granted, 2)} end

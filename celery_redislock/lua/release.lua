@@ -87,27 +87,34 @@ for i = 1, n do
   end
 end
 if #unlisted > 0 then redis.call('HDEL', held_key, unpack(unlisted)) end
+local function finish()
+  if ARGV[6] ~= '2' then
+    redis.call('DEL', prefix .. 'req:' .. token, prefix .. 'wake:' .. token,
+      prefix .. 'holder:' .. token)
+  end
+  if not granted then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
+  return {released, dequeued}
+end
 -- Nobody queued and no contended stream: nothing to serve or delete.
-if #probe > 0 and redis.call('EXISTS', unpack(probe)) > 0 then
-  for i = 1, n do
-    if changed[i] == 0 then
-      redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, KEYS[i]))
-    end
-  end
-  -- A waiter served on one resource may have been handed others of this
-  -- request too: once anyone is served, later locks' holders are read again.
-  local served = 0
-  for i = 1, n do
-    local holders = changed[i]
-    if holders ~= nil then
-      if served > 0 or holders == false then holders = nil end
-      served = served + wake_front(prefix, queues[i], KEYS[i], limit, req_ttl, false, holders)
-    end
+if #probe == 0 or redis.call('EXISTS', unpack(probe)) == 0 then
+  return finish()
+end
+
+-- @helpers
+
+for i = 1, n do
+  if changed[i] == 0 then
+    redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, KEYS[i]))
   end
 end
-if ARGV[6] ~= '2' then
-  redis.call('DEL', prefix .. 'req:' .. token, prefix .. 'wake:' .. token,
-    prefix .. 'holder:' .. token)
+-- A waiter served on one resource may have been handed others of this
+-- request too: once anyone is served, later locks' holders are read again.
+local served = 0
+for i = 1, n do
+  local holders = changed[i]
+  if holders ~= nil then
+    if served > 0 or holders == false then holders = nil end
+    served = served + wake_front(prefix, queues[i], KEYS[i], limit, req_ttl, false, holders)
+  end
 end
-if not granted then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
-return {released, dequeued}
+return finish()
