@@ -829,6 +829,8 @@ class LockManager:
         # A task's own request id (``task:<id>``, set by UniqueTask around
         # the call) makes the grant name its task, like acquire_for_task's.
         request_id = getattr(self._local, "request_id", None) or new_request_id()
+        # Who holds it, only when a Celery task acquires (@locked sets it).
+        holder = getattr(self._local, "holder", None) or ""
         began = time.monotonic()
         ident = self._identity.current()
         if self._own_heartbeat:
@@ -849,7 +851,15 @@ class LockManager:
                 if reply is None:
                     started = time.monotonic()
                     reply = self._riding_out(
-                        outage, token, self._attempt, ident, token, req, timeout != 0, nested
+                        outage,
+                        token,
+                        self._attempt,
+                        ident,
+                        token,
+                        req,
+                        timeout != 0,
+                        nested,
+                        holder,
                     )
                     if reply is None:  # Redis failed; backed off: run the attempt again
                         continue
@@ -884,11 +894,7 @@ class LockManager:
                     # Granted by the script call that replied (not a hand-off,
                     # not a retry finding an earlier grant), without a holder
                     # record: its release has no request keys to delete.
-                    lease._clean = (
-                        len(reply) > 2
-                        and not self.wait_replicas
-                        and not getattr(self._local, "holder", None)
-                    )
+                    lease._clean = len(reply) > 2 and not holder and not self.wait_replicas
                     # Kept only while its identity is current (checked under the
                     # lock that _owner_lost takes to mark leases lost): a grant
                     # made to a retired identity, e.g. handed off just as a
@@ -1133,9 +1139,22 @@ class LockManager:
         return keys, args
 
     def _attempt(
-        self, ident: OwnerIdentity, token: str, req: _Request, queue: bool, nested: bool
+        self,
+        ident: OwnerIdentity,
+        token: str,
+        req: _Request,
+        queue: bool,
+        nested: bool,
+        holder: str | None = None,
     ) -> Any:
-        group = self._group() if (self._group is not None and not ident.registered) else None
+        """One run of acquire.lua for ``token``; ``holder``: the holder record
+        (None: read from the thread's ``@locked`` state)."""
+        group = None
+        if not ident.registered:
+            make_group = self._group
+            group = make_group() if make_group is not None else None
+        if holder is None:
+            holder = getattr(self._local, "holder", None) or ""
         keys, args = self._acquire_call(
             token,
             req,
@@ -1147,7 +1166,7 @@ class LockManager:
             group=group,
             tag=ident.tag if group is not None else "",
             # Who holds it, only when a Celery task acquires (@locked sets it).
-            holder=getattr(self._local, "holder", None) or "",
+            holder=holder,
             listed=ident.listed,
         )
         if self.wait_replicas:
@@ -1649,6 +1668,23 @@ class LockManager:
             lease._handle_released = True
             lease._released = True
             return
+        if lease._own and not lease._parents:
+            # The usual lease: its own grant, nothing re-entered. One pass
+            # under the lock (what _drop_hold does for the general case).
+            with self._state_lock:
+                if lease._handle_released:
+                    return
+                lease._handle_released = True
+                lease._depth.count = max(0, lease._depth.count - 1)
+                lease._holds -= 1
+                if lease._holds > 0 or lease._released:
+                    return
+                lease._released = True
+                self._leases.pop(lease.token, None)
+                if lease in lease._depth.leases:
+                    lease._depth.leases.remove(lease)
+            self._release_grant(lease)
+            return
         with self._state_lock:
             if lease._handle_released:
                 return
@@ -1671,6 +1707,10 @@ class LockManager:
             self._leases.pop(lease.token, None)
             if lease in lease._depth.leases:
                 lease._depth.leases.remove(lease)
+        self._release_grant(lease)
+
+    def _release_grant(self, lease: Lease) -> None:
+        """Release ``lease``'s grant in Redis (its count dropped to 0): one round trip."""
         if self._metrics is not None:
             self._metrics.held(time.time() - lease.acquired_at)
         req = lease._request

@@ -104,10 +104,10 @@ class Scripts:
         """
         c = self._client if client is None else client
         try:
-            return c.evalsha(self._sha[name], len(keys), *keys, *args)
+            return c.execute_command("EVALSHA", self._sha[name], len(keys), *keys, *args)
         except NoScriptError:
             c.script_load(self._source[name])
-            return c.evalsha(self._sha[name], len(keys), *keys, *args)
+            return c.execute_command("EVALSHA", self._sha[name], len(keys), *keys, *args)
 
     def run_then_read(
         self,
