@@ -276,6 +276,9 @@ class CycleResult:
     commands: dict[str, float] = field(default_factory=dict)
     #: p50 of each round (us), in run order.
     round_p50s_us: list[float] = field(default_factory=list)
+    #: Server time per cycle (us): INFO commandstats usec of every command
+    #: (a script's includes the commands it runs).
+    server_us: float = 0.0
 
     @property
     def p50_us(self) -> float:
@@ -309,9 +312,9 @@ def measure_cycles(
     Each round runs ``ops`` cycles of every (library, shape) in an order
     rotated by the round, so that machine noise falls on all alike; every
     cycle is one sample (``time.perf_counter_ns``). Round trips per cycle
-    are counted on the client's connections, Redis commands per cycle with
-    ``INFO commandstats`` over a separate run of ``ops`` cycles. Flushes the
-    Redis at ``url`` first.
+    are counted on the client's connections, Redis commands and server time
+    (usec) per cycle with ``INFO commandstats`` over a separate run of ``ops``
+    cycles. Flushes the Redis at ``url`` first.
     """
     admin = redis.Redis.from_url(url, socket_timeout=None, decode_responses=True)
     admin.flushdb()
@@ -326,7 +329,14 @@ def measure_cycles(
         admin.config_resetstat()
         for _ in range(ops):
             cycles[c]()
-        counts = commandstats(admin)
+        raw = admin.info("commandstats")
+        counts = {str(k).removeprefix("cmdstat_"): int(v["calls"]) for k, v in raw.items()}
+        usec = sum(
+            int(v["usec"])
+            for k, v in raw.items()
+            if str(k).removeprefix("cmdstat_") not in EXCLUDED
+        )
+        results[c].server_us = usec / ops
         results[c].round_trips = (_CountingConnection.sends - before) / ops
         results[c].commands = {
             k: v / ops for k, v in sorted(counts.items()) if k not in EXCLUDED and v
@@ -357,15 +367,15 @@ def cycle_table(results: list[CycleResult]) -> str:
     ref = next(r for r in results if r.lib == CYCLE_LIBS[0] and r.resources == 1)
     lines = [
         "| resources | library | p50 us | p99 us | p50 / redis-py Lock (1) | "
-        "p99 / redis-py Lock (1) | round trips | server commands | commands |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "p99 / redis-py Lock (1) | round trips | server us | server commands | commands |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         detail = ", ".join(f"{k} {v:g}" for k, v in r.commands.items())
         lines.append(
             f"| {r.resources} | {r.lib} | {r.p50_us:.0f} | {r.p99_us:.0f} | "
             f"{r.p50_us / ref.p50_us:.2f}x | {r.p99_us / ref.p99_us:.2f}x | "
-            f"{r.round_trips:g} | {r.commands_per_cycle:g} | {detail} |"
+            f"{r.round_trips:g} | {r.server_us:.0f} | {r.commands_per_cycle:g} | {detail} |"
         )
     return "\n".join(lines)
 
@@ -407,3 +417,29 @@ def cycle_target_lines(results: list[CycleResult]) -> list[str]:
             f"{limit:g}x in {within} of {len(rounds)} rounds"
         )
     return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.cost``: the uncontended cycle benchmark alone, on
+    its own throw-away redis-server (as ``make bench`` runs it)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from redis_server import RedisServer
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    parser.add_argument("--ops", type=int, default=300, help="cycles per round and library")
+    args = parser.parse_args(argv)
+    with RedisServer() as server:
+        results = measure_cycles(server.url, args.rounds, args.ops)
+    print(cycle_table(results))
+    print()
+    print("\n".join(cycle_target_lines(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -325,7 +325,7 @@ def test_cycle_benchmark_times_every_library_and_counts_round_trips_and_commands
     ]
     for r in results:
         assert len(r.samples_us) == 10 and len(r.round_p50s_us) == 2
-        assert r.round_trips > 0 and r.commands_per_cycle > 0
+        assert r.round_trips > 0 and r.commands_per_cycle > 0 and r.server_us > 0
     ours = {r.resources: r for r in results if r.lib == "celery-redislock"}
     assert ours[1].round_trips == ours[5].round_trips == 2  # one call each way
     assert "celery-redislock" in cost.cycle_table(results)

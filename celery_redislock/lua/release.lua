@@ -27,24 +27,26 @@
 --     record, so their DEL is skipped too; '0' on exit paths, where it may
 --     still be queued
 --
--- Atomic steps: per resource, HDEL the token (delete-if-holder: only this
--- token's field goes), read how many holders are left (none after an
--- exclusive grant: an exclusive holder is alone; HLEN for a shared one),
--- and ZREM the request's queue entry (not for a lease, ARGV[6]). Then, in
--- one HDEL, drop from the registry the resources where the owner holds no
--- other token now (at once when the hash is left empty; HKEYS only when
--- other holders remain). One EXISTS over the queues of the resources that
--- changed and the contended streams of the locks left with no holder: when
--- none exists, nobody waits and nobody watches (the uncontended release
--- ends here). Otherwise, per changed resource: delete its contended stream
--- when the lock has no holder, and hand the locks to the head of the queue
--- (try_handoff: the waiter gets 'g<fence>' on its wake list) or wake it,
--- every shared waiter it unblocked included (wake_front; the holders of
--- a later lock are read again once a waiter was served, since a hand-off
--- may have granted that lock too). Every lock of the request is free
--- before any waiter is served. Last, delete the
--- request's state, wake list and holder info ({ns}:holder:<token>) unless
--- ARGV[6] = '2', and (not for a lease) its line in the owner's waits hash.
+-- Atomic steps: first one EXISTS over the queues and contended streams of
+-- every resource (before any write, so a key the Redis user may not touch
+-- fails the call before it changed anything): when none exists, nobody
+-- waits and nobody watches. Then per resource, HDEL the token
+-- (delete-if-holder: only this token's field goes), read how many holders
+-- are left (none after an exclusive grant: an exclusive holder is alone;
+-- HLEN for a shared one), and ZREM the request's queue entry (not for a
+-- lease, ARGV[6]). Then, in one HDEL, drop from the registry the resources
+-- where the owner holds no other token now (at once when the hash is left
+-- empty; HKEYS only when other holders remain). When the probe found
+-- nothing, the release ends here (the uncontended release). Otherwise,
+-- per changed resource: delete its contended stream when the lock has no
+-- holder, and hand the locks to the head of the queue (try_handoff: the
+-- waiter gets 'g<fence>' on its wake list) or wake it, every shared waiter
+-- it unblocked included (wake_front; the holders of a later lock are read
+-- again once a waiter was served, since a hand-off may have granted that
+-- lock too). Every lock of the request is free before any waiter is
+-- served. Last, delete the request's state, wake list and holder info
+-- ({ns}:holder:<token>) unless ARGV[6] = '2', and (not for a lease) its
+-- line in the owner's waits hash.
 --
 -- Reply: {released, dequeued}: how many locks this token still held and how
 -- many queue entries it still had. released < n on a granted lease means
@@ -57,14 +59,20 @@ local granted = ARGV[6] ~= '0'
 local n = #modes
 local held_key = prefix .. 'held:' .. owner
 local released, dequeued = 0, 0
-local queues = {}
 local unlisted = {} -- resource names leaving the registry
 local changed = {} -- i -> holders left (false: not read), for resources that changed
-local probe = {} -- their queues, and the contended streams of locks left free
+-- The queues and contended streams of every resource, probed before any
+-- write: when none exists, nobody waits and nobody watches. (Probed first,
+-- a key the Redis user may not touch fails the call before it wrote.)
+local probe = {}
+for i = 1, n do
+  local name = name_of(prefix, KEYS[i])
+  probe[i] = prefix .. 'q:' .. name
+  probe[n + i] = prefix .. 'contended:' .. name
+end
+local busy = redis.call('EXISTS', unpack(probe)) > 0
 for i = 1, n do
   local lock, mode = KEYS[i], string.sub(modes, i, i)
-  local q = prefix .. 'q:' .. name_of(prefix, lock)
-  queues[i] = q
   local r = redis.call('HDEL', lock, token)
   local holders = false
   if r == 1 then
@@ -74,17 +82,11 @@ for i = 1, n do
     if holders == 0 or not owner_holds(lock, owner) then
       unlisted[#unlisted + 1] = name_of(prefix, lock)
     end
-    if holders == 0 then
-      probe[#probe + 1] = prefix .. 'contended:' .. name_of(prefix, lock)
-    end
   end
   local d = 0
-  if not granted then d = redis.call('ZREM', q, mode .. token) end
+  if not granted then d = redis.call('ZREM', probe[i], mode .. token) end
   dequeued = dequeued + d
-  if r == 1 or d == 1 then
-    changed[i] = holders
-    probe[#probe + 1] = q
-  end
+  if r == 1 or d == 1 then changed[i] = holders end
 end
 if #unlisted > 0 then redis.call('HDEL', held_key, unpack(unlisted)) end
 local function finish()
@@ -95,17 +97,12 @@ local function finish()
   if not granted then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
   return {released, dequeued}
 end
--- Nobody queued and no contended stream: nothing to serve or delete.
-if #probe == 0 or redis.call('EXISTS', unpack(probe)) == 0 then
-  return finish()
-end
+if not busy then return finish() end
 
 -- @helpers
 
 for i = 1, n do
-  if changed[i] == 0 then
-    redis.call('DEL', prefix .. 'contended:' .. name_of(prefix, KEYS[i]))
-  end
+  if changed[i] == 0 then redis.call('DEL', probe[n + i]) end
 end
 -- A waiter served on one resource may have been handed others of this
 -- request too: once anyone is served, later locks' holders are read again.
@@ -114,7 +111,7 @@ for i = 1, n do
   local holders = changed[i]
   if holders ~= nil then
     if served > 0 or holders == false then holders = nil end
-    served = served + wake_front(prefix, queues[i], KEYS[i], limit, req_ttl, false, holders)
+    served = served + wake_front(prefix, probe[i], KEYS[i], limit, req_ttl, false, holders)
   end
 end
 return finish()
