@@ -223,6 +223,31 @@ def test_registry_equals_held_lock_keys_after_every_operation(
     assert {m.decode() for m in r.smembers("{t}:owners")} == {a.owner_id}
 
 
+def test_an_owner_listed_by_its_first_grant_is_found_by_reconcile_after_later_grants(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # Only an owner's first grant (or queued request) adds it to {ns}:owners;
+    # later acquires skip the SADD. Reconcile must still find it when it dies
+    # holding locks taken by those later acquires, and the new identity of a
+    # process whose owner was cleaned up is added again.
+    owner_mgr, other = managers(), managers()
+    owner_mgr.acquire("first", timeout=0).release()
+    assert owner_mgr._identity.current().listed
+    held = owner_mgr.acquire(exclusive=["a", "b"], timeout=0)
+    dead = kill_liveness(r, owner_mgr)
+    assert dead in {m.decode() for m in r.smembers("{t}:owners")}
+
+    report = other.reconcile()
+
+    assert (report.cleaned, report.released) == (1, 2)
+    assert lock_holders(r) == {}
+    held.release()  # the dead owner's lease: frees nothing now
+    lease = owner_mgr.acquire("again", timeout=0)  # a new identity
+    assert lease.owner_id != dead
+    assert lease.owner_id in {m.decode() for m in r.smembers("{t}:owners")}
+    lease.release()
+
+
 def test_cleanup_of_a_live_owner_frees_nothing_unless_forced(
     managers: Managers, r: redis.Redis
 ) -> None:
