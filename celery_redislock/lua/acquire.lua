@@ -114,7 +114,6 @@ local req_ttl, limit = ARGV[6], tonumber(ARGV[7])
 local register, holder = ARGV[8] or '', ARGV[10] or ''
 local n = #modes
 local alive_key = prefix .. 'alive:' .. owner
-local req_key, wake_key = prefix .. 'req:' .. token, prefix .. 'wake:' .. token
 -- probe: the lock keys, then their queues (probe[n + i] is lock i's queue)
 local names, probe, held_names = {}, {}, {}
 for i = 1, n do
@@ -155,6 +154,8 @@ if redis.call('EXISTS', unpack(probe)) == 0 then
 end
 
 -- @helpers
+
+local req_key, wake_key = prefix .. 'req:' .. token, prefix .. 'wake:' .. token
 
 -- 3. idempotency
 local granted = redis.call('HGET', KEYS[1], token)
