@@ -218,6 +218,17 @@ def _kind(admin: redis.Redis, kind: str, key: str, per_key: bool = False) -> Key
     )
 
 
+def _buckets(admin: redis.Redis, k: Any, owner: str, n: int) -> list[KeyKind]:
+    """Breakdown rows of a registry that spilled: its index and one bucket."""
+    index = sorted(b.decode() for b in admin.hkeys(k.held_index(owner)))
+    if not index:
+        return []
+    return [
+        _kind(admin, f"held registry, bucket index ({n} locks)", k.held_index(owner)),
+        _kind(admin, f"held registry, one bucket of {len(index)}", k.held_bucket(owner, index[0])),
+    ]
+
+
 def _held_ours(n: int, kinds: list[KeyKind]) -> Work:
     def work(url: str, admin: redis.Redis, mark: Callable[[], None]) -> Callable[[], None]:
         mgr = LockManager(_client(url), namespace=NAMESPACE)
@@ -230,7 +241,8 @@ def _held_ours(n: int, kinds: list[KeyKind]) -> Work:
         kinds.extend(
             [
                 _kind(admin, "lock hash (one exclusive holder)", k.lock(resource(0)), True),
-                _kind(admin, f"held registry hash ({n} locks)", k.held(owner)),
+                _kind(admin, f"held registry, main hash ({n} locks)", k.held(owner)),
+                *_buckets(admin, k, owner, n),
                 _kind(admin, "liveness key (per owner)", k.alive(owner)),
                 _kind(admin, "owners set (1 owner)", k.owners),
                 _kind(admin, "fence counter (per namespace)", k.fence),

@@ -79,6 +79,11 @@ def _command_name(queued: Any) -> str:
     return str(args[0]).upper() if args else "?"
 
 
+def _is_spilled(index_len: Any) -> bool:
+    """Whether an HLEN reply of a registry's bucket index says it spilled."""
+    return not isinstance(index_len, Exception) and int(index_len) > 0
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -492,9 +497,36 @@ class Inspector:
         """
         validate_owner_id(owner_id)
         out: list[str] = []
-        for batch in self._hscan_keys(self.keys.held(owner_id)):
-            out.extend(self.keys.lock(name) for name in batch)
+        seen: set[str] = set()
+        held = [self.keys.held(owner_id)]
+        # An owner holding many locks keeps further names in buckets that its
+        # bucket index lists (docs/design.md, "Data model").
+        for batch in self._hscan_keys(self.keys.held_index(owner_id)):
+            held.extend(self.keys.held_bucket(owner_id, b) for b in batch)
+        for key in held:
+            for batch in self._hscan_keys(key):
+                new = [name for name in batch if name not in seen]
+                seen.update(new)
+                out.extend(self.keys.lock(name) for name in new)
         return out
+
+    def _registry_sizes(self, owners: Sequence[str]) -> dict[str, int]:
+        """Registry size of each owner: one pipelined HLEN of its registry and
+        of its bucket index per batch; a registry that spilled is then read."""
+        sizes: dict[str, int] = {}
+        for batch in self._batches(owners):
+            pipe = self._pipe()
+            for owner in batch:
+                pipe.hlen(self.keys.held(owner))
+                pipe.hlen(self.keys.held_index(owner))
+            replies = self._run(pipe)
+            for j, owner in enumerate(batch):
+                n, spilled = replies[2 * j], replies[2 * j + 1]
+                if _is_spilled(spilled):
+                    sizes[owner] = len(self.registry(owner))
+                else:
+                    sizes[owner] = 0 if isinstance(n, Exception) else int(n)
+        return sizes
 
     def _registries(self, owners: Sequence[str]) -> dict[str, list[str]]:
         """Registries of many owners (as lock keys): one pipelined HSCAN per
@@ -505,12 +537,15 @@ class Inspector:
             pipe = self._pipe()
             for owner in batch:
                 pipe.hscan(self.keys.held(owner), 0, count=self.batch_size)
-            for owner, reply in zip(batch, self._run(pipe)):
+                pipe.hlen(self.keys.held_index(owner))
+            replies = self._run(pipe)
+            for j, owner in enumerate(batch):
+                reply, spilled = replies[2 * j], replies[2 * j + 1]
                 if isinstance(reply, Exception):
                     out[owner] = []
                     continue
                 cursor, fields = reply
-                if int(cursor) == 0:
+                if int(cursor) == 0 and not _is_spilled(spilled):
                     out[owner] = sorted({self.keys.lock(_text(f)) for f in fields})
                 else:
                     out[owner] = sorted(set(self.registry(owner)))
@@ -772,13 +807,7 @@ class Inspector:
 
     def _owner_infos(self, owners: Sequence[str]) -> list[OwnerInfo]:
         live = self.liveness(owners)
-        sizes: dict[str, int] = {}
-        for batch in self._batches(owners):
-            pipe = self._pipe()
-            for owner in batch:
-                pipe.hlen(self.keys.held(owner))
-            for owner, n in zip(batch, self._run(pipe)):
-                sizes[owner] = 0 if isinstance(n, Exception) else int(n)
+        sizes = self._registry_sizes(owners)
         fields = {o: describe_fields(live[o].description) for o in owners}
         incs = {o: f.get("inc") or f.get("incarnation") for o, f in fields.items()}
         groups = self._group_info({o: i for o, i in incs.items() if i})
@@ -882,10 +911,13 @@ class Inspector:
                 pipe.exists(self.keys.alive(owner))
                 pipe.hlen(self.keys.held(owner))
                 pipe.hlen(self.keys.waits(owner))
+                pipe.hlen(self.keys.held_index(owner))
             replies = self._run(pipe) if batch else []
             for j in range(len(batch)):
-                is_alive, n, w = replies[3 * j], replies[3 * j + 1], replies[3 * j + 2]
+                is_alive, n, w, spilled = replies[4 * j : 4 * j + 4]
                 n = 0 if isinstance(n, Exception) else int(n)
+                if _is_spilled(spilled):
+                    n = len(self.registry(batch[j]))
                 w = 0 if isinstance(w, Exception) else int(w)
                 waiting += w
                 holding += 1 if n else 0

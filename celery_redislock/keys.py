@@ -9,6 +9,9 @@ key                            type    holds
 ``{ns}:lock:<resource>``       hash    holder token -> ``x`` | ``s``
 ``{ns}:q:<resource>``          zset    ``<mode><token>`` scored by arrival
 ``{ns}:held:<owner>``          hash    the owner's registry: resource -> ``''``
+``{ns}:held:<owner>|``         hash    bucket index of a registry that spilled
+                                       (an owner holding many locks): b -> ``''``
+``{ns}:held:<owner>|<b>``      hash    one bucket of it: resource -> ``''``
 ``{ns}:alive:<owner>``         string  the owner's liveness (TTL); value = who
 ``{ns}:owners``                set     owners that may hold or wait for locks
 ``{ns}:req:<token>``           hash    one request's state (queued / granted)
@@ -53,8 +56,10 @@ from .exceptions import ConfigurationError, InvalidResource
 #: ``{ns}:format`` by the first process that uses the namespace. Format 1 is
 #: the layout of the releases from before versioning (uuid owner ids and
 #: tokens, set registries); format 2 has compact owner ids and request ids
-#: and hash registries.
-FORMAT_VERSION = 2
+#: and hash registries; format 3 lets the registry of an owner holding many
+#: locks spill into buckets (``{ns}:held:<owner>|<b>``, which a format-2
+#: cleanup would not see).
+FORMAT_VERSION = 3
 #: The format of data written by releases from before format versioning (a
 #: namespace with a fencing counter and no ``{ns}:format`` key).
 UNVERSIONED_FORMAT = 1
@@ -220,6 +225,14 @@ class Keyspace:
 
     def held(self, owner_id: str) -> str:
         return f"{self.prefix}held:{owner_id}"
+
+    def held_index(self, owner_id: str) -> str:
+        """The bucket index of an owner's registry (exists once it spilled)."""
+        return f"{self.prefix}held:{owner_id}|"
+
+    def held_bucket(self, owner_id: str, bucket: str) -> str:
+        """One bucket of an owner's spilled registry."""
+        return f"{self.prefix}held:{owner_id}|{bucket}"
 
     def alive(self, owner_id: str) -> str:
         return f"{self.prefix}alive:{owner_id}"

@@ -106,6 +106,13 @@ _REQUEST_CACHE = 1024
 #: Values of ``LockManager(eviction_check=...)``.
 EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
 
+#: Leases an owner holds before its further resource names go to its
+#: registry's buckets (``_common.lua`` ``registry_add``): every registry hash
+#: then stays a compact listpack/ziplist (at most 128 fields by default),
+#: however many locks one process holds. Costs one more command per acquire
+#: and release of such an owner.
+REGISTRY_SPILL_AT = 64
+
 #: Errors that mean Redis cannot be reached or cannot serve (reported as
 #: RedisUnavailable): a dropped or refused connection, a timeout, and a Redis
 #: Cluster that marked itself down (CLUSTERDOWN, e.g. a master lost).
@@ -596,6 +603,10 @@ class LockManager:
         #: while their liveness key may still exist: the heartbeat (or the
         #: lost-owner watcher, or the node heartbeat) force-cleans them.
         self._doomed: set[str] = set()
+        # Owners whose registry spilled into buckets (REGISTRY_SPILL_AT):
+        # their releases remove a name from its bucket too.
+        self._spill_at = REGISTRY_SPILL_AT
+        self._spilled_owners: set[str] = set()
         #: Seconds the local liveness deadline keeps from owner_ttl.
         self.liveness_margin = min(LIVENESS_MARGIN_MAX, self.owner_ttl * LIVENESS_MARGIN_FRACTION)
         #: The data-format check is due: the first script call runs
@@ -654,6 +665,7 @@ class LockManager:
         self._heartbeat.after_fork_in_child()
         self._watch_pid = 0
         self._doomed = set()
+        self._spilled_owners = set()
 
     def _depth(self) -> _Depth:
         depth = getattr(self._local, "depth", None)
@@ -1110,13 +1122,15 @@ class LockManager:
         tag: str = "",
         holder: str = "",
         listed: bool = False,
+        spill: bool = False,
     ) -> tuple[list[Any], list[Any]]:
         """KEYS and ARGV of one acquire.lua call (see its header for each slot).
 
         ``register``: the liveness key's value when the call registers the
         owner ('' when it is registered); ``group``: the group hash the owner
         registers in (with its process ``tag``); ``holder``: the holder
-        record; ``listed``: the owner is in ``{ns}:owners`` already. Only the
+        record; ``listed``: the owner is in ``{ns}:owners`` already; ``spill``:
+        the owner holds many locks (its registry's buckets). Only the
         lock keys travel as KEYS (the script builds the rest from the
         prefix), and the arguments are bytes where they repeat: each
         argument costs the client an encoding on every call.
@@ -1124,7 +1138,12 @@ class LockManager:
         keys: list[Any] = list(req.wire_locks)
         if group is not None:
             keys.append(group)
-        flags = ("q" if queue else "") + ("n" if nested else "") + ("l" if listed else "")
+        flags = (
+            ("q" if queue else "")
+            + ("n" if nested else "")
+            + ("l" if listed else "")
+            + ("s" if spill else "")
+        )
         args: list[Any] = [
             token,
             req.wire_modes,
@@ -1137,6 +1156,16 @@ class LockManager:
         if register or group is not None or holder:
             args += [register, tag, holder]
         return keys, args
+
+    def _spill(self, owner_id: str) -> bool:
+        """Whether the owner holds REGISTRY_SPILL_AT leases: its resource
+        names then go to its registry's buckets (acquire.lua flag 's')."""
+        if len(self._leases) < self._spill_at:
+            return False
+        # Recorded before the script runs: a release from now on may meet
+        # a name in a bucket.
+        self._spilled_owners.add(owner_id)
+        return True
 
     def _attempt(
         self,
@@ -1168,6 +1197,7 @@ class LockManager:
             # Who holds it, only when a Celery task acquires (@locked sets it).
             holder=holder,
             listed=ident.listed,
+            spill=self._spill(ident.owner_id),
         )
         if self.wait_replicas:
             reply = self._call_and_wait("acquire", keys, args)
@@ -1631,6 +1661,7 @@ class LockManager:
             self._req_ttl_arg,
             self._limit_arg,
             (b"2" if clean else b"1") if lease else b"0",
+            b"1" if owner_id in self._spilled_owners else b"0",
         ]
         keys: list[Any] = list(req.wire_locks)
         return self._call("release", keys, args, client=client)

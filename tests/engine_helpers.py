@@ -145,16 +145,31 @@ def registries(r: redis.Redis, namespace: str = "t") -> dict[str, set[str]]:
     """owner id -> lock keys in its registry, for every registry in Redis.
 
     A registry is a hash of resource names (each with the value ``''``);
-    they are returned as lock keys ``{ns}:lock:<resource>``.
+    they are returned as lock keys ``{ns}:lock:<resource>``. An owner that
+    spilled (``manager.REGISTRY_SPILL_AT``) also has a bucket index
+    ``{ns}:held:<owner>|`` and buckets ``{ns}:held:<owner>|<b>``: their names
+    count as its registry, and every bucket must be listed in the index.
     """
     head = "{" + namespace + "}:held:"
     lock = "{" + namespace + "}:lock:"
     out: dict[str, set[str]] = {}
+    indexes: dict[str, set[str]] = {}
+    buckets: dict[str, set[str]] = {}
     for key in namespace_keys(r, namespace):
-        if key.startswith(head):
-            fields = {_s(f): _s(v) for f, v in r.hgetall(key).items()}
-            assert set(fields.values()) <= {""}, f"{key}: {fields}"
-            out[key[len(head) :]] = {lock + name for name in fields}
+        if not key.startswith(head):
+            continue
+        fields = {_s(f): _s(v) for f, v in r.hgetall(key).items()}
+        assert set(fields.values()) <= {""}, f"{key}: {fields}"
+        owner, bar, bucket = key[len(head) :].partition("|")
+        if bar and not bucket:
+            indexes[owner] = set(fields)
+            continue
+        if bar:
+            buckets.setdefault(owner, set()).add(bucket)
+        if fields:
+            out.setdefault(owner, set()).update(lock + name for name in fields)
+    for owner, found in buckets.items():
+        assert found <= indexes.get(owner, set()), f"{owner}: buckets {found} not indexed"
     return out
 
 

@@ -202,6 +202,26 @@ def read_view(r: redis.Redis) -> View:
     return view
 
 
+def registry_view(view: View) -> dict[str, set[str]]:
+    """owner -> resource names in its registry: its main hash and, if it
+    spilled, the buckets its bucket index lists (an unlisted bucket fails)."""
+    out: dict[str, set[str]] = {}
+    index: dict[str, set[str]] = {}
+    buckets: dict[str, set[str]] = {}
+    for key, value in view.of_kind("held"):
+        owner, bar, bucket = key.partition("|")
+        if bar and not bucket:
+            index[owner] = set(value)
+            continue
+        if bar:
+            buckets.setdefault(owner, set()).add(bucket)
+        if value:
+            out.setdefault(owner, set()).update(value)
+    for owner, found in buckets.items():
+        assert found <= index.get(owner, set()), f"{owner}: buckets {found} not indexed"
+    return out
+
+
 @dataclass
 class NodeModel:
     """One node name: its record, incarnations, groups and tombstones."""
@@ -384,7 +404,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def expected_cleanup(self, owner_id: str) -> int:
         """Grants ``owner_id`` still has in the locks of its registry."""
-        held = self.view.raw.get(PREFIX + "held:" + owner_id) or {}
+        held = registry_view(self.view).get(owner_id, set())
         n = 0
         for name in held:
             lock = self.view.raw.get(PREFIX + "lock:" + name) or {}
@@ -436,9 +456,20 @@ class ProtocolMachine(RuleBasedStateMachine):
     # -- rules: acquire, wait, release -----------------------------------
 
     @precondition(lambda self: self.usable())
-    @rule(data=st.data(), shape=shapes, queue=st.booleans(), nested=st.booleans())
+    @rule(
+        data=st.data(),
+        shape=shapes,
+        queue=st.booleans(),
+        nested=st.booleans(),
+        spill=st.booleans(),
+    )
     def acquire(
-        self, data: st.DataObject, shape: dict[str, str], queue: bool, nested: bool
+        self,
+        data: st.DataObject,
+        shape: dict[str, str],
+        queue: bool,
+        nested: bool,
+        spill: bool = False,
     ) -> None:
         oid = data.draw(st.sampled_from(self.usable()), label="owner")
         # Nested: made while the same thread holds a lock (the owner has a lease).
@@ -450,7 +481,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         q = Request(token=f"{oid}|r{self._next()}", owner=oid, modes=modes, nested=nested)
         self.model.requests[q.token] = q
         self.reqs[q.token] = req
-        self.run_acquire(q, queue)
+        # As an owner holding many locks: its registry spills into buckets
+        # (drawn per acquire, so one owner's names end up in both places).
+        self.mgr._spill_at = 0 if spill else 10**9
+        try:
+            self.run_acquire(q, queue)
+        finally:
+            self.mgr._spill_at = 10**9
         self.settle()
 
     @precondition(lambda self: self.usable())
@@ -1015,7 +1052,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         for q in model.live_grants():
             for res in q.modes:
                 assert q.token in view.lock(res), f"live grant {q.token} lost {res} in Redis"
-        held = {o: set(v) for o, v in view.of_kind("held")}
+        held = registry_view(view)
         assert held == holds, f"registry {held} != locks held {holds}"
         for o, v in view.of_kind("held"):
             assert set(v.values()) == {""}, f"registry of {o}: {v}"

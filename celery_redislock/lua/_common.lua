@@ -14,7 +14,15 @@
 --   registry     {ns}:held:<owner>: a hash, field = resource name (not the
 --                lock key) -> '' for every lock the owner holds a token in
 --                (a hash of up to 128 short fields is a compact listpack or
---                ziplist; before Redis 7.2 a set of strings never is)
+--                ziplist; before Redis 7.2 a set of strings never is). An
+--                owner holding many locks spills: its client asks for it
+--                (acquire.lua ARGV[13]) once the owner holds 64 grants
+--                (manager.REGISTRY_SPILL_AT), and further names go to bucket hashes
+--                {ns}:held:<owner>|<b> (b = reg_bucket(name), '0'..'63';
+--                owner ids never contain '|'), which the bucket index
+--                {ns}:held:<owner>| (hash: b -> '') lists, so every hash
+--                stays a listpack up to about 8,000 locks. See the registry
+--                helpers below.
 --   queue zset   member '<mode><token>', score = arrival sequence
 --                (nested requests: sequence - 1e15, so they sort first)
 --   waits hash   {ns}:waits:<owner>: token -> '<modes>\n<res 1>\n<res 2>...'
@@ -103,6 +111,74 @@ local function next_fence(key)
   return now
 end
 
+-- Registry helpers: the only code that knows the registry's layout.
+-- The bucket of a resource name: a string hash of its bytes, '0'..'63'.
+local REG_BUCKETS = 64
+local function reg_bucket(name)
+  local h = 5381
+  for i = 1, #name do h = (h * 33 + string.byte(name, i)) % 2147483647 end
+  return int(h % REG_BUCKETS)
+end
+
+-- Record the resource NAMES in OWNER's registry: one HSET into the main
+-- hash, or, when SPILL (the owner's client holds many locks), into each
+-- name's bucket hash, which the bucket index then lists (one more HSET).
+-- An owner may hold one resource twice (two tokens); the name may then be
+-- in the main hash and in its bucket: registry_del removes both.
+local function registry_add(prefix, owner, names, spill)
+  local held = prefix .. 'held:' .. owner
+  if not spill then
+    local kv = {}
+    for i, name in ipairs(names) do
+      kv[2 * i - 1] = name
+      kv[2 * i] = ''
+    end
+    redis.call('HSET', held, unpack(kv))
+    return
+  end
+  local by, index = {}, {}
+  for _, name in ipairs(names) do
+    local b = reg_bucket(name)
+    if not by[b] then
+      by[b] = {}
+      index[#index + 1] = b
+      index[#index + 1] = ''
+    end
+    by[b][#by[b] + 1] = name
+    by[b][#by[b] + 1] = ''
+  end
+  redis.call('HSET', held .. '|', unpack(index))
+  for b, kv in pairs(by) do redis.call('HSET', held .. '|' .. b, unpack(kv)) end
+end
+
+-- Remove the resource NAMES from OWNER's registry (the owner holds no
+-- token on them any more): one HDEL on the main hash, and on their buckets
+-- when the owner spilled. SPILLED: true when the caller knows the owner
+-- has spilled, false when it knows it has not, nil when unknown (the
+-- bucket index tells: one HMGET).
+local function registry_del(prefix, owner, names, spilled)
+  local held = prefix .. 'held:' .. owner
+  redis.call('HDEL', held, unpack(names))
+  if spilled == false then return end
+  local by, order = {}, {}
+  for _, name in ipairs(names) do
+    local b = reg_bucket(name)
+    if not by[b] then
+      by[b] = {}
+      order[#order + 1] = b
+    end
+    by[b][#by[b] + 1] = name
+  end
+  if spilled == nil then
+    local listed = redis.call('HMGET', held .. '|', unpack(order))
+    for i, b in ipairs(order) do
+      if listed[i] then redis.call('HDEL', held .. '|' .. b, unpack(by[b])) end
+    end
+  else
+    for _, b in ipairs(order) do redis.call('HDEL', held .. '|' .. b, unpack(by[b])) end
+  end
+end
+
 -- Everything below the next line goes where a script has the line
 -- '-- @helpers' (scripts.py), or right here when it has none: a fast path
 -- above that line returns before Lua creates the closures below (a few
@@ -115,6 +191,28 @@ local function owner_pttl(prefix, owner)
   local t = redis.call('PTTL', prefix .. 'alive:' .. owner)
   if t == -1 then return 2147483647 end
   return t
+end
+
+-- Every resource name in OWNER's registry (a name in the main hash and in
+-- its bucket is listed twice), and whether it has spilled. Reads the main
+-- hash, the bucket index and each listed bucket: O(names + buckets).
+local function registry_read(prefix, owner)
+  local held = prefix .. 'held:' .. owner
+  local names = redis.call('HKEYS', held)
+  local buckets = redis.call('HKEYS', held .. '|')
+  for _, b in ipairs(buckets) do
+    for _, f in ipairs(redis.call('HKEYS', held .. '|' .. b)) do names[#names + 1] = f end
+  end
+  return names, #buckets > 0
+end
+
+-- Delete OWNER's whole registry (main hash, bucket index and buckets).
+local function registry_drop(prefix, owner)
+  local held = prefix .. 'held:' .. owner
+  for _, b in ipairs(redis.call('HKEYS', held .. '|')) do
+    redis.call('DEL', held .. '|' .. b)
+  end
+  redis.call('DEL', held, held .. '|')
 end
 
 -- Deferred tasks (docs/defer.md): a parked request belongs to a task owner
@@ -277,7 +375,7 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
   until ms ~= nil or cursor == '0'
   for o, _ in pairs(dead_owners) do
     if not owner_holds(lock, o) then
-      redis.call('HDEL', prefix .. 'held:' .. o, name_of(prefix, lock))
+      registry_del(prefix, o, {name_of(prefix, lock)})
     end
   end
   return ms, freed
@@ -331,13 +429,12 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
     end
   end
   local fence = next_fence(prefix .. 'fence')
-  local held = prefix .. 'held:' .. owner
   for i = 1, n do
     local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
     redis.call('HSET', lock, token, mode .. fence)
-    redis.call('HSET', held, names[i], '')
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
+  registry_add(prefix, owner, names, false)
   redis.call('HDEL', prefix .. 'waits:' .. owner, token)
   -- A task's request carries who it is: kept beside the grant for operators.
   if st[6] then redis.call('SET', prefix .. 'holder:' .. token, st[6]) end

@@ -10,7 +10,8 @@
 -- costs the caller more than building it here): {ns}:fence (fencing
 -- counter), {ns}:seq (arrival counter), {ns}:owners (owners that may hold
 -- or wait for locks), this owner's {ns}:held:<owner> (registry: resource
--- name -> ''), {ns}:alive:<owner> (liveness, TTL), {ns}:waits:<owner> and
+-- name -> ''; with flag 's' its bucket index {ns}:held:<owner>| and buckets
+-- {ns}:held:<owner>|<b>), {ns}:alive:<owner> (liveness, TTL), {ns}:waits:<owner> and
 -- tombstone {ns}:dead:<owner>, this request's {ns}:req:<token> (state
 -- while it queues: state 'q', seq, modes, res, nested, what a hand-off
 -- needs) and {ns}:wake:<token> (wake list), the wait queues {ns}:q:<res>
@@ -27,7 +28,9 @@
 --     'n' a nested request (waits only for holders, queued first), 'l' this
 --     owner is in {ns}:owners already (an earlier grant or queued request
 --     of it added it, and only the cleanup that declares it dead or
---     retires it takes it out: the SADD is skipped)
+--     retires it takes it out: the SADD is skipped), 's' this owner holds
+--     many locks: the resource names go to its registry's buckets
+--     (_common.lua registry_add; one more HSET, for the bucket index)
 --   4 liveness TTL in ms (every attempt refreshes the owner's liveness)
 --   5 key prefix '{ns}:'
 --   6 request TTL in ms (queued request state, wake list)
@@ -74,7 +77,7 @@
 --      blocked, conservatively); at most 4 x ARGV[7] are removed per queue
 --      (past it: blocked with wait_ms 0, to run again at once).
 --   6. Not blocked: grant every lock (token -> mode and fence), add the
---      resource names to the registry (one HSET), SADD the owner to
+--      resource names to the registry (one HSET; its buckets with flag 's'), SADD the owner to
 --      {ns}:owners (unless flag 'l'), leave the queues and the owner's
 --      waits hash, delete the request's state and wake list (a granted
 --      request needs neither: a retry finds its grant in step 3), wake
@@ -109,20 +112,19 @@ local owner = owner_of(token)
 local want_queue = string.find(flags, 'q', 1, true) ~= nil
 local nested = string.find(flags, 'n', 1, true) ~= nil
 local known = string.find(flags, 'l', 1, true) ~= nil
+local spill = string.find(flags, 's', 1, true) ~= nil
 local reg_ttl = ARGV[4]
 local req_ttl, limit = ARGV[6], tonumber(ARGV[7])
 local register, holder = ARGV[8] or '', ARGV[10] or ''
 local n = #modes
 local alive_key = prefix .. 'alive:' .. owner
 -- probe: the lock keys, then their queues (probe[n + i] is lock i's queue)
-local names, probe, held_names = {}, {}, {}
+local names, probe = {}, {}
 for i = 1, n do
   local name = name_of(prefix, KEYS[i])
   names[i] = name
   probe[i] = KEYS[i]
   probe[n + i] = prefix .. 'q:' .. name
-  held_names[2 * i - 1] = name
-  held_names[2 * i] = ''
 end
 
 -- 1. liveness
@@ -145,7 +147,7 @@ if redis.call('EXISTS', unpack(probe)) == 0 then
   for i = 1, n do
     redis.call('HSET', KEYS[i], token, string.sub(modes, i, i) .. fence)
   end
-  redis.call('HSET', prefix .. 'held:' .. owner, unpack(held_names))
+  registry_add(prefix, owner, names, spill)
   if not known then redis.call('SADD', prefix .. 'owners', owner) end
   if holder ~= '' then
     redis.call('SET', prefix .. 'holder:' .. token, holder)
@@ -269,7 +271,7 @@ if not blocked then
       rewake[i] = true
     end
   end
-  redis.call('HSET', prefix .. 'held:' .. owner, unpack(held_names))
+  registry_add(prefix, owner, names, spill)
   if queued then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
   if not known then redis.call('SADD', prefix .. 'owners', owner) end
   redis.call('DEL', wake_key, req_key)

@@ -65,15 +65,11 @@ local task_owner, owner, prefix = ARGV[1], ARGV[2], ARGV[3]
 local reg_ttl, tomb_ttl, limit = ARGV[4], ARGV[7], tonumber(ARGV[8])
 local lock_prefix = prefix .. 'lock:'
 
--- The registry's encoding in one place (_common.lua): a hash whose fields
--- are resource names; lock keys are built from them.
-local function registry_locks(key)
+-- The registry's layout is _common.lua's (registry_read, registry_add).
+local function registry_locks()
   local out = {}
-  for i, name in ipairs(redis.call('HKEYS', key)) do out[i] = lock_prefix .. name end
+  for i, name in ipairs(registry_read(prefix, task_owner)) do out[i] = lock_prefix .. name end
   return out
-end
-local function registry_add(key, lock)
-  redis.call('HSET', key, string.sub(lock, #lock_prefix + 1), '')
 end
 
 -- 1. the adopter's liveness
@@ -123,7 +119,7 @@ end
 -- 4. move
 local p = task_owner .. '|'
 local grants, order = {}, {} -- old token -> {fence, modes, names}
-for _, lock in ipairs(registry_locks(KEYS[1])) do
+for _, lock in ipairs(registry_locks()) do
   if string.sub(lock, 1, #lock_prefix) == lock_prefix then
     local kv = redis.call('HGETALL', lock)
     for j = 1, #kv, 2 do
@@ -149,7 +145,7 @@ for _, lock in ipairs(registry_locks(KEYS[1])) do
         g[3][#g[3] + 1] = string.sub(lock, #lock_prefix + 1)
       end
     end
-    registry_add(KEYS[4], lock)
+    registry_add(prefix, owner, {string.sub(lock, #lock_prefix + 1)}, false)
   end
 end
 local waits = prefix .. 'waits:' .. task_owner
@@ -160,7 +156,8 @@ for _, t in ipairs(redis.call('HKEYS', waits)) do
 end
 
 -- 5. retire the task owner, record the adoption
-redis.call('DEL', KEYS[1], KEYS[2], waits)
+registry_drop(prefix, task_owner)
+redis.call('DEL', KEYS[2], waits)
 redis.call('SREM', KEYS[3], task_owner)
 redis.call('SET', KEYS[7], '1', 'PX', tomb_ttl)
 local out = {1}

@@ -2,7 +2,9 @@
 -- that owner's registry (never the keyspace).
 --
 -- KEYS (all in {ns}):
---   1 {ns}:held:<owner>   the owner's registry (hash: resource name -> '')
+--   1 {ns}:held:<owner>   the owner's registry (hash: resource name -> '';
+--                         its bucket index and buckets, if it spilled, are
+--                         built from it: _common.lua registry_read)
 --   2 {ns}:alive:<owner>  the owner's liveness key
 --   3 {ns}:owners         the active-owners set
 -- Lock keys {ns}:lock:<res> are built from ARGV[2] and the resource names
@@ -45,7 +47,7 @@
 -- A failing key is reported and kept; the others go on. Last, the waiters
 -- of every other queue that lost an entry of the owner are woken.
 -- An owner with an empty registry and no queued request left leaves the
--- owners set.
+-- owners set (its registry's keys are deleted).
 --
 -- Reply: {status, released, skipped, errors, remaining}
 --   status  'alive' (nothing done) | 'cleaned' (owner gone from the owners
@@ -62,7 +64,8 @@ local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
 
 if redis.call('EXISTS', KEYS[2]) == 1 then
   if not force then
-    return {'alive', 0, {}, {}, redis.call('HLEN', KEYS[1])}
+    local names = registry_read(prefix, owner)
+    return {'alive', 0, {}, {}, #names}
   end
   redis.call('DEL', KEYS[2])
 end
@@ -114,12 +117,14 @@ for _, t in ipairs(queued) do
 end
 if #errors == 0 then redis.call('DEL', waits) end
 
+local names, spilled = registry_read(prefix, owner)
+
 -- Pass 1: free the owner's grants in one lock ('freed'), or say why not.
 local function free_one(name)
   local lock = lock_prefix .. name
   local t = redis.call('TYPE', lock)['ok']
   if t == 'none' then
-    redis.call('HDEL', KEYS[1], name)
+    registry_del(prefix, owner, {name}, spilled)
     return 'gone'
   end
   if t ~= 'hash' then
@@ -144,7 +149,7 @@ local function serve_one(name)
   local q = prefix .. 'q:' .. name
   woken[q] = true
   wake_front(prefix, q, lock_prefix .. name, limit, req_ttl)
-  redis.call('HDEL', KEYS[1], name)
+  registry_del(prefix, owner, {name}, spilled)
 end
 
 local function failed(key, res)
@@ -154,7 +159,7 @@ local function failed(key, res)
 end
 
 local freed = {}
-for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+for _, name in ipairs(names) do
   local ok, res, detail = pcall(free_one, name)
   if not ok then
     failed(lock_prefix .. name, res)
@@ -182,8 +187,9 @@ for _, q in ipairs(wake_order) do
   end
 end
 
-local remaining = redis.call('HLEN', KEYS[1])
+local remaining = #registry_read(prefix, owner)
 local status = 'partial'
+if remaining == 0 then registry_drop(prefix, owner) end
 if remaining == 0 and redis.call('EXISTS', waits) == 0 then
   redis.call('SREM', KEYS[3], owner)
   status = 'cleaned'

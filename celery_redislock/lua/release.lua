@@ -7,7 +7,8 @@
 --   1..n     {ns}:lock:<res>     lock hashes
 -- Every other key is built from the prefix ARGV[3], the token and the
 -- resource names, and stays in {ns}: this owner's registry
--- {ns}:held:<owner> (hash: resource name -> '') and queued requests
+-- {ns}:held:<owner> (hash: resource name -> ''; if it spilled, its bucket
+-- index and buckets, _common.lua registry_del) and queued requests
 -- {ns}:waits:<owner> (hash), the request's state {ns}:req:<token>, wake
 -- list {ns}:wake:<token> and holder record {ns}:holder:<token>, the wait
 -- queues {ns}:q:<res> (same order as KEYS), the {ns}:contended:<res>
@@ -26,6 +27,9 @@
 --     without holder info: it has no request state, wake list or holder
 --     record, so their DEL is skipped too; '0' on exit paths, where it may
 --     still be queued
+--   7 (optional) '1' when the owner's registry has spilled into buckets,
+--     '0' when it has not (the client knows), absent: unknown (one HMGET of
+--     the bucket index)
 --
 -- Atomic steps: first one EXISTS over the queues and contended streams of
 -- every resource (before any write, so a key the Redis user may not touch
@@ -34,7 +38,8 @@
 -- (delete-if-holder: only this token's field goes), read how many holders
 -- are left (none after an exclusive grant: an exclusive holder is alone;
 -- HLEN for a shared one), and ZREM the request's queue entry (not for a
--- lease, ARGV[6]). Then, in one HDEL, drop from the registry the resources
+-- lease, ARGV[6]). Then, in one HDEL (plus one per bucket with ARGV[7] =
+-- '1'), drop from the registry the resources
 -- where the owner holds no other token now (at once when the hash is left
 -- empty; HKEYS only when other holders remain). When the probe found
 -- nothing, the release ends here (the uncontended release). Otherwise,
@@ -57,7 +62,8 @@ local owner = owner_of(token)
 local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
 local granted = ARGV[6] ~= '0'
 local n = #modes
-local held_key = prefix .. 'held:' .. owner
+local spilled = nil -- unknown: the bucket index tells (_common.lua registry_del)
+if ARGV[7] == '1' then spilled = true elseif ARGV[7] == '0' then spilled = false end
 local released, dequeued = 0, 0
 local unlisted = {} -- resource names leaving the registry
 local changed = {} -- i -> holders left (false: not read), for resources that changed
@@ -88,7 +94,7 @@ for i = 1, n do
   dequeued = dequeued + d
   if r == 1 or d == 1 then changed[i] = holders end
 end
-if #unlisted > 0 then redis.call('HDEL', held_key, unpack(unlisted)) end
+if #unlisted > 0 then registry_del(prefix, owner, unlisted, spilled) end
 local function finish()
   if ARGV[6] ~= '2' then
     redis.call('DEL', prefix .. 'req:' .. token, prefix .. 'wake:' .. token,
