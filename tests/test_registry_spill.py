@@ -15,7 +15,7 @@ import redis
 from celery_redislock import Inspector, LockManager
 from celery_redislock.manager import REGISTRY_SPILL_AT
 from conftest import Managers
-from engine_helpers import assert_registry_truth, namespace_keys, registries
+from engine_helpers import assert_registry_truth, counting, namespace_keys, registries
 
 MANY = REGISTRY_SPILL_AT * 3
 COMPACT = (b"listpack", b"ziplist")
@@ -115,3 +115,28 @@ def test_closing_a_manager_that_spilled_deletes_its_bucket_index(
     mgr.close()
 
     assert held_keys(r, owner) == set()
+
+
+def test_a_spilled_owner_pays_two_commands_more_per_cycle_however_many_it_holds(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # No heartbeat: its beats would land in the counted windows.
+    mgr = managers(heartbeat=False, owner_ttl=600)
+
+    def cycle() -> dict[str, int]:
+        with counting(r) as delta:
+            mgr.acquire("probe", timeout=0, nested=False).release()
+        return {k: v for k, v in delta.items() if v}
+
+    mgr.acquire("warm", timeout=0).release()  # registers the owner
+    plain = cycle()
+    leases = take(mgr, MANY)
+    spilled = cycle()
+    leases += take(mgr, MANY, prefix="more:")
+    spilled_more = cycle()
+
+    # The bucket index HSET on acquire, the bucket HDEL on release.
+    assert sum(spilled.values()) == sum(plain.values()) + 2, (plain, spilled)
+    assert spilled_more == spilled  # flat in the number of locks held
+    for lease in leases:
+        lease.release()
