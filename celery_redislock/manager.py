@@ -2261,7 +2261,7 @@ class LockManager:
             ],
             client=client,
         )
-        status, released, skipped, errors, remaining = reply
+        status, released, skipped, errors, remaining, reclaimed = reply
         skipped_l = [_text(x) for x in skipped]
         errors_l = [_text(x) for x in errors]
         report = CleanupReport(
@@ -2271,6 +2271,7 @@ class LockManager:
             skipped=tuple(zip(skipped_l[::2], skipped_l[1::2])),
             errors=tuple(zip(errors_l[::2], errors_l[1::2])),
             remaining=int(remaining),
+            reclaimed=int(reclaimed),
         )
         for key, kind in report.skipped:
             log_cleanup.warning(

@@ -24,6 +24,9 @@ class CleanupReport:
     errors: tuple[tuple[str, str], ...] = ()
     #: Registry size afterwards.
     remaining: int = 0
+    #: Grants of *other* dead owners freed on the way: serving this owner's
+    #: waiters reclaims dead holders that stand before an exclusive waiter.
+    reclaimed: int = 0
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ReconcileReport:
     alive: int = 0
     cleaned: int = 0
     partial: int = 0
+    #: Grants freed: every cleaned owner's own, and those of other dead
+    #: owners reclaimed while serving their waiters (CleanupReport.reclaimed).
     released: int = 0
     #: owner id -> error message, for owners whose cleanup raised.
     errors: dict[str, str] = field(default_factory=dict)
@@ -41,7 +46,7 @@ class ReconcileReport:
 
     def add(self, report: CleanupReport) -> None:
         self.reports.append(report)
-        self.released += report.released
+        self.released += report.released + report.reclaimed
         if report.status == "cleaned":
             self.cleaned += 1
         elif report.status == "partial":

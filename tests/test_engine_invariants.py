@@ -363,3 +363,27 @@ def test_reconcile_isolates_an_owner_whose_cleanup_fails(
     assert not r.exists(lock("good"))
     owners = {m.decode() for m in r.smembers("{t}:owners")}
     assert bad in owners and good not in owners
+
+
+def test_reconcile_counts_a_dead_holder_reclaimed_while_serving_another_dead_owners_waiter(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # Two dead owners share 'a'; a live owner queues for it exclusively.
+    # Cleaning the first serves the waiter, which reclaims the second's
+    # grant on the way: the second's own cleanup then finds nothing, and
+    # the pass must still count both grants.
+    one, two = managers(heartbeat=False), managers(heartbeat=False)
+    waiter, sweeper = managers(), managers()
+    one.acquire(shared="a", timeout=0)
+    two.acquire(shared="a", timeout=0)
+    (token,) = queue_requests(waiter, 1, exclusive="a")
+    kill_liveness(r, one)
+    kill_liveness(r, two)
+
+    report = sweeper.reconcile()
+
+    assert report.cleaned == 2, report
+    assert report.released == 2, report
+    assert sum(c.reclaimed for c in report.reports) == 1, report
+    assert set(lock_holders(r)[lock("a")]) == {token}  # handed to the waiter
+    assert_registry_truth(r)

@@ -382,6 +382,10 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
 end
 
 local wake_front
+-- Grants of dead holders that wake_front reclaimed to serve an exclusive
+-- head, summed over the script's run (cleanup_owner reports them: they
+-- belong to other dead owners, whose own cleanup then finds them gone).
+local serve_reclaimed = 0
 
 -- Hand-off: grant the queued request TOKEN every lock it asked for, here and
 -- now, if nothing blocks it: no conflicting holder on any of its resources
@@ -510,7 +514,11 @@ wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
   if string.sub(first[1], 1, 1) == 'x' then
     local st = entry_state(prefix, string.sub(first[1], 2))
     if st then
-      if n > 0 and reclaim_holders(prefix, lock, 'x', limit, n) ~= nil then return 0 end
+      if n > 0 then
+        local ms, freed = reclaim_holders(prefix, lock, 'x', limit, n)
+        serve_reclaimed = serve_reclaimed + freed
+        if ms ~= nil then return 0 end
+      end
       serve(prefix, queue, first[1], st, limit, ttl_ms, plain)
       return 1
     end

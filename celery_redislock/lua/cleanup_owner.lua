@@ -49,7 +49,7 @@
 -- An owner with an empty registry and no queued request left leaves the
 -- owners set (its registry's keys are deleted).
 --
--- Reply: {status, released, skipped, errors, remaining}
+-- Reply: {status, released, skipped, errors, remaining, reclaimed}
 --   status  'alive' (nothing done) | 'cleaned' (owner gone from the owners
 --           set) | 'partial' (some keys kept, or some queued requests not
 --           removed: see skipped and errors)
@@ -57,6 +57,10 @@
 --   skipped   {key, type, ...} pairs of keys of an unexpected type
 --   errors    {key, message, ...} pairs of keys whose cleanup failed
 --   remaining registry size afterwards
+--   reclaimed grants of other dead owners freed while serving this owner's
+--             waiters (wake_front reclaims dead holders ahead of an
+--             exclusive head): counted here, since their own cleanup will
+--             find them gone
 
 local owner, prefix = ARGV[1], ARGV[2]
 local force = ARGV[3] == '1'
@@ -65,7 +69,7 @@ local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   if not force then
     local names = registry_read(prefix, owner)
-    return {'alive', 0, {}, {}, #names}
+    return {'alive', 0, {}, {}, #names, 0}
   end
   redis.call('DEL', KEYS[2])
 end
@@ -194,4 +198,4 @@ if remaining == 0 and redis.call('EXISTS', waits) == 0 then
   redis.call('SREM', KEYS[3], owner)
   status = 'cleaned'
 end
-return {status, released, skipped, errors, remaining}
+return {status, released, skipped, errors, remaining, serve_reclaimed}
