@@ -8,6 +8,7 @@ owner is made by deleting its liveness key, which is what its expiry does.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -373,6 +374,8 @@ def test_reconcile_counts_a_dead_holder_reclaimed_while_serving_another_dead_own
     # grant on the way: the second's own cleanup then finds nothing, and
     # the pass must still count both grants.
     one, two = managers(heartbeat=False), managers(heartbeat=False)
+    for dead in (one, two):  # no lost-owner watch freeing them first
+        dead._lost_watch_exempt_pid = os.getpid()
     waiter, sweeper = managers(), managers()
     one.acquire(shared="a", timeout=0)
     two.acquire(shared="a", timeout=0)

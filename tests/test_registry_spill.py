@@ -10,6 +10,8 @@ acquirer, cleanup, the inspector) sees the buckets: registry truth holds.
 
 from __future__ import annotations
 
+import os
+
 import redis
 
 from celery_redislock import Inspector, LockManager
@@ -23,6 +25,15 @@ COMPACT = (b"listpack", b"ziplist")
 
 def held_keys(r: redis.Redis, owner: str) -> set[str]:
     return {k for k in namespace_keys(r) if k.startswith("{t}:held:" + owner)}
+
+
+def dead_to_be(managers: Managers) -> LockManager:
+    """A manager whose owner the test will declare dead (its liveness key
+    deleted): no heartbeat, and no lost-owner watch that would notice and
+    free its locks before the test's own path does."""
+    mgr = managers(heartbeat=False)
+    mgr._lost_watch_exempt_pid = os.getpid()
+    return mgr
 
 
 def take(mgr: LockManager, count: int, prefix: str = "repo:") -> list:
@@ -57,7 +68,7 @@ def test_an_owner_holding_many_locks_keeps_every_registry_hash_compact(
 def test_cleanup_of_a_dead_owner_that_spilled_frees_every_lock_and_its_buckets(
     managers: Managers, r: redis.Redis
 ) -> None:
-    dead, other = managers(heartbeat=False), managers()
+    dead, other = dead_to_be(managers), managers()
     take(dead, MANY)
     assert r.delete("{t}:alive:" + dead.owner_id) == 1
 
@@ -74,7 +85,7 @@ def test_cleanup_of_a_dead_owner_that_spilled_frees_every_lock_and_its_buckets(
 def test_an_acquirer_reclaiming_a_spilled_grant_removes_it_from_its_bucket(
     managers: Managers, r: redis.Redis
 ) -> None:
-    dead, other = managers(heartbeat=False), managers()
+    dead, other = dead_to_be(managers), managers()
     take(dead, MANY)
     assert r.delete("{t}:alive:" + dead.owner_id) == 1
     last = f"repo:{MANY - 1}"  # taken after the spill: in a bucket
