@@ -133,7 +133,9 @@ class OwnerIdentity:
     valid_until: float = 0.0
     #: True once a script added this owner to ``{ns}:owners`` (its first
     #: grant or queued request): later acquires skip the SADD. Nothing takes
-    #: a live owner out of the set, only the cleanup that retires it.
+    #: a live owner out of the set, only the cleanup that retires it; a
+    #: release that finds a grant gone (data lost in a failover, say) resets
+    #: it, so the next grant lists the owner again.
     listed: bool = False
 
     @functools.cached_property

@@ -1754,6 +1754,12 @@ class LockManager:
                 self._orphans[lease.token] = req
             raise
         released = int(reply[0])
+        if released < len(req.modes):
+            # Redis lost a grant of this owner (reclaimed, evicted, or a
+            # failover to a replica that missed it): it may have lost the
+            # owner's {ns}:owners entry with it, so the next grant lists the
+            # owner again (see OwnerIdentity.listed).
+            lease._ident.listed = False
         if released < len(req.modes) and not lease.lost:
             lease._mark_lost("declared-dead")
             log_release.warning(

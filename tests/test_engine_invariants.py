@@ -249,6 +249,30 @@ def test_an_owner_listed_by_its_first_grant_is_found_by_reconcile_after_later_gr
     lease.release()
 
 
+def test_an_owner_whose_grant_and_listing_redis_lost_is_listed_again_by_its_next_grant(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # A failover to a replica that missed the owner's first grant loses that
+    # grant and the owner's {ns}:owners entry together, while the owner (its
+    # liveness registered earlier) lives on. Its release finds the grant
+    # gone; its next grant must list it again, or reconcile would never
+    # find it when it dies.
+    mgr = managers()
+    lease = mgr.acquire("a", timeout=0)
+    assert mgr._identity.current().listed
+    # What the replica missed: the grant and the listing.
+    r.hdel("{t}:lock:a", lease.token)
+    r.hdel("{t}:held:" + mgr.owner_id, "a")
+    r.srem("{t}:owners", mgr.owner_id)
+
+    lease.release()  # finds the grant gone
+    again = mgr.acquire("b", timeout=0)
+
+    assert again.owner_id == lease.owner_id  # the same, live owner
+    assert mgr.owner_id in {m.decode() for m in r.smembers("{t}:owners")}
+    again.release()
+
+
 def test_cleanup_of_a_live_owner_frees_nothing_unless_forced(
     managers: Managers, r: redis.Redis
 ) -> None:
