@@ -218,9 +218,13 @@ def _kind(admin: redis.Redis, kind: str, key: str, per_key: bool = False) -> Key
     )
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _buckets(admin: redis.Redis, k: Any, owner: str, n: int) -> list[KeyKind]:
     """Breakdown rows of a registry that spilled: its index and one bucket."""
-    index = sorted(b.decode() for b in admin.hkeys(k.held_index(owner)))
+    index = sorted(_text(b) for b in admin.hkeys(k.held_index(owner)))
     if not index:
         return []
     return [

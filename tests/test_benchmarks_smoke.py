@@ -121,7 +121,8 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
     from benchmarks import memory
     from redis_server import resolve_binary
 
-    report = memory.run(resolve_binary(), locks=4, owners=2, per_owner=2, waiters=3, few=3)
+    # 100 locks in one owner: past REGISTRY_SPILL_AT, so its registry spills.
+    report = memory.run(resolve_binary(), locks=100, owners=2, per_owner=2, waiters=3, few=3)
 
     assert [(r.scenario, r.lib) for r in report.rows] == [
         ("held", memory.OURS),
@@ -133,11 +134,13 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
         ("waiters", memory.OURS + " (one owner)"),
         ("waiters", memory.OURS + " (distinct owners)"),
     ]
-    assert [r.items for r in report.rows] == [3, 3, 3, 3, 2, 4, 2, 2]
+    assert [r.items for r in report.rows] == [90, 90, 90, 90, 2, 4, 2, 2]
     kinds = {k.kind.split(" (")[0] for k in report.kinds if k.key}
     assert {
         "lock hash",
         "held registry hash",
+        "held registry, main hash",
+        "held registry, bucket index",
         "liveness key",
         "owners set",
         "wait queue zset",
@@ -147,6 +150,7 @@ def test_memory_benchmark_reports_every_scenario_and_key_kind() -> None:
         "python-redis-lock key",
         "redis-py Lock key",
     } <= kinds
+    assert any(k.startswith("held registry, one bucket of ") for k in kinds)
     assert all(k.encoding and k.usage > 0 for k in report.kinds if k.key)
     table = memory.markdown(report)
     assert f"redis-server {report.redis_version}" in table
