@@ -151,3 +151,19 @@ def test_a_spilled_owner_pays_two_commands_more_per_cycle_however_many_it_holds(
     assert spilled_more == spilled  # flat in the number of locks held
     for lease in leases:
         lease.release()
+
+
+def test_names_that_differ_in_a_digit_spread_over_buckets_that_all_stay_compact(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # 5,000 names like res-000123: about 78 per bucket if they spread
+    # evenly; a bucket past 128 would turn into a hash table.
+    mgr = managers()
+    leases = [mgr.acquire(f"res-{i:06d}", timeout=0) for i in range(5000)]
+    sizes = {}
+    for key in held_keys(r, mgr.owner_id):
+        assert r.object("encoding", key) in COMPACT, (key, r.hlen(key))
+        sizes[key] = r.hlen(key)
+    assert len(sizes) == 2 + 64, sorted(sizes)  # main hash, index, 64 buckets
+    for lease in leases:
+        lease.release()

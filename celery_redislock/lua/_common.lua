@@ -112,12 +112,11 @@ local function next_fence(key)
 end
 
 -- Registry helpers: the only code that knows the registry's layout.
--- The bucket of a resource name: a string hash of its bytes, '0'..'63'.
-local REG_BUCKETS = 64
+-- The bucket of a resource name, '0'..'63': from its SHA-1, so names that
+-- differ only in a digit or two (res-000001, res-000002, ...) still spread
+-- evenly and no bucket outgrows the compact encoding before the others.
 local function reg_bucket(name)
-  local h = 5381
-  for i = 1, #name do h = (h * 33 + string.byte(name, i)) % 2147483647 end
-  return int(h % REG_BUCKETS)
+  return int(tonumber(string.sub(redis.sha1hex(name), 1, 2), 16) % 64)
 end
 
 -- Record the resource NAMES in OWNER's registry: one HSET into the main
