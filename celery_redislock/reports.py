@@ -24,8 +24,8 @@ class CleanupReport:
     errors: tuple[tuple[str, str], ...] = ()
     #: Registry size afterwards.
     remaining: int = 0
-    #: Grants of *other* dead owners freed on the way: serving this owner's
-    #: waiters reclaims dead holders that stand before an exclusive waiter.
+    #: Grants of *other* dead owners freed on the way (serving this owner's
+    #: waiters reclaims dead holders that stand before an exclusive waiter).
     reclaimed: int = 0
 
 
@@ -37,8 +37,8 @@ class ReconcileReport:
     alive: int = 0
     cleaned: int = 0
     partial: int = 0
-    #: Grants freed: every cleaned owner's own, and those of other dead
-    #: owners reclaimed while serving their waiters (CleanupReport.reclaimed).
+    #: Grants freed, every cleaned owner's own and those of other dead
+    #: owners reclaimed while serving their waiters (``CleanupReport.reclaimed``).
     released: int = 0
     #: owner id -> error message, for owners whose cleanup raised.
     errors: dict[str, str] = field(default_factory=dict)
