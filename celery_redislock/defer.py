@@ -545,6 +545,10 @@ class Dispatcher:
                 return
             if self._withdrawn_if_gone(task_id, message):
                 return
+            # Logged before the message goes out: the child that receives it
+            # may adopt (or die) before this thread runs again, and a crash
+            # of the worker right after the publish must still show it.
+            log.info("defer.dispatch id=%s fence=%d", task_id, fence)
             try:
                 self._publish(task_id, message, f"{life}:{fence}")
             except Exception:
@@ -556,7 +560,6 @@ class Dispatcher:
                 pipe.execute()
                 raise
             self.dispatched += 1
-            log.info("defer.dispatch id=%s fence=%d", task_id, fence)
         elif kind == "parked":
             token, modes, res = (_text(x) for x in reply[1:4])
             pttl, message = int(reply[4]), _loads(_text(reply[5]))
