@@ -47,6 +47,7 @@ message ever carries a password.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -654,6 +655,32 @@ def _url_error(setting: str, url: str, exc: ValueError) -> ConfigurationError:
         r"'([^']*)'", lambda m: m.group(0) if m.group(1) in shown else "'***'", str(exc)
     )
     return ConfigurationError(setting, f"{message} ({shown})")
+
+
+def reset_locks_after_fork(client: AnyRedis) -> None:
+    """In a forked child, give a :class:`~redis.cluster.RedisCluster` new locks.
+
+    redis-py's cluster client guards its slot map with thread locks and does
+    not renew them after :func:`os.fork`. A child forked while a parent
+    thread held one (a topology refresh, or any command looking up a slot
+    on the same client object) would block on its first command for ever,
+    since the thread that would release it does not exist in the child. Right
+    after a fork no other thread runs in the child, so new locks are safe.
+    Standalone and Sentinel clients need nothing: their pools reset by pid.
+    """
+    if not isinstance(client, RedisCluster):
+        return
+    manager = getattr(client, "nodes_manager", None)
+    shared = manager is not None and getattr(manager, "_lock", None) is getattr(
+        client, "_lock", None
+    )
+    if hasattr(client, "_lock"):
+        client._lock = threading.RLock()
+    if manager is not None:
+        if hasattr(manager, "_lock"):
+            manager._lock = client._lock if shared else threading.RLock()
+        if hasattr(manager, "_initialization_lock"):
+            manager._initialization_lock = threading.RLock()
 
 
 def clone_client(client: AnyRedis) -> AnyRedis:

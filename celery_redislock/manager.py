@@ -35,6 +35,7 @@ from .connect import (
     is_sentinel_url,
     parse_sentinel_url,
     redact,
+    reset_locks_after_fork,
 )
 from .exceptions import (
     CAUSE_DECLARED_DEAD,
@@ -652,6 +653,7 @@ class LockManager:
         return self._heartbeat
 
     def _after_fork_in_child(self) -> None:
+        reset_locks_after_fork(self.client)
         self._state_lock = threading.Lock()
         self._format_lock = threading.Lock()
         for lease in self._leases.values():

@@ -790,3 +790,46 @@ def test_every_option_of_a_cluster_url_reaches_the_node_connections(
         assert "locks-w1" in {c["name"] for c in client.client_list(target_nodes=node)}
     finally:
         mgr.close()
+
+
+def test_a_child_forked_while_a_parent_thread_holds_the_slot_map_lock_can_lock(
+    managers: Callable[..., LockManager],
+) -> None:
+    # A prefork pool child inherits the parent's RedisCluster object. If a
+    # parent thread held its slot-map lock at the fork (a topology refresh,
+    # a slot look-up), the child's copy of the lock stays held for ever and
+    # its first lock call would hang: the child gets new locks at the fork.
+    import multiprocessing
+
+    mgr = managers()
+    mgr.acquire("warm", timeout=5).release()
+    nodes = mgr.client.nodes_manager
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with nodes._initialization_lock, nodes._lock:
+            held.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(5)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=_child_locks, args=(mgr,))
+        child.start()
+        child.join(20)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join(5)
+    finally:
+        done.set()
+        holder.join(5)
+    assert not hung, "the forked child blocked on the inherited cluster lock"
+    assert child.exitcode == 0
+
+
+def _child_locks(mgr: LockManager) -> None:
+    with mgr.lock("in-child", timeout=5):
+        pass
