@@ -61,6 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from benchmarks.machine import cpu_model, load_average  # noqa: E402
 from e2e.harness import Cluster, Worker, wait_for  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
@@ -500,23 +501,6 @@ def cost_markdown(results: list[CostResult]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _load() -> str:
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=6, help="counted runs per cell")
@@ -542,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    load_before = _load()
+    load_before = load_average()
     began = time.monotonic()
     cells: list[CellResult] = []
     costs: list[CostResult] = []
@@ -585,8 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "# Celery end to end benchmark\n",
-        f"{stamp}; {os.cpu_count()} CPUs ({_cpu()}), Python {platform.python_version()}; "
-        f"load average (1/5/15 min) {load_before} before, {_load()} after; "
+        f"{stamp}; {os.cpu_count()} CPUs ({cpu_model()}), Python {platform.python_version()}; "
+        f"load average (1/5/15 min) {load_before} before, {load_average()} after; "
         f"{elapsed:.0f} s in all.\n",
         f"Command: `{' '.join(['python -m benchmarks.celery_e2e', *(argv or sys.argv[1:])])}`\n",
     ]

@@ -79,6 +79,7 @@ from typing import Any
 
 import redis
 
+from benchmarks.machine import load_average
 from celery_redislock import LockManager
 from celery_redislock.defer import Dispatcher
 from celery_redislock.node import Node, new_incarnation
@@ -1116,13 +1117,6 @@ def _verdict(lin: Linearity) -> str:
     return f"NOT met ({lin.text()})"
 
 
-def _load() -> str:
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
@@ -1160,11 +1154,11 @@ def run(sizes: Sizes, command: str, progress: Callable[[str], None] = lambda _: 
     # The engine logs every eviction and cleanup it does (thousands here).
     logging.getLogger("celery_redislock").setLevel(logging.ERROR)
     started = time.monotonic()
-    before = _load()
+    before = load_average()
     with RedisServer(extra_args=["--maxclients", "20000"]) as server:
         result = run_all(server.url, sizes, progress)
         version = server.version_string
-    return render(result, command, version, (before, _load()), time.monotonic() - started)
+    return render(result, command, version, (before, load_average()), time.monotonic() - started)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks import cost, fleet, peers  # noqa: E402
+from benchmarks.machine import cpu_model, load_average  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results.md"
@@ -50,23 +51,6 @@ def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
-        return "?"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def _load() -> str:
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
         return "?"
 
 
@@ -117,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     started = time.monotonic()
-    load_before = _load()
+    load_before = load_average()
     server = RedisServer()
     server.start()
     try:
@@ -179,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         command,
         server.version_string,
         load_before,
-        _load(),
+        load_average(),
         elapsed,
         zero=zero,
         cycles=cycles,
@@ -245,7 +229,7 @@ def render(
         "",
         f"- date: {now}",
         f"- command: `{command}` (or `make bench`); total {elapsed:.0f} s",
-        f"- machine: {os.cpu_count()} CPUs ({_cpu_model()}), load average before/after "
+        f"- machine: {os.cpu_count()} CPUs ({cpu_model()}), load average before/after "
         f"{load_before} / {load_after} (1/5/15 min; other jobs share the machine)",
         f"- redis-server {redis_version} on 127.0.0.1 (loopback TCP, no persistence), "
         f"started by the benchmark; Python {platform.python_version()}, "
