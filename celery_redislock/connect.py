@@ -136,6 +136,23 @@ def is_cluster_url(url: str) -> bool:
 redact = redact_url
 
 
+def _authority(
+    username: str | None,
+    password: str | None,
+    hosts: tuple[tuple[str, int], ...],
+    redacted: bool,
+) -> str:
+    """``user:password@host:port,host2:port`` of a canonical URL (IPv6 hosts
+    in brackets; the password ``***`` when ``redacted``)."""
+    auth = ""
+    if password is not None:
+        pw = "***" if redacted else quote(password, safe="")
+        auth = f"{quote(username or '', safe='')}:{pw}@"
+    elif username:
+        auth = f"{quote(username, safe='')}@"
+    return auth + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in hosts)
+
+
 @dataclass(frozen=True)
 class SentinelSpec:
     """A parsed ``sentinel://`` URL: where the Sentinels are and what to ask them."""
@@ -149,20 +166,14 @@ class SentinelSpec:
 
     def to_url(self, *, redacted: bool = False) -> str:
         """This spec in the canonical form (see the module doc)."""
-        auth = ""
-        if self.password is not None:
-            pw = "***" if redacted else quote(self.password, safe="")
-            auth = f"{quote(self.username or '', safe='')}:{pw}@"
-        elif self.username:
-            auth = f"{quote(self.username, safe='')}@"
-        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.sentinels)
+        where = _authority(self.username, self.password, self.sentinels, redacted)
         opts = {
             k: ("***" if redacted and k in _SECRET_OPTIONS else v)
             for k, v in sorted(self.options.items())
             if k != "master_name"
         }
         query = f"?{urlencode(opts)}" if opts else ""
-        return f"sentinel://{auth}{hosts}/{quote(self.service_name, safe='')}/{self.db}{query}"
+        return f"sentinel://{where}/{quote(self.service_name, safe='')}/{self.db}{query}"
 
     def connection_kwargs(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(kwargs for the master's connections, kwargs for the Sentinels' connections)."""
@@ -355,16 +366,10 @@ class ClusterSpec:
 
     def to_url(self, *, redacted: bool = False) -> str:
         """This spec in the canonical form (see the module doc)."""
-        auth = ""
-        if self.password is not None:
-            pw = "***" if redacted else quote(self.password, safe="")
-            auth = f"{quote(self.username or '', safe='')}:{pw}@"
-        elif self.username:
-            auth = f"{quote(self.username, safe='')}@"
-        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+        where = _authority(self.username, self.password, self.nodes, redacted)
         opts = {k: v for k, v in sorted(self.options.items()) if k != "db"}
         query = f"?{urlencode(opts)}" if opts else ""
-        return f"{CLUSTER_SCHEMES[1] if self.tls else CLUSTER_SCHEMES[0]}{auth}{hosts}/{query}"
+        return f"{CLUSTER_SCHEMES[1] if self.tls else CLUSTER_SCHEMES[0]}{where}/{query}"
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :class:`~redis.cluster.RedisCluster` (startup nodes aside)."""
