@@ -723,7 +723,8 @@ def clone_client(client: AnyRedis) -> AnyRedis:
         )
     else:
         pool = src.__class__(connection_class=src.connection_class, **kwargs)
-    return redis.Redis(connection_pool=pool)
+    # from_pool: the client owns the pool, so close() closes its connections.
+    return redis.Redis.from_pool(pool)
 
 
 def describe_client(client: AnyRedis) -> str:

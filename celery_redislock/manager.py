@@ -104,6 +104,9 @@ LIVENESS_MARGIN_FRACTION = 0.1
 LIVENESS_MARGIN_MAX = 2.0
 #: Most validated requests a manager keeps (see ``LockManager._request``).
 _REQUEST_CACHE = 1024
+#: What close() pushes to its own ``{ns}:lost:<owner>`` to wake its watcher
+#: (not a loss notice: cleanups push "dead", "operator" and the like).
+_WATCH_STOP = "closing"
 #: Values of ``LockManager(eviction_check=...)``.
 EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
 
@@ -579,6 +582,7 @@ class LockManager:
         #: :meth:`_become_member`); every other process is standalone.
         self._member_pid = os.getpid()
         self._watch_pid = 0
+        self._watch_running = False
         #: A process whose owners something else watches (the Celery worker's
         #: main process: its node heartbeat marks that owner's leases lost):
         #: no lost-owner watcher thread there. Pool children still get one.
@@ -666,6 +670,7 @@ class LockManager:
         self._hb_client = None
         self._heartbeat.after_fork_in_child()
         self._watch_pid = 0
+        self._watch_running = False
         self._doomed = set()
         self._spilled_owners = set()
 
@@ -1922,6 +1927,13 @@ class LockManager:
         start_os_thread(self._lost_watch_loop, "redislock-lost-watch")
 
     def _lost_watch_loop(self) -> None:
+        self._watch_running = True
+        try:
+            self._lost_watch_passes()
+        finally:
+            self._watch_running = False
+
+    def _lost_watch_passes(self) -> None:
         pid = os.getpid()
         outage = False
         block = max(0.01, min(self._block_cap, self.heartbeat_interval / 2))
@@ -1938,6 +1950,8 @@ class LockManager:
                 if outage:
                     outage = False
                     log_heartbeat.info("heartbeat.watch-resumed url=%s", self.url)
+                if got is not None and _text(got[1]) == _WATCH_STOP:
+                    continue  # close() woke us: the loop condition ends it
                 if got is not None:
                     reason = _text(got[1])
                     self._owner_lost(
@@ -1946,6 +1960,8 @@ class LockManager:
                 self._bury_doomed(client)
                 self._retry_orphans(client)
             except REDIS_DOWN_ERRORS as exc:  # an outage: one line, not a traceback a second
+                if self._closed:
+                    return
                 self._heartbeat_failed()
                 if not outage and not self._closed:
                     outage = True
@@ -1956,6 +1972,8 @@ class LockManager:
                     )
                 real_sleep(1.0)
             except Exception:  # the watcher must outlive anything else too
+                if self._closed:
+                    return
                 log_heartbeat.exception("heartbeat.watch-error")
                 real_sleep(1.0)
 
@@ -2126,11 +2144,39 @@ class LockManager:
         first = not self._closed
         self._closed = True
         self._heartbeat.stop()
+        watched = self._identity.peek() if self._watch_pid == os.getpid() else None
         if first and self._identity.peek() is not None:
             self._close_owner()
+        if first and watched is not None:
+            self._stop_lost_watch(watched)
         self.client.close()
-        if self._hb_client is not None:
-            self._hb_client.close()
+        if self._hb_client is not None and self._hb_client_pid == os.getpid():
+            self._hb_client.close()  # its own pool: every connection is closed
+
+    def _stop_lost_watch(self, ident: OwnerIdentity) -> None:
+        """Wake this process's watcher out of its BLPOP and let it end.
+
+        Without this a closed manager's watcher would keep a connection
+        blocked on the server for up to ``_block_cap`` seconds (and redis-py
+        would reconnect a socket merely closed under it). One pipelined
+        LPUSH + PEXPIRE of a value the watcher knows is not a loss notice;
+        then up to one second for the thread to leave. Best effort: if Redis
+        cannot be reached, the BLPOP times out on its own.
+        """
+        if not self._watch_running:
+            return
+        lost = self.keys.lost(ident.owner_id)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.lpush(lost, _WATCH_STOP)
+            pipe.pexpire(lost, self._req_ttl_ms)
+            pipe.execute()
+        except Exception as exc:
+            log_heartbeat.debug("heartbeat.watch-stop-unsent error=%r", exc)
+            return
+        deadline = time.monotonic() + 1.0
+        while self._watch_running and time.monotonic() < deadline:
+            real_sleep(0.005)
 
     def _close_owner(self) -> None:
         with self._state_lock:

@@ -47,14 +47,31 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"redis-server: {version} at {binary}; {ENV_VAR}={choice}"
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A real redis-server on a free 127.0.0.1 port, for the whole session."""
+def _suite_server(tmp_path_factory: pytest.TempPathFactory) -> RedisServer:
     extra: list[str] = []
     if os.environ.get(acl_helpers.ENV_VAR) == "1":
         # Declared on the command line, so the user survives a restart.
         extra = acl_helpers.user_directive()
-    with RedisServer(workdir=tmp_path_factory.mktemp("redis-server"), extra_args=extra) as server:
+    return RedisServer(workdir=tmp_path_factory.mktemp("redis-server"), extra_args=extra)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on a free 127.0.0.1 port, for the whole session."""
+    with _suite_server(tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def private_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of the requesting module's own.
+
+    For modules that count the server's commands (``INFO commandstats`` is
+    server-wide): a thread another module left behind on the session server
+    would add its own commands to the counts. Such a module overrides
+    ``redis_server`` with this one.
+    """
+    with _suite_server(tmp_path_factory) as server:
         yield server
 
 

@@ -24,6 +24,7 @@ from click.testing import CliRunner, Result
 
 from celery_redislock import FORMAT_VERSION, LockManager, defer
 from celery_redislock.cli import redislock
+from redis_server import RedisServer
 from test_inspect import (
     DEADLINE,
     NS,
@@ -34,6 +35,12 @@ from test_inspect import (
     registries,
     wait_until,
 )
+
+
+@pytest.fixture(scope="module")
+def redis_server(private_redis_server: RedisServer) -> RedisServer:
+    """This module counts server commands: a server no other module uses."""
+    return private_redis_server
 
 
 @pytest.fixture

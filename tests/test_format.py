@@ -18,6 +18,13 @@ from celery_redislock.scripts import Scripts
 from engine_helpers import Managers, command_delta, commandstats, namespace_keys, wait_until
 from redis_server import RedisServer
 
+
+@pytest.fixture(scope="module")
+def redis_server(private_redis_server: RedisServer) -> RedisServer:
+    """This module counts server commands: a server no other module uses."""
+    return private_redis_server
+
+
 FORMAT_KEY = "{t}:format"
 
 

@@ -24,6 +24,14 @@ import redis
 from celery_redislock import LockManager, LockTimeout
 from celery_redislock.inspect import Inspector, describe_fields, redact_url
 from engine_helpers import command_delta, commandstats, wait_until
+from redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server(private_redis_server: RedisServer) -> RedisServer:
+    """This module counts server commands: a server no other module uses."""
+    return private_redis_server
+
 
 NS = "t"
 DEADLINE = 20.0

@@ -3,9 +3,11 @@ a Celery pool child) is told at once when it is declared dead."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from celery_redislock import LockManager
 from engine_helpers import wait_until
@@ -90,3 +92,26 @@ def test_exempt_process_starts_no_watcher_but_its_forked_pool_child_does(
 
     assert in_child(member=True) == b"10"  # watcher, no heartbeat of its own
     assert in_child(member=False) == b"01"  # its own heartbeat, no watcher
+
+
+def test_close_ends_the_watcher_and_closes_its_connection(redis_url: str, r: redis.Redis) -> None:
+    # A closed manager must not leave a BLPOP blocked on the server (it used
+    # to stay up to 4 s, and its connection until garbage collection), nor
+    # mistake its own wake-up for a loss notice.
+    baseline = {c["id"] for c in r.client_list()}
+    threads = set(threading.enumerate())
+    child = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False)
+    lease = child.acquire("R", timeout=5)
+    (watcher,) = [
+        t for t in set(threading.enumerate()) - threads if t.name == "redislock-lost-watch"
+    ]
+    wait_until(lambda: any(c["cmd"] == "blpop" for c in r.client_list()), what="watcher blocks")
+    child.close()
+    assert [c for c in r.client_list() if "b" in c["flags"]] == []
+    assert lease.released and not lease.lost
+    wait_until(
+        lambda: {c["id"] for c in r.client_list()} - baseline == set(),
+        what="the closed manager's connections gone",
+    )
+    watcher.join(timeout=20)
+    assert not watcher.is_alive()

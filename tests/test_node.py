@@ -22,6 +22,14 @@ from celery_redislock import LockManager, LockTimeout
 from celery_redislock.identity import parse_proc_stat, pid_of_tag, process_tag, read_proc_stat
 from celery_redislock.node import Node, group_key, new_incarnation, node_key, tomb_key
 from engine_helpers import wait_until as wait_for
+from redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server(private_redis_server: RedisServer) -> RedisServer:
+    """This module counts server commands: a server no other module uses."""
+    return private_redis_server
+
 
 NS = "nodetest"
 PREFIX = "{" + NS + "}:"
