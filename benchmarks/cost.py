@@ -22,6 +22,7 @@ KEYS are never called.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,13 +207,55 @@ CYCLE_TARGETS = {1: 1.0, 5: 1.2}
 
 class _CountingConnection(redis.Connection):
     """A connection that counts what it sends: one send is one round trip
-    (a pipeline is one send); commands a script runs are not sends."""
+    (a pipeline is one send); commands a script runs are not sends. It also
+    counts the commands sent, by name (``sent``), so that server time can
+    be taken from the top-level commands alone."""
 
     sends = 0
+    sent: Counter[str] = Counter()
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         _CountingConnection.sends += 1
+        _CountingConnection.sent.update(_command_names(command))
         super().send_packed_command(command, check_health)
+
+
+def _command_names(packed: Any) -> list[str]:
+    """The command names in RESP-encoded requests (``*N $len NAME ...``)."""
+    if isinstance(packed, (bytes, str)):
+        packed = [packed]
+    data = b"".join(x.encode() if isinstance(x, str) else bytes(x) for x in packed)
+    names: list[str] = []
+    i = 0
+    while i < len(data):
+        end = data.index(b"\r\n", i)
+        count = int(data[i + 1 : end])
+        i = end + 2
+        for k in range(count):
+            end = data.index(b"\r\n", i)
+            size = int(data[i + 1 : end])
+            if k == 0:
+                names.append(data[end + 2 : end + 2 + size].decode().lower())
+            i = end + 2 + size + 2
+    return names
+
+
+def top_level_usec(stats: dict[str, Any], sent: Counter[str]) -> float:
+    """Server time of the commands clients sent, from ``INFO commandstats``.
+
+    A script's ``usec`` already includes the commands it runs, which Redis
+    also counts under their own names: summing every row would count them
+    twice. For each command name, the share of its calls that clients sent
+    themselves (the rest ran inside scripts) is taken.
+    """
+    total = 0.0
+    for key, value in stats.items():
+        name = str(key).removeprefix("cmdstat_")
+        calls = int(value["calls"])
+        direct = min(sent.get(name, 0), calls)
+        if calls and direct and name not in EXCLUDED:
+            total += int(value["usec"]) * direct / calls
+    return total
 
 
 def _cycle_client(url: str) -> redis.Redis:
@@ -276,8 +319,8 @@ class CycleResult:
     commands: dict[str, float] = field(default_factory=dict)
     #: p50 of each round (us), in run order.
     round_p50s_us: list[float] = field(default_factory=list)
-    #: Server time per cycle (us): INFO commandstats usec of every command
-    #: (a script's includes the commands it runs).
+    #: Server time per cycle (us): INFO commandstats usec of the commands
+    #: the client sent (a script's includes the commands it runs).
     server_us: float = 0.0
 
     @property
@@ -326,17 +369,13 @@ def measure_cycles(
         for _ in range(20):
             cycles[c]()
         before = _CountingConnection.sends
+        _CountingConnection.sent = Counter()
         admin.config_resetstat()
         for _ in range(ops):
             cycles[c]()
         raw = admin.info("commandstats")
         counts = {str(k).removeprefix("cmdstat_"): int(v["calls"]) for k, v in raw.items()}
-        usec = sum(
-            int(v["usec"])
-            for k, v in raw.items()
-            if str(k).removeprefix("cmdstat_") not in EXCLUDED
-        )
-        results[c].server_us = usec / ops
+        results[c].server_us = top_level_usec(raw, _CountingConnection.sent) / ops
         results[c].round_trips = (_CountingConnection.sends - before) / ops
         results[c].commands = {
             k: v / ops for k, v in sorted(counts.items()) if k not in EXCLUDED and v

@@ -69,14 +69,41 @@ PEER_GRACE = 5.0
 KILL_GRACE = 20.0
 
 
+class _SendCounter(redis.Connection):
+    """Counts what this process sends (one send = one round trip; a
+    pipeline is one send). Costs every library the same one addition."""
+
+    sends = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        _SendCounter.sends += 1
+        super().send_packed_command(command, check_health)
+
+
 def make_client(url: str) -> redis.Redis:
     """A client for one benchmark process.
 
     ``socket_timeout=None`` for every library alike: redis-py 8 defaults to a
     5 s socket timeout, which makes any BLPOP longer than 5 s (python-redis-lock
-    waits in ``BLPOP ... 0``) fail with ``TimeoutError``.
+    waits in ``BLPOP ... 0``) fail with ``TimeoutError``. Its connections
+    count their sends (:class:`_SendCounter`).
     """
-    return redis.Redis.from_url(url, socket_timeout=None, decode_responses=True)
+    kwargs = redis.Redis.from_url(url).connection_pool.connection_kwargs
+    kwargs.update(socket_timeout=None, decode_responses=True)
+    pool = redis.ConnectionPool(connection_class=_SendCounter, **kwargs)
+    return redis.Redis.from_pool(pool)
+
+
+def _cpu_ns() -> int:
+    """This process's CPU time (user + system), in ns."""
+    t = os.times()
+    return int((t.user + t.system) * 1e9)
+
+
+def server_cpu_s(client: redis.Redis) -> float:
+    """The redis-server process's CPU time so far (INFO cpu, user + system), in s."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 Locker = tuple[Callable[[], Any], Callable[[Any], None]]
@@ -164,6 +191,7 @@ def _worker(
         barrier.wait(timeout=60)
         deadline = shared.start_ns.value + int(duration * 1e9)
         acquire, release = make_locker(lib, client, deadline)
+        cpu0, sends0 = _cpu_ns(), _SendCounter.sends
         while time.monotonic_ns() < deadline:
             t_req = time.monotonic_ns()
             try:
@@ -203,9 +231,11 @@ def _worker(
                 # grant is then a handoff to a process that was waiting.
                 while shared.entries.value == my_entry and time.monotonic_ns() < deadline:
                     time.sleep(RELAY_POLL)
-        out.put((idx, reqs, acqs, rels, violations, errors, first_error))
+        usage = (_cpu_ns() - cpu0, _SendCounter.sends - sends0)
+        out.put((idx, reqs, acqs, rels, violations, errors, first_error, usage))
     except BaseException:
-        out.put((idx, reqs, acqs, rels, violations, errors + 1, traceback.format_exc(limit=3)))
+        fault = traceback.format_exc(limit=3)
+        out.put((idx, reqs, acqs, rels, violations, errors + 1, fault, (0, 0)))
     finally:
         out.close()
         out.join_thread()  # flush the report before leaving
@@ -264,6 +294,21 @@ class ContentionResult:
     #: Commands Redis ran during the run (INFO commandstats, scripts' own
     #: commands included), when counted (``count_commands=True``).
     commands: dict[str, int] = field(default_factory=dict)
+    #: CPU time (ns) the contending processes used in their timed loops,
+    #: summed, and the sends (round trips) they made there.
+    client_cpu_ns: int = 0
+    sends: int = 0
+    #: CPU time (ns) redis-server used during the run (INFO cpu; start-up
+    #: and drain included), when counted (``count_commands=True``).
+    server_cpu_ns: int = 0
+
+    def per_grant_us(self, ns: int) -> float:
+        """``ns`` per grant, in microseconds (NaN when nothing was granted)."""
+        return ns / 1000 / self.grants if self.grants else math.nan
+
+    @property
+    def sends_per_grant(self) -> float:
+        return self.sends / self.grants if self.grants else math.nan
 
     @property
     def commands_per_grant(self) -> float:
@@ -330,10 +375,12 @@ def run_contention(
     if lib not in LIBS:
         raise ValueError(f"unknown library {lib!r}; choose from {LIBS}")
     admin = make_client(url)
+    server_cpu0 = 0.0
     try:
         admin.flushdb()
         if count_commands:
             admin.config_resetstat()
+            server_cpu0 = server_cpu_s(admin)
     finally:
         admin.close()
     # Imported here, before forking: an import in each child would fall
@@ -380,6 +427,7 @@ def run_contention(
     if count_commands:
         admin = make_client(url)
         try:
+            res.server_cpu_ns = int((server_cpu_s(admin) - server_cpu0) * 1e9)
             for key, value in admin.info("commandstats").items():
                 name = str(key).removeprefix("cmdstat_")
                 if name not in (
@@ -411,7 +459,9 @@ def _summarise(
     waits: list[float] = []
     counts = [0] * procs
     total_cs = 0
-    for idx, reqs, acqs, rels, violations, errors, first_error in reports.values():
+    for idx, reqs, acqs, rels, violations, errors, first_error, usage in reports.values():
+        res.client_cpu_ns += usage[0]
+        res.sends += usage[1]
         res.violations += violations
         res.errors += errors
         if first_error and not res.first_error:
@@ -477,6 +527,9 @@ def pool(trials: list[ContentionResult]) -> ContentionResult:
         out.trial_throughputs.extend(t.trial_throughputs)
         for name, calls in t.commands.items():
             out.commands[name] = out.commands.get(name, 0) + calls
+        out.client_cpu_ns += t.client_cpu_ns
+        out.sends += t.sends
+        out.server_cpu_ns += t.server_cpu_ns
     out.handoffs_ms.sort()
     out.waits_ms.sort()
     return out
@@ -601,6 +654,9 @@ def throughput_lines(results: list[ContentionResult]) -> list[str]:
             text = (
                 f"- {procs} processes, {r.lib}: {r.throughput:.0f} grants/s"
                 f", {r.commands_per_grant:.1f} Redis commands per grant"
+                f", {r.sends_per_grant:.2f} round trips per grant"
+                f", CPU per grant: clients {r.per_grant_us(r.client_cpu_ns):.0f} us"
+                f", redis-server {r.per_grant_us(r.server_cpu_ns):.0f} us"
                 f", Jain {r.jain:.3f}"
             )
             if ref is not None and r is not ref:
