@@ -107,6 +107,9 @@ _REQUEST_CACHE = 1024
 #: What close() pushes to its own ``{ns}:lost:<owner>`` to wake its watcher
 #: (not a loss notice: cleanups push "dead", "operator" and the like).
 _WATCH_STOP = "closing"
+#: Seconds an idle lost-owner watcher sleeps between looks at its process's
+#: state (no Redis traffic): a lease granted meanwhile is watched this late.
+_WATCH_IDLE_SLICE = 0.05
 #: Values of ``LockManager(eviction_check=...)``.
 EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
 
@@ -583,6 +586,10 @@ class LockManager:
         self._member_pid = os.getpid()
         self._watch_pid = 0
         self._watch_running = False
+        #: Passes the lost-owner watcher made (idle ones included).
+        self._watch_passes = 0
+        #: Tokens of this process's requests blocked in a wait right now.
+        self._waiting: set[str] = set()
         #: A process whose owners something else watches (the Celery worker's
         #: main process: its node heartbeat marks that owner's leases lost):
         #: no lost-owner watcher thread there. Pool children still get one.
@@ -671,6 +678,8 @@ class LockManager:
         self._heartbeat.after_fork_in_child()
         self._watch_pid = 0
         self._watch_running = False
+        self._watch_passes = 0
+        self._waiting = set()
         self._doomed = set()
         self._spilled_owners = set()
 
@@ -984,7 +993,11 @@ class LockManager:
                 # pushes 'g<fence>': granted without another round trip.
                 # Anything else (a plain wake, a timeout) re-runs the script,
                 # which re-checks the state in Redis.
-                fence = self._riding_out(outage, token, block_call, token, max(block, 0.001))
+                self._waiting.add(token)  # the lost-owner watcher watches while we wait
+                try:
+                    fence = self._riding_out(outage, token, block_call, token, max(block, 0.001))
+                finally:
+                    self._waiting.discard(token)
                 if fence is not None and fence < 0:
                     raise ShuttingDown(req.resources)
                 reply = None if fence is None else (1, fence)
@@ -1938,10 +1951,11 @@ class LockManager:
         outage = False
         block = max(0.01, min(self._block_cap, self.heartbeat_interval / 2))
         while not self._closed and self._watch_pid == pid:
+            self._watch_passes += 1
             try:
                 ident = self._identity.peek()
-                if ident is None or not ident.registered:
-                    real_sleep(0.05)
+                if ident is None or not ident.registered or not self._watch_needed():
+                    real_sleep(_WATCH_IDLE_SLICE)
                     continue
                 client = self._heartbeat_client()
                 if self._holds(ident) and not self._watch_liveness(ident, client):
@@ -1976,6 +1990,15 @@ class LockManager:
                     return
                 log_heartbeat.exception("heartbeat.watch-error")
                 real_sleep(1.0)
+
+    def _watch_needed(self) -> bool:
+        """Whether this process has anything the watcher is for: a lease
+        (loss notices, the liveness check), a request waiting (it learns of
+        its owner's death at once), a deferred release or a retired owner to
+        clean up. An idle pool child sends nothing: a notice to an owner
+        that holds and waits for nothing changes nothing here (its next
+        acquire learns it from acquire.lua, reply -1)."""
+        return bool(self._leases or self._waiting or self._orphans or self._doomed)
 
     def _watch_liveness(self, ident: OwnerIdentity, client: AnyRedis) -> bool:
         """Watcher side of the deadline (no own heartbeat); False once lost."""

@@ -11,6 +11,13 @@ import redis
 
 from celery_redislock import LockManager
 from engine_helpers import wait_until
+from redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server(private_redis_server: RedisServer) -> RedisServer:
+    """This module counts server commands: a server no other module uses."""
+    return private_redis_server
 
 
 @pytest.fixture
@@ -115,3 +122,29 @@ def test_close_ends_the_watcher_and_closes_its_connection(redis_url: str, r: red
     )
     watcher.join(timeout=20)
     assert not watcher.is_alive()
+
+
+def _blpops(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_blpop", {}).get("calls", 0))
+
+
+def test_an_idle_pool_child_sends_nothing_and_is_watched_again_once_it_holds(
+    redis_url: str, r: redis.Redis, managers: list[LockManager]
+) -> None:
+    # A pool child holding and waiting for nothing has nothing a loss notice
+    # could change: its watcher must not keep a BLPOP going (in a fleet of
+    # idle workers those were most of the traffic). Once it holds again, it
+    # must be told of a loss at once, as before.
+    child = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False, heartbeat_interval=0.2)
+    operator = LockManager(redis_url, "w", owner_ttl=60)
+    managers += [child, operator]
+    child.acquire("R", timeout=5).release()
+    wait_until(lambda: not [c for c in r.client_list() if "b" in c["flags"]], what="no BLPOP")
+    before, passes = _blpops(r), child._watch_passes
+    wait_until(lambda: child._watch_passes >= passes + 10, what="ten idle passes")
+    assert _blpops(r) == before
+    lease = child.acquire("R", timeout=5)
+    wait_until(lambda: _blpops(r) > before, what="watched again")
+    operator.cleanup_owner(child.owner_id, force=True)
+    wait_until(lambda: lease.lost, timeout=20)
+    assert lease.lost_cause == "owner declared dead"
