@@ -216,11 +216,11 @@ class _CountingConnection(redis.Connection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         _CountingConnection.sends += 1
-        _CountingConnection.sent.update(_command_names(command))
+        _CountingConnection.sent.update(command_names(command))
         super().send_packed_command(command, check_health)
 
 
-def _command_names(packed: Any) -> list[str]:
+def command_names(packed: Any) -> list[str]:
     """The command names in RESP-encoded requests (``*N $len NAME ...``)."""
     if isinstance(packed, (bytes, str)):
         packed = [packed]

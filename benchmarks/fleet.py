@@ -16,14 +16,16 @@ ratio shows whether its cost grows linearly in what it touches.
    deferred-task :class:`~celery_redislock.defer.Dispatcher` whose
    ``upkeep()`` runs ``defer_tick.lua`` once per interval; both driven from
    a few threads on each node's schedule, the nodes of a thread sharing one
-   connection. The children's owners are registered by real acquires (one
-   lock each, held). The blocking waits of an idle worker come from a second
-   process on one connection each, with the commands the library sends: each
-   child's lost-owner watcher ``BLPOP {ns}:lost:<owner> 4`` (a pool child's
-   liveness is refreshed by its node; the watcher re-blocks every
+   connection. The children's owners are registered by real acquires (a
+   lock taken and released: idle children). The blocking waits of an idle
+   worker come from a second process on one connection each, with the
+   commands the library sends: the dispatcher's ``BLMOVE {ns}:dispatch
+   {ns}:dispatching:<inc>`` (4 s, 4 s, then until the next upkeep) and, for
+   the first ``--watching`` children of each node (default 0: an idle
+   child's lost-owner watcher sends nothing), the watcher of a child that
+   holds a lock, ``BLPOP {ns}:lost:<owner> 4`` (re-blocking every
    ``min(4 s, interval / 2)``, 4 s being below redis-py's 5 s socket
-   timeout) and the dispatcher's ``BLMOVE {ns}:dispatch
-   {ns}:dispatching:<inc>`` (4 s, 4 s, then until the next upkeep).
+   timeout).
    Measured over a fixed window from ``INFO commandstats`` and ``INFO cpu``.
 2. **Reconcile** (``--owners``, default 5,000 and 10,000 owners, 1 % dead,
    each holding one lock): one :meth:`LockManager.reconcile` pass.
@@ -34,8 +36,9 @@ ratio shows whether its cost grows linearly in what it touches.
    (:meth:`Node.start`: format check, ``node_start.lua``, the predecessor's
    eviction and the cleanup of its owners), the first node heartbeat and
    the dispatcher's first upkeep.
-4. **One worker's cleanup when it held L locks** (``--locks``, default 500
-   and 1,000): 8 pool children (real forked processes) take L locks in all
+4. **One worker's cleanup when it held L locks** (``--locks``, default
+   1,000 and 2,000, so that every child holds more than REGISTRY_SPILL_AT
+   at both sizes: its registry's buckets are then part of both): 8 pool children (real forked processes) take L locks in all
    and exit without releasing them; (a) the node's next tick frees them
    (children died), (b) a successor of the same name evicts the worker at
    its start-up (worker died).
@@ -399,8 +402,13 @@ def heartbeats(
     children: int = CHILDREN,
     threads: int = 4,
     waits: bool = True,
+    watching: int = 0,
 ) -> list[Row]:
-    """Idle fleet cost per second: node ticks, upkeeps and blocking waits."""
+    """Idle fleet cost per second: node ticks, upkeeps and blocking waits.
+
+    ``watching``: children per node whose lost-owner watcher blocks (a
+    child that holds a lock); an idle child's watcher sends nothing.
+    """
     sizes = sorted(sizes)
     watch = min(WATCH_BLOCK, interval / 2)
     dispatch_cycle = _dispatch_cycle(interval)
@@ -433,9 +441,9 @@ def heartbeats(
                 disp = Dispatcher(mgr, inc, publish=lambda *a: None, on_withdrawn=lambda *a: None)
                 first = time.monotonic() + random.uniform(0.0, interval)
                 drivers[i % threads].add(node, disp, first)
-                for m in kids:
-                    if isinstance(m, LockManager):
-                        batch.append((_resp("BLPOP", m.keys.lost(m.owner_id)), [watch]))
+                owners = [m for m in kids if isinstance(m, LockManager)]
+                for m in owners[:watching]:
+                    batch.append((_resp("BLPOP", m.keys.lost(m.owner_id)), [watch]))
                 batch.append(
                     (
                         _resp(
@@ -826,7 +834,9 @@ class Sizes:
     nodes: tuple[int, int] = (500, 1000)
     owners: tuple[int, int] = (5000, 10000)
     workers: tuple[int, int] = (75, 150)
-    locks: tuple[int, int] = (500, 1000)
+    locks: tuple[int, int] = (1000, 2000)
+    #: Children per node holding a lock (their lost-owner watcher blocks).
+    watching: int = 0
     window: float = 20.0
     interval: float = INTERVAL
     unrelated: int = UNRELATED_KEYS
@@ -878,7 +888,9 @@ class FleetRun:
 
 def run_all(url: str, sizes: Sizes, progress: Callable[[str], None] = lambda _: None) -> FleetRun:
     """Every scenario at its two sizes, then the keyspace check."""
-    hb = heartbeats(url, sizes.nodes, window=sizes.window, interval=sizes.interval)
+    hb = heartbeats(
+        url, sizes.nodes, window=sizes.window, interval=sizes.interval, watching=sizes.watching
+    )
     progress(f"heartbeats: {[_brief(r) for r in hb]}")
     rec = reconcile(url, sizes.owners)
     progress(f"reconcile: {[_brief(r) for r in rec]}")
@@ -1014,6 +1026,8 @@ def render(
         f"Python {platform.python_version()}, redis-py {redis.__version__}",
         f"- heartbeat interval {s.interval:g} s, owner TTL {3 * s.interval:g} s, "
         f"{CHILDREN} pool children per node, {s.window:g} s window per size",
+        f"- children per node holding a lock (their lost-owner watcher blocks): {s.watching} "
+        "(an idle child's watcher sends nothing)",
         "",
     ]
     sections = [
@@ -1123,8 +1137,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", help="two node counts, e.g. 500,1000")
     parser.add_argument("--owners", help="two owner counts for reconcile, e.g. 5000,10000")
     parser.add_argument("--workers", help="two worker counts starting at once, e.g. 75,150")
-    parser.add_argument("--locks", help="two lock counts for one worker's cleanup, e.g. 500,1000")
+    parser.add_argument("--locks", help="two lock counts for one worker's cleanup, e.g. 1000,2000")
     parser.add_argument("--window", type=float, help="heartbeat measuring window, seconds")
+    parser.add_argument(
+        "--watching",
+        type=int,
+        help="children per node holding a lock, whose lost-owner watcher blocks (default 0)",
+    )
     parser.add_argument("--out", type=Path, help="also write the markdown report here")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
@@ -1135,6 +1154,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(sizes, name, (a, b))
     if args.window:
         sizes.window = args.window
+    if args.watching is not None:
+        sizes.watching = args.watching
     command = ".venv/bin/python -m benchmarks.fleet" + (
         " " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else ""
     )

@@ -211,17 +211,19 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
 # -- fleet scale (benchmarks/fleet.py): tiny sizes, counts only ---------------
 
 
-def test_fleet_heartbeats_tick_every_node_and_block_every_child(redis_url: str) -> None:
+def test_fleet_heartbeats_tick_every_node_and_block_the_watching_children(redis_url: str) -> None:
     from benchmarks import fleet
 
-    (row,) = fleet.heartbeats(redis_url, [3], window=1.0, interval=0.5, threads=2)
+    (idle,) = fleet.heartbeats(redis_url, [3], window=1.0, interval=0.5, threads=2)
+    assert idle.counts["blpop/s"] == 0  # an idle child's watcher sends nothing
+    (row,) = fleet.heartbeats(redis_url, [3], window=1.0, interval=0.5, threads=2, watching=2)
 
     assert row.per_second and row.cost.wall_s > 0
     assert row.counts["owners"] == 3 * fleet.CHILDREN
     # Every child stayed alive: no tick found a dead or lost owner.
     assert row.counts["tick_errors"] == 0
     assert row.counts["evalsha/s"] > 0  # node_heartbeat.lua and defer_tick.lua
-    assert row.counts["blpop/s"] > 0  # the children's lost-owner watchers
+    assert row.counts["blpop/s"] > 0  # the lost-owner watchers of children holding a lock
     assert row.counts["blmove/s"] > 0  # the dispatcher's wait
     assert {"pexpire", "hgetall"} <= set(row.cost.calls)  # node_heartbeat.lua ran
     assert row.cost.walks == 0
