@@ -108,7 +108,8 @@ _REQUEST_CACHE = 1024
 #: (not a loss notice: cleanups push "dead", "operator" and the like).
 _WATCH_STOP = "closing"
 #: Seconds an idle lost-owner watcher sleeps between looks at its process's
-#: state (no Redis traffic): a lease granted meanwhile is watched this late.
+#: state (no Redis traffic): a lease granted meanwhile is watched this late
+#: (at most half the heartbeat interval, like the watcher's BLPOP).
 _WATCH_IDLE_SLICE = 0.05
 #: Values of ``LockManager(eviction_check=...)``.
 EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
@@ -1950,12 +1951,13 @@ class LockManager:
         pid = os.getpid()
         outage = False
         block = max(0.01, min(self._block_cap, self.heartbeat_interval / 2))
+        idle = min(_WATCH_IDLE_SLICE, block)  # a tiny owner_ttl watches sooner
         while not self._closed and self._watch_pid == pid:
             self._watch_passes += 1
             try:
                 ident = self._identity.peek()
                 if ident is None or not ident.registered or not self._watch_needed():
-                    real_sleep(_WATCH_IDLE_SLICE)
+                    real_sleep(idle)
                     continue
                 client = self._heartbeat_client()
                 if self._holds(ident) and not self._watch_liveness(ident, client):
