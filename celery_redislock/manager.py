@@ -16,6 +16,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
+from redis.sentinel import SentinelConnectionPool
 
 from . import _validate as _v
 from ._threads import real_sleep, start_os_thread
@@ -129,6 +131,18 @@ REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (
     redis.TimeoutError,
     redis.exceptions.ClusterDownError,
 )
+
+
+def _can_hold(client: Any) -> bool:
+    """Whether LockManager._conn may give each thread a held connection of
+    ``client``'s pool."""
+    return (
+        isinstance(client, redis.Redis)
+        and not getattr(client, "_single_connection_client", False)
+        and not isinstance(
+            client.connection_pool, (redis.BlockingConnectionPool, SentinelConnectionPool)
+        )
+    )
 
 
 def _socket_timeout(client: AnyRedis) -> float | None:
@@ -560,6 +574,11 @@ class LockManager:
         #: a short timeout as margin (a 0.4 s socket timeout blocks 0.2 s).
         self._block_cap = max(0.05, timeout - min(1.0, timeout / 2)) if timeout else 30.0
         self._scripts = Scripts(self.client)
+        #: Per-thread clients holding one connection of the client's pool
+        #: (see _conn), and every one made, for close().
+        self._conn_local = threading.local()
+        self._conns: weakref.WeakSet[redis.Redis] = weakref.WeakSet()
+        self._hold_ok = _can_hold(self.client)
         self._requests: dict[tuple[str | None, str | None], _Request] = {}
         #: The prefix as the scripts receive it.
         self._wire_prefix = self.keys.prefix.encode()
@@ -676,6 +695,9 @@ class LockManager:
         self._halted = False
         self._local = threading.local()
         self._hb_client = None
+        # The parent's held connections are not ours: new ones on first use.
+        self._conn_local = threading.local()
+        self._conns = weakref.WeakSet()
         self._heartbeat.after_fork_in_child()
         self._watch_pid = 0
         self._watch_running = False
@@ -737,6 +759,50 @@ class LockManager:
             wire_locks=tuple(k.encode() for k in lock_keys),
         )
 
+    def _conn(self) -> AnyRedis:
+        """This thread's client for the manager's own commands.
+
+        A plain ``redis.Redis`` gets, per thread (per greenlet under gevent)
+        and per process, a client on the same pool that holds one connection
+        (``single_connection_client``): each command then skips the pool's
+        checkout, which costs about a quarter of a command's client time
+        (a lock, and a ``poll`` of the socket for unread data). The
+        connection goes back to the pool when its thread ends or the
+        manager is closed. A Redis Cluster client, a ``BlockingConnectionPool``
+        (whose size a held connection would eat into), a Sentinel pool (whose
+        checkout follows a failover to the new master) and a client that is
+        already single-connection are used as they are; so is the plain
+        client when the connection cannot be made (the command then fails
+        the usual way).
+        """
+        client = self.client
+        if not self._hold_ok or not isinstance(client, redis.Redis):
+            return client
+        local = self._conn_local
+        held: redis.Redis | None = getattr(local, "client", None)
+        if held is not None and local.pid == os.getpid():
+            if local.busy and held.connection is not None:
+                # The last command sent on it was cut short (an exception,
+                # SoftTimeLimitExceeded, a greenlet killed): its reply may
+                # still arrive and must never be read as another's. A pool
+                # would have checked the socket at checkout; we reconnect.
+                held.connection.disconnect()
+            local.busy = True
+            return held
+        try:
+            held = redis.Redis(
+                connection_pool=client.connection_pool, single_connection_client=True
+            )
+        except Exception:  # unreachable: not cached, the next call tries again
+            return self.client
+        local.client, local.pid, local.busy = held, os.getpid(), True
+        self._conns.add(held)
+        return held
+
+    def _conn_done(self) -> None:
+        """The command sent on this thread's :meth:`_conn` client completed."""
+        self._conn_local.busy = False
+
     def _call(
         self, name: str, keys: list[str], args: list[Any], client: Any = None, *, wait: int = 0
     ) -> Any:
@@ -751,7 +817,11 @@ class LockManager:
         try:
             if wait:
                 return self._scripts.run_and_wait(name, keys, args, wait, self._wait_ms)
-            return self._scripts.run(name, keys, args, client=client)
+            if client is not None:
+                return self._scripts.run(name, keys, args, client=client)
+            reply = self._scripts.run(name, keys, args, client=self._conn())
+            self._conn_done()
+            return reply
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
         except redis.ResponseError as exc:
@@ -768,7 +838,9 @@ class LockManager:
         :class:`PermissionDenied` naming the command.
         """
         try:
-            return self.client.execute_command(name, *args)
+            reply = self._conn().execute_command(name, *args)
+            self._conn_done()
+            return reply
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
         except redis.ResponseError as exc:
@@ -1384,7 +1456,8 @@ class LockManager:
         if halt_key is not None:
             keys.append(halt_key)
         try:
-            got = self.client.blpop(keys, timeout=seconds)
+            got = self._conn().blpop(keys, timeout=seconds)
+            self._conn_done()
             if got is not None and halt_key is not None and _text(got[0]) == halt_key:
                 self._halted = True
                 pipe = self.client.pipeline(transaction=False)
@@ -2174,6 +2247,8 @@ class LockManager:
             self._close_owner()
         if first and watched is not None:
             self._stop_lost_watch(watched)
+        for held in list(self._conns):
+            held.close()  # its connection back to the pool
         self.client.close()
         if self._hb_client is not None and self._hb_client_pid == os.getpid():
             self._hb_client.close()  # its own pool: every connection is closed
@@ -2280,7 +2355,8 @@ class LockManager:
             block = min(remaining, self._block_cap, self.owner_ttl)
             block_ms = max(1, int(block * 1000))
             try:
-                self.client.xread(streams, block=block_ms)  # type: ignore[arg-type]
+                self._conn().xread(streams, block=block_ms)  # type: ignore[arg-type]
+                self._conn_done()
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
             except redis.ResponseError as exc:
@@ -2386,7 +2462,8 @@ class LockManager:
         cursor: int = 0
         while True:
             try:
-                cursor, members = self.client.sscan(self.keys.owners, cursor, count=batch_size)
+                cursor, members = self._conn().sscan(self.keys.owners, cursor, count=batch_size)
+                self._conn_done()
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
             except redis.ResponseError as exc:
