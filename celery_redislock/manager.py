@@ -765,8 +765,9 @@ class LockManager:
         A plain ``redis.Redis`` gets, per thread (per greenlet under gevent)
         and per process, a client on the same pool that holds one connection
         (``single_connection_client``): each command then skips the pool's
-        checkout, which costs about a quarter of a command's client time
-        (a lock, and a ``poll`` of the socket for unread data). The
+        checkout and check-in (its locks and bookkeeping), keeping only its
+        ``poll`` of the socket (unread data or a connection the server
+        closed: reconnect first). The
         connection goes back to the pool when its thread ends or the
         manager is closed. A Redis Cluster client, a ``BlockingConnectionPool``
         (whose size a held connection would eat into), a Sentinel pool (whose
@@ -781,12 +782,22 @@ class LockManager:
         local = self._conn_local
         held: redis.Redis | None = getattr(local, "client", None)
         if held is not None and local.pid == os.getpid():
-            if local.busy and held.connection is not None:
-                # The last command sent on it was cut short (an exception,
-                # SoftTimeLimitExceeded, a greenlet killed): its reply may
-                # still arrive and must never be read as another's. A pool
-                # would have checked the socket at checkout; we reconnect.
-                held.connection.disconnect()
+            conn = held.connection
+            if conn is not None:
+                if local.busy:
+                    # The last command sent on it was cut short (an exception,
+                    # SoftTimeLimitExceeded, a greenlet killed): its reply may
+                    # still arrive and must never be read as another's.
+                    conn.disconnect()
+                else:
+                    # The pool's checkout check: unread data, or a socket the
+                    # server closed (a restart) -> a new connection, so the
+                    # command is not sent into a dead socket.
+                    try:
+                        if conn.can_read():
+                            conn.disconnect()
+                    except (redis.ConnectionError, redis.TimeoutError, OSError):
+                        conn.disconnect()
             local.busy = True
             return held
         try:

@@ -139,3 +139,25 @@ def test_a_blocking_pool_and_a_cluster_like_client_are_used_as_they_are(redis_ur
         mgr.acquire("R", timeout=5).release()
     finally:
         mgr.close()
+
+
+def test_a_connection_the_server_closed_is_replaced_before_the_next_command(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    # A restart between two commands: the pool's checkout would notice the
+    # closed socket and reconnect; the held connection must as well, not
+    # fail the next command (a client without retries would see an error).
+    client.connection_pool.connection_kwargs["retry"] = redis.retry.Retry(
+        redis.backoff.NoBackoff(), 0
+    )
+    mgr = LockManager(client, NS, heartbeat=False)
+    try:
+        mgr.acquire("R", timeout=5).release()
+        held = mgr._conn()
+        mgr._conn_done()
+        held.connection.retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+        redis_server.restart()
+        lease = mgr.acquire("R", timeout=0)  # try once: no outage riding
+        lease.release()
+    finally:
+        mgr.close()
