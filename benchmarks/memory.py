@@ -306,8 +306,20 @@ def _held_redis_py(n: int, kinds: list[KeyKind]) -> Work:
     return work
 
 
+def _manager(client: redis.Redis, **kwargs: Any) -> LockManager:
+    """A manager standing for one process, sharing this process's client.
+
+    It sends its commands through the pool like any client (one held
+    connection per simulated process would add every connection's buffers
+    to ``used_memory``).
+    """
+    mgr = LockManager(client, namespace=NAMESPACE, **kwargs)
+    mgr._hold_ok = False
+    return mgr
+
+
 def _managers(client: redis.Redis, count: int) -> list[LockManager]:
-    return [LockManager(client, namespace=NAMESPACE, owner_ttl=600) for _ in range(count)]
+    return [_manager(client, owner_ttl=600) for _ in range(count)]
 
 
 def _closer(
@@ -373,10 +385,7 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
         # wait_for_contender: per watched resource, not per waiter. One is
         # made for the breakdown in cleanup(), after the last reading.
         waiters = (
-            [
-                LockManager(client, namespace=NAMESPACE, heartbeat=False, owner_ttl=600)
-                for _ in range(n)
-            ]
+            [_manager(client, heartbeat=False, owner_ttl=600) for _ in range(n)]
             if distinct_owners
             else [holder] * n
         )
