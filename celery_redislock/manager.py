@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import random
+import select
 import threading
 import time
 import weakref
@@ -109,6 +110,8 @@ _REQUEST_CACHE = 1024
 #: What close() pushes to its own ``{ns}:lost:<owner>`` to wake its watcher
 #: (not a loss notice: cleanups push "dead", "operator" and the like).
 _WATCH_STOP = "closing"
+#: select.poll where the platform has it (not on Windows); see _stale.
+_POLL: Any = getattr(select, "poll", None)
 #: Seconds an idle lost-owner watcher sleeps between looks at its process's
 #: state (no Redis traffic): a lease granted meanwhile is watched this late
 #: (at most half the heartbeat interval, like the watcher's BLPOP).
@@ -131,6 +134,30 @@ REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (
     redis.TimeoutError,
     redis.exceptions.ClusterDownError,
 )
+
+
+def _stale(conn: Any) -> bool:
+    """Whether a held connection has something to read between two commands
+    (a reply nobody read, or the end of a socket the server closed).
+
+    One ``poll`` with no wait on its socket: redis-py's own ``can_read``
+    costs three system calls and an exception here. Without ``poll``, or
+    without the socket redis-py keeps in ``_sock``, its ``can_read``.
+    """
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return False  # not connected: the command connects
+    if _POLL is None:
+        try:
+            return bool(conn.can_read())
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return True
+    try:
+        p = _POLL()
+        p.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(p.poll(0))
+    except (OSError, ValueError):
+        return True  # an unusable socket: reconnect
 
 
 def _can_hold(client: Any) -> bool:
@@ -793,10 +820,7 @@ class LockManager:
                     # The pool's checkout check: unread data, or a socket the
                     # server closed (a restart) -> a new connection, so the
                     # command is not sent into a dead socket.
-                    try:
-                        if conn.can_read():
-                            conn.disconnect()
-                    except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    if _stale(conn):
                         conn.disconnect()
             local.busy = True
             return held
