@@ -2277,11 +2277,11 @@ class LockManager:
         first = not self._closed
         self._closed = True
         self._heartbeat.stop()
-        watched = self._identity.peek() if self._watch_pid == os.getpid() else None
-        if first and self._identity.peek() is not None:
+        ident = self._identity.peek()
+        if first and ident is not None:
             self._close_owner()
-        if first and watched is not None:
-            self._stop_lost_watch(watched)
+            if self._watch_pid == os.getpid():
+                self._stop_lost_watch(ident)
         for held in list(self._conns):
             held.close()  # its connection back to the pool
         self.client.close()
