@@ -177,6 +177,9 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
     try:
         holder, waiter = manager(), manager()
         lease = holder.acquire(exclusive=["a"], shared=["b"], timeout=5)
+        # Nobody waits yet: this one blocks in XREAD for sure (below, the
+        # waiter may queue before the holder looks, and no XREAD is sent).
+        assert not lease.wait_for_contender(0.05)
         got: list[Any] = []
         t = threading.Thread(
             target=lambda: got.append(waiter.acquire(exclusive=["a"], timeout=30)), daemon=True
