@@ -221,6 +221,40 @@ def _our_live_child(pid: int) -> bool:
     return st is not None and st[0] not in ("Z", "X") and st[1] == os.getpid()
 
 
+def free_dead_member(manager: LockManager, owner_id: str) -> CleanupReport | None:
+    """Free ``owner_id``'s locks if it is a process of this worker that died.
+
+    For a pool child that meets a lock held by a sibling before the node's
+    heartbeat has cleaned the sibling up (a redelivered task whose first run
+    was SIGKILLed). The owner counts as dead only when this worker's group
+    records it and the process its tag names no longer runs (pid and start
+    time: a reused pid is not mistaken for it; a zombie is dead); it is then
+    cleaned up exactly as the node would (``cleanup_owner`` with force).
+    Anything else (another worker's owner, a live one, no group: not a
+    worker process) is left to the usual paths and gives None. One HGET,
+    plus the clean-up when it applies: O(locks of the dead owner).
+    """
+    make_group = manager._group
+    group = make_group() if make_group is not None else None
+    if group is None:
+        return None
+    tag = manager._command("HGET", group, owner_id)
+    if tag is None:
+        return None
+    tag = _text(tag)
+    pid = _pid(tag)
+    if pid <= 0 or _same_process(tag, live_tag(pid)):
+        return None
+    report = manager.cleanup_owner(owner_id, force=True)
+    log_cleanup.info(
+        "cleanup.dead-member owner=%s pid=%d locks=%d: a process of this worker found it dead",
+        owner_id,
+        pid,
+        report.released,
+    )
+    return report
+
+
 def _os_lock() -> Any:
     """A lock that works across real OS threads, also under gevent."""
     monkey = sys.modules.get("gevent.monkey")

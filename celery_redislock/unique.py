@@ -44,6 +44,7 @@ from . import _validate as _v
 from .exceptions import ConfigurationError, DuplicateTask, LockError, LockTimeout
 from .keys import TASK_OWNER_PREFIX
 from .lease import Lease
+from .node import free_dead_member
 from .task import _check_fields, _find_locks, _format, _template_list, holder_info
 
 if TYPE_CHECKING:
@@ -348,6 +349,11 @@ class UniqueTask(Task):
             for extra in adoption.leases[1:]:  # a unique task's owner holds one grant
                 extra.release()
             return adoption.leases[0]
+        if adoption.by is not None:
+            # Adopted by a process that may have died (this is a redelivery):
+            # if it was a process of this worker, the node frees it within a
+            # tick; don't race that clean-up, do it.
+            free_dead_member(mgr, adoption.by)
         key = self.unique_key_for(args, kwargs)
         mgr._local.request_id = TASK_OWNER_PREFIX + task_id
         mgr._local.holder = holder_info(self, self.name, locks.nodename)

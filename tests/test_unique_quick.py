@@ -6,13 +6,17 @@ live in tests/e2e/test_unique_e2e.py.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain, group
+from celery import Celery, chain, group, signals
 from celery.contrib.testing.worker import start_worker
 
 from celery_helpers import close_app, quick_app
@@ -382,6 +386,56 @@ def test_a_redelivered_message_whose_key_was_freed_takes_it_again(
     assert len(seen[0]) == 1 and seen[0][0].endswith(f"|task:{res.id}")
     assert holders(r, "rd") == []
     dead.close()
+
+
+def test_a_redelivered_message_frees_the_key_a_dead_pool_sibling_adopted(
+    app: Celery, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool child adopted the key and was SIGKILLed; its message comes back
+    to another process of the same worker before the node's clean-up of the
+    dead child. The key's holder is provably dead (a process of this
+    worker's group that no longer runs): the redelivered run frees it and
+    takes the key, instead of running without it."""
+    seen: list[str] = []
+
+    @app.task(base=UniqueTask, unique_key="sib", name="uq.sib")
+    def sib() -> None:
+        seen.extend(holders(r, "sib"))
+
+    res = sib.apply_async(queue="uq.nobody")  # queued; nobody consumes it
+    locks = RedisLock.of(app)
+    assert locks is not None
+    mgr = locks._enter_worker("fedcba9876543210")
+    try:
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - reports through the pipe, then is killed
+            code = 1
+            try:
+                signals.worker_process_init.send(sender=None)  # a pool child
+                child = locks.manager
+                status = child.adopt(res.id).status
+                os.write(write_fd, json.dumps([status, child.owner_id]).encode())
+                code = 0
+                time.sleep(600)  # until killed
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        status, child_owner = json.loads(os.read(read_fd, 4096) or b'["", ""]')
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read_fd)
+        assert status == "adopted"
+        assert holders(r, "sib") == [f"{child_owner}|task:{res.id}"]
+        with caplog.at_level(logging.INFO, logger="celery_redislock"):
+            sib.apply(task_id=res.id)  # the redelivery, run by this process
+        assert seen == [f"{mgr.owner_id}|task:{res.id}"], caplog.text
+        assert "unique.key-retaken" in caplog.text
+        assert f"owner={child_owner}" in caplog.text  # the dead sibling's clean-up is logged
+        assert holders(r, "sib") == []
+    finally:
+        locks._leave_worker()
+        mgr.close()
 
 
 def test_an_adopt_interrupted_after_redis_moved_the_key_releases_it(
