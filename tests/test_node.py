@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,14 @@ import redis
 
 from celery_redislock import LockManager, LockTimeout
 from celery_redislock.identity import parse_proc_stat, pid_of_tag, process_tag, read_proc_stat
-from celery_redislock.node import Node, group_key, new_incarnation, node_key, tomb_key
+from celery_redislock.node import (
+    Node,
+    free_dead_member,
+    group_key,
+    new_incarnation,
+    node_key,
+    tomb_key,
+)
 from engine_helpers import wait_until as wait_for
 from redis_server import RedisServer
 
@@ -623,6 +631,64 @@ def test_dead_owner_whose_pid_was_reused_by_a_live_child_is_freed_not_refreshed(
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_frees_a_dead_member_of_its_own_group_and_nothing_else(
+    workers: Callable[..., Worker], r: redis.Redis, redis_url: str
+) -> None:
+    """free_dead_member: what a pool child uses when a sibling that died
+    still holds a lock it needs, before the node's tick has freed it."""
+    w, other = workers(), workers("celery@other")
+    alone = LockManager(redis_url, NS, owner_ttl=TTL, heartbeat_interval=IV)
+    group = group_key(PREFIX, w.inc)
+    r_fd, w_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe, then is killed
+        code = 1
+        try:
+            os.close(r_fd)
+            mgr = LockManager(
+                redis_url,
+                NS,
+                owner_ttl=60,
+                heartbeat_interval=IV,
+                heartbeat=False,
+                group=lambda: group,
+            )
+            mgr.acquire("sib:1", timeout=5)
+            os.write(w_fd, mgr.owner_id.encode())
+            code = 0
+            time.sleep(600)  # until killed
+        finally:
+            os._exit(code)
+    os.close(w_fd)
+    owner = os.read(r_fd, 200).decode()
+    os.close(r_fd)
+    try:
+        assert owner and r.hexists(group, owner)
+        # Alive: never freed, by its own worker or any other process.
+        for mgr in (w.mgr, other.mgr, alone):
+            assert free_dead_member(mgr, owner) is None
+        assert r.exists(f"{PREFIX}lock:sib:1")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    # Dead, but not of their group: left to the usual paths (its liveness).
+    for mgr in (other.mgr, alone):
+        assert free_dead_member(mgr, owner) is None
+    assert r.exists(f"{PREFIX}lock:sib:1")
+    # A tag naming a live process (this one) is not dead, whatever the owner.
+    tag = process_tag(os.getpid())
+    r.hset(group, owner, tag)
+    assert free_dead_member(w.mgr, owner) is None
+    # Its pid reused by another process (other start time): dead.
+    stale = tag.split(".")[0] + "." + str(int(tag.split(".")[1]) - 1)
+    r.hset(group, owner, stale)
+    report = free_dead_member(w.mgr, owner)
+    assert report is not None and report.released == 1
+    assert not r.exists(f"{PREFIX}lock:sib:1")
+    assert r.exists(f"{PREFIX}dead:{owner}")  # tombstoned, as the node does
+    alone.close()
 
 
 def test_owner_whose_liveness_vanished_is_reported_lost_and_its_leases_marked(
