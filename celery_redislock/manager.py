@@ -28,6 +28,7 @@ from redis.cluster import RedisCluster
 from redis.sentinel import SentinelConnectionPool
 
 from . import _validate as _v
+from . import wire
 from ._threads import real_sleep, start_os_thread
 from .checks import EvictionCheck, check_eviction
 from .connect import (
@@ -134,6 +135,10 @@ REDIS_DOWN_ERRORS: tuple[type[Exception], ...] = (
     redis.TimeoutError,
     redis.exceptions.ClusterDownError,
 )
+
+
+#: Encoded ``BLPOP``, the command name of a waiter's wait (:mod:`.wire`).
+_BLPOP = wire.bulk("BLPOP")
 
 
 def _stale(conn: Any) -> bool:
@@ -854,7 +859,12 @@ class LockManager:
                 return self._scripts.run_and_wait(name, keys, args, wait, self._wait_ms)
             if client is not None:
                 return self._scripts.run(name, keys, args, client=client)
-            reply = self._scripts.run(name, keys, args, client=self._conn())
+            c = self._conn()
+            conn = getattr(c, "connection", None) if c is not self.client else None
+            if conn is not None and conn.__class__ in wire.DIRECT:
+                reply = self._scripts.run_direct(conn, c, name, keys, args)
+            else:
+                reply = self._scripts.run(name, keys, args, client=c)
             self._conn_done()
             return reply
         except REDIS_DOWN_ERRORS as exc:
@@ -1491,7 +1501,12 @@ class LockManager:
         if halt_key is not None:
             keys.append(halt_key)
         try:
-            got = self._conn().blpop(keys, timeout=seconds)
+            c = self._conn()
+            conn = getattr(c, "connection", None) if c is not self.client else None
+            if conn is not None and conn.__class__ in wire.DIRECT:
+                got = wire.call(conn, wire.pack(conn, _BLPOP, (*keys, seconds), 1))
+            else:
+                got = c.blpop(keys, timeout=seconds)
             self._conn_done()
             if got is not None and halt_key is not None and _text(got[0]) == halt_key:
                 self._halted = True

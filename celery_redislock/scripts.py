@@ -22,6 +22,7 @@ from typing import Any
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
+from . import wire
 from .connect import AnyRedis
 from .keys import FORMAT_VERSION
 
@@ -90,6 +91,10 @@ class Scripts:
             name: hashlib.sha1(text.encode("utf-8")).hexdigest()
             for name, text in self._source.items()
         }
+        #: Encoded ``EVALSHA <sha>`` of each script, for :meth:`run_direct`.
+        self._head = {
+            name: wire.bulk("EVALSHA") + wire.bulk(sha) for name, sha in self._sha.items()
+        }
 
     @property
     def shas(self) -> dict[str, str]:
@@ -108,6 +113,18 @@ class Scripts:
         except NoScriptError:
             c.script_load(self._source[name])
             return c.execute_command("EVALSHA", self._sha[name], len(keys), *keys, *args)
+
+    def run_direct(
+        self, conn: Any, client: Any, name: str, keys: list[str], args: list[Any]
+    ) -> Any:
+        """:meth:`run` sent straight on ``conn``, the connection ``client``
+        holds (:mod:`celery_redislock.wire`: no redis-py command wrapper)."""
+        packed = wire.pack(conn, self._head[name], (len(keys), *keys, *args), 2)
+        try:
+            return wire.call(conn, packed)
+        except NoScriptError:
+            client.script_load(self._source[name])
+            return wire.call(conn, packed)
 
     def run_then_read(
         self,

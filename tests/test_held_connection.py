@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager
+from celery_redislock import LockManager, RedisUnavailable
 from redis_server import RedisServer
 
 NS = "held"
@@ -80,8 +80,9 @@ def test_a_command_cut_short_before_its_reply_is_never_read_as_the_next_ones(
     # The window a pool would have caught at the next checkout (its socket
     # poll): the request went out, the caller was interrupted before reading
     # the reply. The next command must not take that reply for its own.
-    held = _held(mgr)
-    real = held.parse_response
+    conn = _held(mgr).connection
+    assert conn is not None
+    real = conn.read_response
     calls = {"n": 0}
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
@@ -90,10 +91,10 @@ def test_a_command_cut_short_before_its_reply_is_never_read_as_the_next_ones(
             raise KeyboardInterrupt  # sent, not read
         return real(*args, **kwargs)
 
-    held.parse_response = interrupted  # type: ignore[method-assign]
+    conn.read_response = interrupted  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         mgr.acquire("R", timeout=5)
-    held.parse_response = real  # type: ignore[method-assign]
+    conn.read_response = real  # type: ignore[method-assign]
     # The acquire's clean-up released the grant Redis made for it (its
     # reply unread), and the next acquire reads its own reply: the fence
     # it returns is the one stored with its grant.
@@ -151,3 +152,88 @@ def test_a_connection_the_server_closed_is_replaced_before_the_next_command(
     redis_server.restart()
     lease = mgr.acquire("R", timeout=0)  # try once: no outage riding
     lease.release()
+
+
+def test_scripts_and_waits_skip_the_command_wrapper_and_keep_their_replies(
+    mgr: LockManager, r: redis.Redis
+) -> None:
+    # The held connection's scripts and BLPOP are packed and sent directly
+    # (celery_redislock.wire): redis-py's execute_command is not called,
+    # and names outside ASCII, shared grants, hand-offs and a NOSCRIPT all
+    # behave as through it.
+    held = _held(mgr)
+    calls: list[Any] = []
+    real = held.execute_command
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    held.execute_command = counted  # type: ignore[method-assign]
+    name = "dépôt:ünïcode:☃"
+    with mgr.lock(name, timeout=5) as lease:
+        assert r.hget(f"{{{NS}}}:lock:{name}", lease.token) == f"x{lease.fencing_token}".encode()
+    with mgr.lock(shared=["S1", "S2"], timeout=5) as lease:
+        assert lease.shared == ("S1", "S2")
+    assert calls == []
+    # A waiter woken by a hand-off (its BLPOP) on its own thread's connection.
+    first = mgr.acquire("H", timeout=5)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(mgr.acquire("H", timeout=30)))
+    t.start()
+    while not first.contenders():
+        threading.Event().wait(0.01)
+    first.release()
+    t.join(30)
+    assert got and got[0].fencing_token > first.fencing_token
+    got[0].release()
+    # The server forgot the scripts: loaded again, the command sent again.
+    r.script_flush()
+    mgr.acquire("R", timeout=5).release()
+    assert calls and set(calls) == {"SCRIPT LOAD"}
+
+
+def test_a_dropped_connection_is_retried_under_the_clients_retry_policy(
+    mgr: LockManager, r: redis.Redis
+) -> None:
+    conn = _held(mgr).connection
+    assert conn is not None
+    real = conn.send_packed_command
+    fails = {"left": 1}
+
+    def dropped(*args: Any, **kwargs: Any) -> Any:
+        if fails["left"]:
+            fails["left"] -= 1
+            conn.disconnect()
+            raise redis.ConnectionError("dropped")
+        return real(*args, **kwargs)
+
+    conn.send_packed_command = dropped  # type: ignore[method-assign]
+    # The client's policy retries: the acquire goes through.
+    conn.retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1)
+    mgr.acquire("R", timeout=0).release()
+    # No retries: the drop is the caller's error, as through redis-py.
+    conn.retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+    fails["left"] = 1
+    with pytest.raises(RedisUnavailable):
+        mgr.acquire("R", timeout=0)
+    mgr.acquire("R", timeout=0).release()
+
+
+def test_a_connection_class_of_its_own_goes_through_redis_py(redis_url: str) -> None:
+    class Mine(redis.Connection):
+        commands = 0
+
+        def send_command(self, *args: Any, **kwargs: Any) -> None:
+            Mine.commands += 1
+            super().send_command(*args, **kwargs)
+
+    kwargs = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    client = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=Mine, **kwargs))
+    m = LockManager(client, NS, heartbeat=False)
+    try:
+        m.acquire("R", timeout=5).release()
+        assert Mine.commands >= 2  # its own send_command saw the scripts
+    finally:
+        m.close()
+        client.close()

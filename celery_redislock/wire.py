@@ -1,0 +1,86 @@
+"""Commands sent straight on a held connection, without redis-py's command wrapper.
+
+The engine's own hot commands (its scripts' ``EVALSHA`` and the waiter's
+``BLPOP``) go, when the manager holds a connection for the calling thread
+(``LockManager._conn``), through :func:`call` instead of
+``Redis.execute_command``. What is kept of redis-py: the connection itself
+(connect, health check, socket errors mapped to ``ConnectionError`` and
+``TimeoutError``, a cut-short read or write disconnects), its reply parser
+(RESP2 or RESP3, hiredis when installed) and its retry policy (the client's
+``Retry``: a failed attempt disconnects, then the command is sent again, as
+redis-py does). What is skipped: the generic argument encoder (one
+``isinstance`` chain per argument), the per-command observability hooks and
+option handling, and the response callbacks (none apply to ``EVALSHA``;
+``BLPOP``'s only makes a tuple of the pair). On this machine that halves
+the client CPU of one script call (docs/benchmarks.md).
+
+Arguments are ``bytes``, ``str`` (encoded with the connection's encoder
+settings) or ``int``; anything else goes through the connection's own
+encoder, so it is refused or encoded exactly as redis-py would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+#: Connection classes :func:`call` is used on: redis-py's plain ones. Others
+#: (a client-side cache's proxy, a user's subclass) get ``execute_command``.
+DIRECT = frozenset({Connection, SSLConnection, UnixDomainSocketConnection})
+
+
+def pack(conn: Any, head: bytes, args: list[Any] | tuple[Any, ...], extra: int) -> bytes:
+    """The RESP array of ``head`` (``extra`` elements already encoded) + ``args``.
+
+    ``head``: the encoded bulk strings of the command name and any constant
+    arguments, ``extra`` of them.
+    """
+    enc = conn.encoder
+    encoding, errors = enc.encoding, enc.encoding_errors
+    out = [b"*%d\r\n" % (len(args) + extra), head]
+    for a in args:
+        kind = a.__class__
+        if kind is str:
+            a = a.encode(encoding, errors)
+        elif kind is int:
+            a = b"%d" % a
+        elif kind is not bytes:
+            a = enc.encode(a)
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def bulk(value: str) -> bytes:
+    """One RESP bulk string of an ASCII constant (a command name, a SHA)."""
+    data = value.encode("ascii")
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+def call(conn: Any, packed: bytes) -> Any:
+    """Send ``packed`` on ``conn`` and read its reply, under the connection's
+    retry policy (each failed attempt disconnects first, as redis-py does).
+
+    A reply that is an error is raised (``ResponseError`` and its
+    subclasses, as redis-py's parser makes them).
+    """
+
+    def attempt() -> Any:
+        conn.send_packed_command((packed,))
+        return conn.read_response()
+
+    try:
+        return conn.retry.call_with_retry(attempt, _disconnect(conn))
+    finally:
+        # A maintenance notice (redis-py 7+) asked for a new connection.
+        should = getattr(conn, "should_reconnect", None)
+        if should is not None and should():
+            conn.disconnect()
+            conn.connect()
+
+
+def _disconnect(conn: Any) -> Any:
+    def fail(_: Exception) -> None:
+        conn.disconnect()
+
+    return fail
