@@ -332,7 +332,7 @@ class Profile:
     wrapper: float  # @locked's wrapper, body and all
     acquire: float  # LockManager.acquire, its round trip included
     release: float  # Lease.release, its round trip included
-    round_trips: float  # the scripts' round trips (redis-py + Redis), both included above
+    round_trips: float  # the scripts' round trips (client + Redis), both included above
     socket: float  # of the round trips: in send and recv on the socket (waiting for Redis)
     server: float  # Redis executing the scripts (INFO commandstats, not profiled)
     top: str  # the heaviest functions of the @locked run, by own time
@@ -383,7 +383,10 @@ def run_profile(
                 wrapper = _entry(stats, "celery_redislock/task.py", "wrapper")
                 acquire = _entry(stats, "celery_redislock/manager.py", "acquire")
                 release = _entry(stats, "celery_redislock/lease.py", "release")
-                trips = _entry(stats, "celery_redislock/scripts.py", "run")
+                # Scripts.run through redis-py, run_direct on a held connection.
+                trips = _entry(stats, "celery_redislock/scripts.py", "run") + _entry(
+                    stats, "celery_redislock/scripts.py", "run_direct"
+                )
                 socket = _socket_time(stats)
                 server = float(evalsha.get("usec", 0))
     finally:
@@ -411,10 +414,10 @@ def profile_markdown(p: Profile) -> str:
         ("  of which @locked's wrapper (body included)", p.wrapper),
         ("    LockManager.acquire (round trip included)", p.acquire),
         ("    Lease.release (round trip included)", p.release),
-        ("    of these two, the scripts' round trips (redis-py + Redis)", p.round_trips),
+        ("    of these two, the scripts' round trips (client + Redis)", p.round_trips),
         ("      of which in send/recv on the socket (waiting for Redis)", p.socket),
         ("        within it, Redis executing the scripts (commandstats)", p.server),
-        ("      of which redis-py's Python (packing, parsing, pool)", p.round_trips - p.socket),
+        ("      of which the client's Python (packing, parsing)", p.round_trips - p.socket),
         ("    of these two, the engine's Python", p.acquire + p.release - p.round_trips),
         (
             "    task.py's own Python (arguments, templates, holder record, body run)",
