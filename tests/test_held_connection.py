@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -63,6 +63,17 @@ def _held(mgr: LockManager) -> redis.Redis:
     return held
 
 
+def _fail_next(conn: Any, method: str, error: Callable[[], BaseException]) -> None:
+    """Make the next call of ``conn.<method>`` raise ``error()``; later calls
+    go through (the instance attribute is removed again)."""
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        delattr(conn, method)
+        raise error()
+
+    setattr(conn, method, once)
+
+
 def test_a_thread_sends_its_acquires_and_releases_without_a_pool_checkout(
     mgr: LockManager,
 ) -> None:
@@ -82,19 +93,9 @@ def test_a_command_cut_short_before_its_reply_is_never_read_as_the_next_ones(
     # the reply. The next command must not take that reply for its own.
     conn = _held(mgr).connection
     assert conn is not None
-    real = conn.read_response
-    calls = {"n": 0}
-
-    def interrupted(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt  # sent, not read
-        return real(*args, **kwargs)
-
-    conn.read_response = interrupted  # type: ignore[method-assign]
+    _fail_next(conn, "read_response", KeyboardInterrupt)  # sent, not read
     with pytest.raises(KeyboardInterrupt):
         mgr.acquire("R", timeout=5)
-    conn.read_response = real  # type: ignore[method-assign]
     # The acquire's clean-up released the grant Redis made for it (its
     # reply unread), and the next acquire reads its own reply: the fence
     # it returns is the one stored with its grant.
@@ -198,23 +199,18 @@ def test_a_dropped_connection_is_retried_under_the_clients_retry_policy(
 ) -> None:
     conn = _held(mgr).connection
     assert conn is not None
-    real = conn.send_packed_command
-    fails = {"left": 1}
 
-    def dropped(*args: Any, **kwargs: Any) -> Any:
-        if fails["left"]:
-            fails["left"] -= 1
-            conn.disconnect()
-            raise redis.ConnectionError("dropped")
-        return real(*args, **kwargs)
+    def dropped() -> BaseException:
+        conn.disconnect()
+        return redis.ConnectionError("dropped")
 
-    conn.send_packed_command = dropped  # type: ignore[method-assign]
+    _fail_next(conn, "send_packed_command", dropped)
     # The client's policy retries: the acquire goes through.
     conn.retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1)
     mgr.acquire("R", timeout=0).release()
     # No retries: the drop is the caller's error, as through redis-py.
     conn.retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
-    fails["left"] = 1
+    _fail_next(conn, "send_packed_command", dropped)
     with pytest.raises(RedisUnavailable):
         mgr.acquire("R", timeout=0)
     mgr.acquire("R", timeout=0).release()
