@@ -243,12 +243,12 @@ def _manager(client: redis.Redis, ns: str, **kwargs: Any) -> LockManager:
     """
     kwargs.setdefault("heartbeat", False)
     kwargs.setdefault("eviction_check", "ignore")
-    mgr = LockManager(client, ns, **kwargs)
-    mgr._lost_watch_exempt_pid = os.getpid()
     # Thousands of simulated processes share this process's one client:
     # each would otherwise keep a connection of its own for its commands
     # (a real process has one manager, and one such connection per thread).
-    mgr._hold_ok = False
+    kwargs.setdefault("hold_connection", False)
+    mgr = LockManager(client, ns, **kwargs)
+    mgr._lost_watch_exempt_pid = os.getpid()
     # Set-up speed: the namespace's data format is checked once per run
     # (``check_format`` below), not once per simulated process.
     mgr._format_pending = False

@@ -313,9 +313,7 @@ def _manager(client: redis.Redis, **kwargs: Any) -> LockManager:
     connection per simulated process would add every connection's buffers
     to ``used_memory``).
     """
-    mgr = LockManager(client, namespace=NAMESPACE, **kwargs)
-    mgr._hold_ok = False
-    return mgr
+    return LockManager(client, namespace=NAMESPACE, hold_connection=False, **kwargs)
 
 
 def _managers(client: redis.Redis, count: int) -> list[LockManager]:

@@ -522,6 +522,16 @@ class LockManager:
             :class:`celery_redislock.prometheus.PrometheusMetrics`. None
             (default): nothing is recorded, at the cost of one ``is None``
             test per event.
+        hold_connection: True (default): each thread (greenlet, forked
+            process) that uses the manager keeps one connection of the
+            client's pool for the manager's own commands, given back when
+            the thread ends or the manager is closed; this skips the pool's
+            checkout per command and redis-py's command wrapper for the
+            scripts. False: every command checks a connection out of the
+            pool, as a plain redis-py call does (for a pool whose
+            ``max_connections`` must also cover many managers in one
+            thread). Ignored (never held) for Redis Cluster, Sentinel and
+            ``BlockingConnectionPool`` clients.
 
     ``heartbeat=False`` and ``group`` apply to the process that built the
     manager only (the *member* process; a Celery pool child becomes one
@@ -550,6 +560,7 @@ class LockManager:
         wait_policy: str = "fail",
         eviction_check: str = "warn",
         metrics: MetricsHook | None = None,
+        hold_connection: bool = True,
     ) -> None:
         owner_ttl = _v.duration(
             "owner_ttl", owner_ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL
@@ -568,6 +579,7 @@ class LockManager:
         )
         name = _v.label("name", name)
         heartbeat = _v.flag("heartbeat", heartbeat)
+        hold_connection = _v.flag("hold_connection", hold_connection)
         if group is not None and not callable(group):
             raise ConfigurationError("group", f"must be a callable or None, not {group!r}")
         if eviction_check not in EVICTION_CHECK_MODES:
@@ -610,7 +622,7 @@ class LockManager:
         #: (see _conn), and every one made, for close().
         self._conn_local = threading.local()
         self._conns: weakref.WeakSet[redis.Redis] = weakref.WeakSet()
-        self._hold_ok = _can_hold(self.client)
+        self._hold_ok = hold_connection and _can_hold(self.client)
         self._requests: dict[tuple[str | None, str | None], _Request] = {}
         #: The prefix as the scripts receive it.
         self._wire_prefix = self.keys.prefix.encode()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager, RedisUnavailable
+from celery_redislock import ConfigurationError, LockManager, RedisUnavailable
 from redis_server import RedisServer
 
 NS = "held"
@@ -233,3 +233,20 @@ def test_a_connection_class_of_its_own_goes_through_redis_py(redis_url: str) -> 
     finally:
         m.close()
         client.close()
+
+
+def test_hold_connection_false_checks_out_per_command_and_holds_nothing(
+    client: redis.Redis,
+) -> None:
+    m = LockManager(client, NS, heartbeat=False, hold_connection=False)
+    try:
+        assert m._conn() is client
+        m._conn_done()
+        before = _CountingPool.checkouts
+        m.acquire("R", timeout=5).release()
+        assert _CountingPool.checkouts - before >= 2  # one per command
+        assert len(m._conns) == 0
+    finally:
+        m.close()
+    with pytest.raises(ConfigurationError, match="hold_connection"):
+        LockManager(client, NS, hold_connection="no")  # type: ignore[arg-type]
