@@ -851,6 +851,15 @@ class LockManager:
         self._conns.add(held)
         return held
 
+    def _direct(self, c: AnyRedis) -> Any:
+        """The connection of ``c``, a client from :meth:`_conn`, if commands
+        may be sent straight on it (:mod:`.wire`): a held client of redis-py's
+        own connection class. None: send through ``c`` as usual."""
+        if c is self.client:
+            return None
+        conn = getattr(c, "connection", None)
+        return conn if conn is not None and conn.__class__ in wire.DIRECT else None
+
     def _conn_done(self) -> None:
         """The command sent on this thread's :meth:`_conn` client completed."""
         self._conn_local.busy = False
@@ -872,8 +881,8 @@ class LockManager:
             if client is not None:
                 return self._scripts.run(name, keys, args, client=client)
             c = self._conn()
-            conn = getattr(c, "connection", None) if c is not self.client else None
-            if conn is not None and conn.__class__ in wire.DIRECT:
+            conn = self._direct(c)
+            if conn is not None:
                 reply = self._scripts.run_direct(conn, c, name, keys, args)
             else:
                 reply = self._scripts.run(name, keys, args, client=c)
@@ -1514,8 +1523,8 @@ class LockManager:
             keys.append(halt_key)
         try:
             c = self._conn()
-            conn = getattr(c, "connection", None) if c is not self.client else None
-            if conn is not None and conn.__class__ in wire.DIRECT:
+            conn = self._direct(c)
+            if conn is not None:
                 got = wire.call(conn, wire.pack(conn, _BLPOP, (*keys, seconds), 1))
             else:
                 got = c.blpop(keys, timeout=seconds)

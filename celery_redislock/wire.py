@@ -70,17 +70,10 @@ def call(conn: Any, packed: bytes) -> Any:
         return conn.read_response()
 
     try:
-        return conn.retry.call_with_retry(attempt, _disconnect(conn))
+        return conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
     finally:
         # A maintenance notice (redis-py 7+) asked for a new connection.
         should = getattr(conn, "should_reconnect", None)
         if should is not None and should():
             conn.disconnect()
             conn.connect()
-
-
-def _disconnect(conn: Any) -> Any:
-    def fail(_: Exception) -> None:
-        conn.disconnect()
-
-    return fail
