@@ -853,12 +853,14 @@ class LockManager:
 
     def _direct(self, c: AnyRedis) -> Any:
         """The connection of ``c``, a client from :meth:`_conn`, if commands
-        may be sent straight on it (:mod:`.wire`): a held client of redis-py's
-        own connection class. None: send through ``c`` as usual."""
+        may be sent straight on it (:mod:`.wire`): a held client whose
+        connection class is redis-py's own or keeps its way of encoding and
+        sending commands (:func:`.wire.direct`). None: send through ``c`` as
+        usual."""
         if c is self.client:
             return None
         conn = getattr(c, "connection", None)
-        return conn if conn is not None and conn.__class__ in wire.DIRECT else None
+        return conn if conn is not None and wire.direct(conn.__class__) else None
 
     def _conn_done(self) -> None:
         """The command sent on this thread's :meth:`_conn` client completed."""

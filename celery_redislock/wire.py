@@ -23,11 +23,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.connection import AbstractConnection
 
-#: Connection classes :func:`call` is used on: redis-py's plain ones. Others
-#: (a client-side cache's proxy, a user's subclass) get ``execute_command``.
-DIRECT = frozenset({Connection, SSLConnection, UnixDomainSocketConnection})
+#: What :func:`call` skips on a connection: the methods ``execute_command``
+#: would call to encode and send a command. A class that overrides one of
+#: them (to log, trace or rewrite commands) must see every command, so it
+#: keeps ``execute_command``.
+_BYPASSED = ("send_command", "pack_command")
+#: Connection class -> may :func:`call` be used on it (filled on first use).
+_DIRECT: dict[type, bool] = {}
+
+
+def direct(cls: type) -> bool:
+    """May :func:`call` be used on connections of class ``cls``?
+
+    Yes for redis-py's own connections (plain, SSL, Unix socket) and for a
+    subclass of them that keeps their ``send_command`` and ``pack_command``
+    (one that counts or times ``send_packed_command`` or ``read_response``
+    still sees every command, since :func:`call` goes through both). No for
+    anything else: a client-side cache's proxy connection, or a subclass that
+    overrides how commands are encoded or sent.
+    """
+    ok = _DIRECT.get(cls)
+    if ok is None:
+        ok = issubclass(cls, AbstractConnection) and all(
+            getattr(cls, name) is getattr(AbstractConnection, name) for name in _BYPASSED
+        )
+        _DIRECT[cls] = ok
+    return ok
 
 
 def pack(conn: Any, head: bytes, args: list[Any] | tuple[Any, ...], extra: int) -> bytes:

@@ -235,6 +235,43 @@ def test_a_connection_class_of_its_own_goes_through_redis_py(redis_url: str) -> 
         client.close()
 
 
+def test_a_subclass_that_only_counts_sends_keeps_the_direct_send(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection subclass that counts ``send_packed_command`` (as a metrics
+    or tracing layer does) keeps redis-py's encoding and sending, so the
+    scripts go straight on it, and its count still sees every one."""
+
+    class Counting(redis.Connection):
+        sends = 0
+
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            Counting.sends += 1
+            super().send_packed_command(command, check_health)
+
+    kwargs = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    client = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=Counting, **kwargs))
+    m = LockManager(client, NS, heartbeat=False)
+    wrapped: list[tuple[Any, ...]] = []
+    real = redis.Redis.execute_command
+
+    def spy(self: redis.Redis, *args: Any, **options: Any) -> Any:
+        wrapped.append(args)
+        return real(self, *args, **options)
+
+    try:
+        m.acquire("R", timeout=5).release()  # loads the scripts
+        monkeypatch.setattr(redis.Redis, "execute_command", spy)
+        before = Counting.sends
+        m.acquire("R", timeout=5).release()
+        assert wrapped == []  # no script went through the command wrapper
+        assert Counting.sends - before == 2  # and the subclass saw both
+    finally:
+        monkeypatch.undo()
+        m.close()
+        client.close()
+
+
 def test_hold_connection_false_checks_out_per_command_and_holds_nothing(
     client: redis.Redis,
 ) -> None:
