@@ -867,12 +867,25 @@ class LockManager:
         self._conn_local.busy = False
 
     def _call(
-        self, name: str, keys: list[str], args: list[Any], client: Any = None, *, wait: int = 0
+        self,
+        name: str,
+        keys: list[str],
+        args: list[Any],
+        client: Any = None,
+        *,
+        wait: int = 0,
+        again: list[Any] | None = None,
     ) -> Any:
         """Run a script (one round trip); ``wait=N``: also ``WAIT N`` in the same pipeline.
 
         With ``wait`` the answer is ``(script reply, replicas that acknowledged)``.
+        ``again``: arguments for any send that may be a resend. ``args`` then
+        go only as the first send on the held connection (:mod:`.wire`, which
+        resends ``again``); every other path, whose retries resend what they
+        were given, sends ``again``.
         """
+        if again is not None and (wait or client is not None):
+            args = again
         if self._eviction_pending or self._eviction_refusal is not None:
             self._check_eviction_once()  # first: a refusal must write nothing
         if self._format_pending:
@@ -885,9 +898,9 @@ class LockManager:
             c = self._conn()
             conn = self._direct(c)
             if conn is not None:
-                reply = self._scripts.run_direct(conn, c, name, keys, args)
+                reply = self._scripts.run_direct(conn, c, name, keys, args, again)
             else:
-                reply = self._scripts.run(name, keys, args, client=c)
+                reply = self._scripts.run(name, keys, args if again is None else again, client=c)
             self._conn_done()
             return reply
         except REDIS_DOWN_ERRORS as exc:
@@ -997,7 +1010,12 @@ class LockManager:
         block_call = functools.partial(self._block, halt=True) if haltable else self._block
         # A task's own request id (``task:<id>``, set by UniqueTask around
         # the call) makes the grant name its task, like acquire_for_task's.
-        request_id = getattr(self._local, "request_id", None) or new_request_id()
+        request_id = getattr(self._local, "request_id", None)
+        # A request id made here gives a token never sent before: its first
+        # script run may skip the look for an earlier grant or queue entry
+        # (acquire.lua flag 'f'; a resend never carries it).
+        first = request_id is None
+        request_id = request_id or new_request_id()
         # Who holds it, only when a Celery task acquires (@locked sets it).
         holder = getattr(self._local, "holder", None) or ""
         began = time.monotonic()
@@ -1029,7 +1047,9 @@ class LockManager:
                         timeout != 0,
                         nested,
                         holder,
+                        first,
                     )
+                    first = False
                     if reply is None:  # Redis failed; backed off: run the attempt again
                         continue
                     answered = True
@@ -1284,6 +1304,7 @@ class LockManager:
         holder: str = "",
         listed: bool = False,
         spill: bool = False,
+        first: bool = False,
     ) -> tuple[list[Any], list[Any]]:
         """KEYS and ARGV of one acquire.lua call (see its header for each slot).
 
@@ -1291,7 +1312,8 @@ class LockManager:
         owner ('' when it is registered); ``group``: the group hash the owner
         registers in (with its process ``tag``); ``holder``: the holder
         record; ``listed``: the owner is in ``{ns}:owners`` already; ``spill``:
-        the owner holds many locks (its registry's buckets). Only the
+        the owner holds many locks (its registry's buckets); ``first``: the
+        token was never sent before (the caller must resend without it). Only the
         lock keys travel as KEYS (the script builds the rest from the
         prefix), and the arguments are bytes where they repeat: each
         argument costs the client an encoding on every call.
@@ -1304,6 +1326,7 @@ class LockManager:
             + ("n" if nested else "")
             + ("l" if listed else "")
             + ("s" if spill else "")
+            + ("f" if first else "")
         )
         args: list[Any] = [
             token,
@@ -1336,9 +1359,11 @@ class LockManager:
         queue: bool,
         nested: bool,
         holder: str | None = None,
+        first: bool = False,
     ) -> Any:
         """One run of acquire.lua for ``token``; ``holder``: the holder record
-        (None: read from the thread's ``@locked`` state)."""
+        (None: read from the thread's ``@locked`` state); ``first``: the token
+        was never sent (flag 'f', on the first send only)."""
         group = None
         if not ident.registered:
             make_group = self._group
@@ -1359,11 +1384,17 @@ class LockManager:
             holder=holder,
             listed=ident.listed,
             spill=self._spill(ident.owner_id),
+            first=first and not self.wait_replicas,
         )
         if self.wait_replicas:
             reply = self._call_and_wait("acquire", keys, args)
         else:
-            reply = self._call("acquire", keys, args)
+            again = None
+            if first:
+                # Any resend (a retry after the reply was lost) must look.
+                again = list(args)
+                again[2] = args[2].replace("f", "")
+            reply = self._call("acquire", keys, args, again=again)
             if self._metrics is not None:
                 self._note_reclaimed(reply)
         code = int(reply[0])

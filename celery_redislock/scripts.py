@@ -115,16 +115,33 @@ class Scripts:
             return c.execute_command("EVALSHA", self._sha[name], len(keys), *keys, *args)
 
     def run_direct(
-        self, conn: Any, client: Any, name: str, keys: list[str], args: list[Any]
+        self,
+        conn: Any,
+        client: Any,
+        name: str,
+        keys: list[str],
+        args: list[Any],
+        again: list[Any] | None = None,
     ) -> Any:
         """:meth:`run` sent straight on ``conn``, the connection ``client``
-        holds (:mod:`celery_redislock.wire`: no redis-py command wrapper)."""
-        packed = wire.pack(conn, self._head[name], (len(keys), *keys, *args), 2)
+        holds (:mod:`celery_redislock.wire`: no redis-py command wrapper).
+
+        ``again``: the arguments of every send but the first (a retry after
+        a failed attempt, the send after a NOSCRIPT); default ``args``.
+        """
+        head = self._head[name]
+        packed = wire.pack(conn, head, (len(keys), *keys, *args), 2)
+        later = None
+        if again is not None:
+
+            def later() -> bytes:
+                return wire.pack(conn, head, (len(keys), *keys, *again), 2)
+
         try:
-            return wire.call(conn, packed)
+            return wire.call(conn, packed, later)
         except NoScriptError:
             client.script_load(self._source[name])
-            return wire.call(conn, packed)
+            return wire.call(conn, packed if later is None else later())
 
     def run_then_read(
         self,

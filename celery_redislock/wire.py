@@ -21,6 +21,7 @@ encoder, so it is refused or encoded exactly as redis-py would.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from redis.connection import AbstractConnection
@@ -80,16 +81,23 @@ def bulk(value: str) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-def call(conn: Any, packed: bytes) -> Any:
+def call(conn: Any, packed: bytes, again: Callable[[], bytes] | None = None) -> Any:
     """Send ``packed`` on ``conn`` and read its reply, under the connection's
     retry policy (each failed attempt disconnects first, as redis-py does).
 
-    A reply that is an error is raised (``ResponseError`` and its
-    subclasses, as redis-py's parser makes them).
+    ``again``: makes what a retry sends instead of ``packed`` (a command
+    whose first send may claim something a resend no longer can, for
+    example that its token was never sent). A reply that is an error is
+    raised (``ResponseError`` and its subclasses, as redis-py's parser makes
+    them).
     """
+    sends = 0
 
     def attempt() -> Any:
-        conn.send_packed_command((packed,))
+        nonlocal sends
+        data = packed if sends == 0 or again is None else again()
+        sends += 1
+        conn.send_packed_command((data,))
         return conn.read_response()
 
     try:

@@ -256,6 +256,8 @@ def test_exclusive_attempt_against_shared_holders_costs_the_same_for_20_or_400(
     assert small == large, f"{small} vs {large}"
     assert small.get("evalsha") == 2  # the attempt, and release.lua on its exit path
     assert "xadd" not in small
+    # The holders' first page is read at once (no HLEN before it).
+    assert "hlen" not in small and small.get("hscan") == 1, small
 
 
 SCAN_LIMIT = 4  # dead entries below: 5, 10, 15, all past the scan limit

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from celery_redislock import ConfigurationError, LockManager, RedisUnavailable
+from engine_helpers import wait_until
 from redis_server import RedisServer
 
 NS = "held"
@@ -214,6 +215,80 @@ def test_a_dropped_connection_is_retried_under_the_clients_retry_policy(
     with pytest.raises(RedisUnavailable):
         mgr.acquire("R", timeout=0)
     mgr.acquire("R", timeout=0).release()
+
+
+def _lose_next_reply(conn: Any) -> None:
+    """The next command on ``conn`` runs on the server, but its reply is
+    lost with the connection (read, dropped, then a ConnectionError)."""
+    real = conn.read_response
+
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        del conn.read_response
+        real(*args, **kwargs)
+        conn.disconnect()
+        raise redis.ConnectionError("reply lost")
+
+    conn.read_response = lost
+
+
+def test_a_grant_whose_reply_was_lost_is_found_by_the_retry(
+    mgr: LockManager, r: redis.Redis
+) -> None:
+    # A request's first send skips the look for an earlier grant (its token
+    # was never sent). The retry after a lost reply must look: it finds the
+    # grant the first send made, with the same fence, and is not blocked by
+    # its own grant.
+    conn = _held(mgr).connection
+    assert conn is not None
+    conn.retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1)
+    _lose_next_reply(conn)
+    lease = mgr.acquire("R", timeout=0)
+    assert r.hgetall(f"{{{NS}}}:lock:R") == {
+        lease.token.encode(): f"x{lease.fencing_token}".encode()
+    }
+    lease.release()
+    assert r.exists(f"{{{NS}}}:lock:R") == 0
+
+
+def test_a_queued_request_whose_reply_was_lost_keeps_its_place(
+    mgr: LockManager, r: redis.Redis, client: redis.Redis
+) -> None:
+    # The first send queued the request; its retry must find that entry and
+    # keep it (one arrival number, one entry), not queue a second time.
+    other = LockManager(client, NS, heartbeat=False)
+    conns: list[Any] = []
+    got: list[Any] = []
+
+    def waiter() -> None:
+        conn = _held(mgr).connection  # this thread's held connection
+        conn.retry = redis.retry.Retry(redis.backoff.NoBackoff(), 1)
+        _lose_next_reply(conn)
+        conns.append(conn)
+        got.append(mgr.acquire("R", timeout=30))
+
+    try:
+        held = other.acquire("R", timeout=5)
+        seq = int(r.get(f"{{{NS}}}:seq") or 0)
+        t = threading.Thread(target=waiter)
+        t.start()
+        # Queued, and the reply of the send that queued it lost (retried).
+        wait_until(
+            lambda: (
+                r.zcard(f"{{{NS}}}:q:R") == 1
+                and bool(conns)
+                and "read_response" not in conns[0].__dict__
+            ),
+            what="the request queued and its reply lost",
+        )
+        entries = r.zrange(f"{{{NS}}}:q:R", 0, -1, withscores=True)
+        held.release()
+        t.join(30)
+        assert got, "the queued request was not granted"
+        assert len(entries) == 1 and int(entries[0][1]) == seq + 1, entries
+        assert int(r.get(f"{{{NS}}}:seq") or 0) == seq + 1  # one arrival number
+        got[0].release()
+    finally:
+        other.close()
 
 
 def test_a_connection_class_of_its_own_goes_through_redis_py(redis_url: str) -> None:

@@ -344,7 +344,10 @@ class ProtocolMachine(RuleBasedStateMachine):
             if not why and self.dead_residue(q) >= purge_budget(LIMIT):
                 expect = "either"  # more dead entries than one run removes
         self.attempt_group = group_key(PREFIX, owner.group) if owner.group else None
-        reply = self.mgr._attempt(ident, q.token, self.reqs[q.token], queue, q.nested)
+        # A request's first run is sent as the client sends it: flag 'f' (its
+        # token was never sent, nothing to look for); every later run looks.
+        first = q.state == "fresh"
+        reply = self.mgr._attempt(ident, q.token, self.reqs[q.token], queue, q.nested, None, first)
         code = int(reply[0])
         q.deadline_due = False
         note(f"acquire: {expect}{' (nested)' if q.nested else ''}")

@@ -328,20 +328,23 @@ end
 
 -- Free the holders of LOCK that conflict with MODE and whose owner is dead,
 -- until a live conflicting holder is met: O(1 + holders freed), not
--- O(holders). An exclusive holder is always alone, so a shared MODE reads
--- one holder at most; an exclusive MODE reads the hash in HSCAN pages of
--- LIMIT. A freed holder's request state and wake list go with it, and the
--- lock leaves its owner's registry when the owner holds no other token
--- there. N is HLEN of LOCK when the caller has it (nil: read here).
--- Returns (ms, freed): ms = the live holder's remaining liveness (it blocks
--- MODE), 0 when the purge budget ran out first (treat as blocked, try again
--- soon), or nil when no conflicting holder is left.
+-- O(holders). An exclusive holder is always alone, so a shared MODE stops
+-- at the second holder it sees (all holders are then shared); an exclusive
+-- MODE reads the hash in HSCAN pages of LIMIT until a live one. A freed
+-- holder's request state and wake list go with it, and the lock leaves its
+-- owner's registry when the owner holds no other token there. N is HLEN of
+-- LOCK when the caller has it; nil: the first HSCAN page is read at once
+-- (one call where HLEN, then the page, would be two; a hash of up to 128
+-- fields, a listpack, comes whole in one page).
+-- Returns (ms, freed, by): ms = the live holder's remaining liveness (it
+-- blocks MODE), 0 when the purge budget ran out first (treat as blocked,
+-- try again soon), or nil when no conflicting holder is left; by = the
+-- blocking holder's mode ('x' or 's'; nil when nothing blocks).
 local function reclaim_holders(prefix, lock, mode, limit, n)
-  n = n or redis.call('HLEN', lock)
-  if n == 0 or (mode == 's' and n > 1) then return nil, 0 end
+  if n == 0 or (mode == 's' and n ~= nil and n > 1) then return nil, 0, nil end
   local budget = purge_budget(limit)
-  local freed, dead_owners = 0, {}
-  local cursor, ms = '0', nil
+  local freed, dead_owners, seen = 0, {}, 0
+  local cursor, ms, by = '0', nil, nil
   repeat
     local kv
     if n == 1 then
@@ -350,14 +353,18 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
     else
       local page = redis.call('HSCAN', lock, cursor, 'COUNT', int(limit))
       cursor, kv = page[1], page[2]
+      seen = seen + #kv / 2
+      -- Two holders or more are all shared: none conflicts with a shared MODE.
+      if mode == 's' and seen > 1 then break end
     end
     for j = 1, #kv, 2 do
       local t = kv[j]
-      if conflicts(mode, mode_of(kv[j + 1])) then
+      local m = mode_of(kv[j + 1])
+      if conflicts(mode, m) then
         local o = owner_of(t)
         local left = owner_pttl(prefix, o)
         if left >= 0 then
-          ms = left
+          ms, by = left, m
           break
         end
         if redis.call('HDEL', lock, t) == 1 then
@@ -377,7 +384,7 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
       registry_del(prefix, o, {name_of(prefix, lock)})
     end
   end
-  return ms, freed
+  return ms, freed, by
 end
 
 local wake_front

@@ -30,7 +30,10 @@
 --     of it added it, and only the cleanup that declares it dead or
 --     retires it takes it out: the SADD is skipped), 's' this owner holds
 --     many locks: the resource names go to its registry's buckets
---     (_common.lua registry_add; one more HSET, for the bucket index)
+--     (_common.lua registry_add; one more HSET, for the bucket index),
+--     'f' the first send of this token (the client made it and never sent
+--     it: it has no grant and no request state, so step 3 reads nothing;
+--     a resend of the call never carries 'f')
 --   4 liveness TTL in ms (every attempt refreshes the owner's liveness)
 --   5 key prefix '{ns}:'
 --   6 request TTL in ms (queued request state, wake list)
@@ -57,9 +60,9 @@
 --      of it would exist): grant at once as in step 6 (no queue to leave,
 --      no request state or wake list to delete, nobody to wake), reply
 --      {1, fence, 0}.
---   3. Idempotency: a request already granted (its token is in its first
---      lock hash: grants are all or nothing) replies its grant again, with
---      the fence stored there.
+--   3. Idempotency (skipped with flag 'f'): a request already granted (its
+--      token is in its first lock hash: grants are all or nothing) replies
+--      its grant again, with the fence stored there.
 --   4. Holders (_common.lua reclaim_holders): conflicting holders are read
 --      until the first live one; one whose owner is dead is reclaimed (token
 --      removed from the lock, its request state and wake list deleted, and,
@@ -113,6 +116,7 @@ local want_queue = string.find(flags, 'q', 1, true) ~= nil
 local nested = string.find(flags, 'n', 1, true) ~= nil
 local known = string.find(flags, 'l', 1, true) ~= nil
 local spill = string.find(flags, 's', 1, true) ~= nil
+local first = string.find(flags, 'f', 1, true) ~= nil
 local reg_ttl = ARGV[4]
 local req_ttl, limit = ARGV[6], tonumber(ARGV[7])
 local register, holder = ARGV[8] or '', ARGV[10] or ''
@@ -159,11 +163,14 @@ end
 
 local req_key, wake_key = prefix .. 'req:' .. token, prefix .. 'wake:' .. token
 
--- 3. idempotency
-local granted = redis.call('HGET', KEYS[1], token)
-if granted then return {1, string.sub(granted, 2)} end
-local state = redis.call('HMGET', req_key, 'state', 'seq')
-local queued = state[1] == 'q'
+-- 3. idempotency (a token's first send has nothing to find)
+local state, queued = nil, false
+if not first then
+  local granted = redis.call('HGET', KEYS[1], token)
+  if granted then return {1, string.sub(granted, 2)} end
+  state = redis.call('HMGET', req_key, 'state', 'seq')
+  queued = state[1] == 'q'
+end
 
 local blocked, why = false, 'held'
 local wait_ms = -1
