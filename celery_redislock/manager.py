@@ -120,6 +120,25 @@ _WATCH_IDLE_SLICE = 0.05
 #: Values of ``LockManager(eviction_check=...)``.
 EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
 
+
+#: The cache key of resource names that are not cached (another iterable).
+_UNCACHED: Any = object()
+
+
+def _cache_key(names: Any) -> Any:
+    """The request cache's key for ``names`` (None, a str, or a list or tuple
+    of str: a tuple of them), or :data:`_UNCACHED`."""
+    if names is None or type(names) is str:
+        return names
+    kind = type(names)
+    if kind is list or kind is tuple:
+        for name in names:
+            if type(name) is not str:
+                return _UNCACHED
+        return tuple(names)
+    return _UNCACHED
+
+
 #: Leases an owner holds before its further resource names go to its
 #: registry's buckets (``_common.lua`` ``registry_add``): every registry hash
 #: then stays a compact listpack/ziplist (at most 128 fields by default),
@@ -761,20 +780,20 @@ class LockManager:
     def _request(
         self, exclusive: str | Iterable[str] | None, shared: str | Iterable[str] | None
     ) -> _Request:
-        # The usual request names its resources as str or None: validated
-        # once and kept (a bounded cache; a _Request is immutable).
-        if (exclusive is None or type(exclusive) is str) and (
-            shared is None or type(shared) is str
-        ):
-            cached = self._requests.get((exclusive, shared))
-            if cached is not None:
-                return cached
-            req = self._validated_request(exclusive, shared)
-            if len(self._requests) >= _REQUEST_CACHE:
-                self._requests.clear()
-            self._requests[(exclusive, shared)] = req
-            return req
-        return self._validated_request(exclusive, shared)
+        # The usual request names its resources as str, None, or a list or
+        # tuple of str: validated once and kept (a bounded cache, keyed by
+        # a tuple copy of a list; a _Request is immutable).
+        key = (_cache_key(exclusive), _cache_key(shared))
+        if key[0] is _UNCACHED or key[1] is _UNCACHED:
+            return self._validated_request(exclusive, shared)
+        cached = self._requests.get(key)
+        if cached is not None:
+            return cached
+        req = self._validated_request(exclusive, shared)
+        if len(self._requests) >= _REQUEST_CACHE:
+            self._requests.clear()
+        self._requests[key] = req
+        return req
 
     def _validated_request(
         self, exclusive: str | Iterable[str] | None, shared: str | Iterable[str] | None

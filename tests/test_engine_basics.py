@@ -412,3 +412,21 @@ def test_eviction_check_reports_noeviction_safe_and_lru_may_evict(
     finally:
         r.config_set("maxmemory-policy", original)
     assert check_eviction(r).may_evict is False
+
+
+def test_a_list_of_names_changed_after_a_request_is_read_afresh(managers: Any) -> None:
+    # Requests are cached by their names; a list the caller changes later
+    # must be read as it is now, not as it was.
+    mgr = managers()
+    names = ["A", "B"]
+    with mgr.lock(names, timeout=0) as first:
+        assert first.resources == ("A", "B")
+    names.append("C")
+    with mgr.lock(names, timeout=0) as second:
+        assert second.resources == ("A", "B", "C")
+    names[0] = "bad\n"
+    with pytest.raises(InvalidResource):
+        mgr.acquire(names, timeout=0)
+    # A tuple of the same names is the same request.
+    with mgr.lock(("A", "B", "C"), shared=["S"], timeout=0) as third:
+        assert third.resources == ("A", "B", "C", "S")
