@@ -510,6 +510,10 @@ def _run_body(
             )
         if after is not None:
             after()
+    # The release itself may be the first to learn of a loss: it released
+    # fewer locks than the lease held (Redis lost a grant in a failover, or
+    # a cleanup took it before the notice reached this process).
+    lost_after = lost_after or lease.lost
     if lost_after:
         _lost_after_body(
             lease,

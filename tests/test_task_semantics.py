@@ -153,6 +153,30 @@ def run_modes(
         assert f"id={res.id}" in line
 
 
+def test_a_grant_found_gone_only_at_release_fails_the_task(
+    worker_app: tuple[Celery, RedisLock], task_log: list[str], r: redis.Redis
+) -> None:
+    # Redis lost the grant while the body ran (a failover to a replica that
+    # missed it): nothing tells the holder, and its local deadline holds.
+    # The release is the first to see it (fewer locks released than held),
+    # and the task must not report success as if it had held the lock.
+    app, _ = worker_app
+
+    @app.task(shared=False, bind=True, name="sem.vanished")
+    @locked("res:{n}", timeout=10)
+    def vanished(self: Any, n: int) -> bool:
+        lease = current_lease()
+        assert lease is not None
+        assert r.hdel("{quick}:lock:res:" + str(n), lease.token) == 1
+        return lease.lost  # not known yet
+
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+        res = vanished.delay(7)
+        with pytest.raises(LockLost):
+            res.get(timeout=20)
+    assert any(x.startswith("locked.lost") and f"id={res.id}" in x for x in task_log)
+
+
 def test_a_locked_task_calling_a_locked_function_on_its_resource_reenters(
     worker_app: tuple[Celery, RedisLock], r: redis.Redis
 ) -> None:
