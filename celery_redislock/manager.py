@@ -1980,8 +1980,9 @@ class LockManager:
         if released < len(req.modes) and not lease.lost:
             lease._mark_lost("declared-dead")
             log_release.warning(
-                "release.partial owner=%s released=%d of=%d (locks were reclaimed: "
-                "the owner's liveness lapsed)",
+                "release.partial owner=%s released=%d of=%d: the other grants were gone "
+                "(reclaimed after the owner was declared dead, or lost by Redis in a "
+                "failover or restart); the lease is marked lost",
                 lease.owner_id,
                 released,
                 len(req.modes),
