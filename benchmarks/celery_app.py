@@ -102,7 +102,8 @@ def write(self: Any, res: str, run: str, work: float) -> None:
 # -- the cost of @locked: no-op tasks, timed in the process that runs them -------
 
 #: ``(time.perf_counter(), kind)`` of every no-op body run in this process
-#: since the last :func:`stamps` call (kind ``p``: plain, ``l``: @locked).
+#: since the last :func:`stamps` call (kind ``p``: plain, ``l``: @locked,
+#: ``r``: inside redis-py's ``Lock``).
 _stamps: list[tuple[float, str]] = []
 
 
@@ -129,6 +130,32 @@ def noop(key: str) -> None:
 def noop_locked(key: str) -> None:
     """The same no-op task under ``@locked`` (an uncontended resource)."""
     _stamps.append((time.perf_counter(), "l"))
+
+
+_peer: redis.Redis | None = None
+_peer_pid = 0
+
+
+def peer_client() -> redis.Redis:
+    """This process's client of the lock store for the peer lock (re-made after fork)."""
+    global _peer, _peer_pid
+    if _peer is None or _peer_pid != os.getpid():
+        _peer = redis.Redis.from_url(os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0"))
+        _peer_pid = os.getpid()
+    return _peer
+
+
+@app.task(name="cebench.noop_redis_py_lock", ignore_result=True)
+def noop_redis_py_lock(key: str) -> None:
+    """The same no-op task inside the simplest Redis lock, for contrast:
+    redis-py's ``Lock`` (SET NX PX to take it, a script to release it: two
+    round trips, like ``@locked``) on the same Redis, uncontended."""
+    lock = peer_client().lock(f"cebench-rp:{key}", timeout=60)
+    lock.acquire()
+    try:
+        _stamps.append((time.perf_counter(), "r"))
+    finally:
+        lock.release()
 
 
 @app.task(name="cebench.stamps")

@@ -16,8 +16,9 @@ the cost of ``@locked`` on a no-op task.
    the number of tasks sent to it; anything else is an exclusion bug).
 2. **The cost of @locked.** One worker (``-P prefork -c 1``, then ``-P
    solo``) runs ``--rounds`` batches of ``--batch`` no-op tasks, in which
-   runs of 10 plain tasks alternate with runs of 10 under ``@locked`` (one
-   uncontended resource). A gate task holds the worker while the batch is
+   runs of 10 plain tasks, 10 under ``@locked`` (one uncontended resource)
+   and, for contrast, 10 inside redis-py's ``Lock`` (the simplest Redis
+   lock: two round trips, like ``@locked``) take turns. A gate task holds the worker while the batch is
    queued, so it runs at the worker's pace. From the bodies' own
    ``perf_counter()`` stamps, a kind's cycle is the time from one body to
    the next of the same kind; its rate, one over the round's median cycle
@@ -226,10 +227,18 @@ class CostResult:
     pool: str
     plain: list[float] = field(default_factory=list)
     locked: list[float] = field(default_factory=list)
+    #: The same no-op body inside redis-py's ``Lock`` (a peer, for contrast).
+    peer: list[float] = field(default_factory=list)
 
     @property
     def ratios(self) -> list[float]:
         return [b / a for a, b in zip(self.plain, self.locked)]
+
+    @property
+    def peer_cost(self) -> float:
+        """Share of tasks/s lost to redis-py's ``Lock`` (median over rounds)."""
+        ratios = [b / a for a, b in zip(self.plain, self.peer)]
+        return 1 - statistics.median(ratios) if ratios else math.nan
 
     @property
     def cost(self) -> float:
@@ -243,11 +252,13 @@ class CostResult:
 
 #: Tasks of one kind in a row in a cost batch.
 RUN = 10
-KINDS = {"p": "cebench.noop", "l": "cebench.noop_locked"}
+KINDS = {"p": "cebench.noop", "l": "cebench.noop_locked", "r": "cebench.noop_redis_py_lock"}
+#: The order of the kinds' runs in each round, rotated by round.
+ORDERS = ("plr", "lrp", "rpl")
 
 
 def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
-    """Run one no-op task per letter of ``kinds`` (``p``/``l``) on ``worker``,
+    """Run one no-op task per letter of ``kinds`` (``p``/``l``/``r``) on ``worker``,
     all queued behind a gate; return the bodies' ``(perf_counter, kind)``."""
     gate = f"cebench:gate:{uuid.uuid4().hex[:8]}"
     c.producer.send_task("cebench.gate", args=(gate,), queue=worker.queue)
@@ -281,21 +292,23 @@ def measure_cost(
     batch: int,
     progress: Callable[[str], None] | None = None,
 ) -> CostResult:
-    """``rounds`` batches of ``batch`` no-op tasks on ``worker``, alternating
-    runs of plain and ``@locked`` ones (the first kind alternates by round)."""
-    runs = max(2, batch // RUN)
-    _batch(c, worker, ("p" * RUN + "l" * RUN) * 2)  # warm-up: connections, scripts
+    """``rounds`` batches of ``batch`` no-op tasks on ``worker``, runs of
+    plain, ``@locked`` and redis-py ``Lock`` ones in turn (the order rotated
+    by round, :data:`ORDERS`)."""
+    runs = max(3, batch // RUN)
+    _batch(c, worker, "".join(k * RUN for k in ORDERS[0]) * 2)  # warm-up: connections, scripts
     result = CostResult(pool)
     for i in range(rounds):
-        first, second = ("p", "l") if i % 2 == 0 else ("l", "p")
-        kinds = "".join((first if j % 2 == 0 else second) * RUN for j in range(runs))
+        order = ORDERS[i % len(ORDERS)]
+        kinds = "".join(order[j % len(order)] * RUN for j in range(runs))
         rates = cycle_rates(_batch(c, worker, kinds))
         result.plain.append(rates["p"])
         result.locked.append(rates["l"])
+        result.peer.append(rates["r"])
         if progress is not None:
             progress(
                 f"  {pool} round {i + 1}/{rounds}: plain {result.plain[-1]:.0f}/s "
-                f"locked {result.locked[-1]:.0f}/s"
+                f"locked {result.locked[-1]:.0f}/s redis-py Lock {result.peer[-1]:.0f}/s"
             )
     return result
 
@@ -482,23 +495,28 @@ def cost_markdown(results: list[CostResult]) -> str:
     """The per-pool cost table and one target line per pool."""
     lines = [
         "| worker | rounds | no-op tasks/s (median) | with @locked (median) | "
-        "time added per task (µs, medians) | per-round cost of @locked | cost (median) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "time added per task (µs, medians) | per-round cost of @locked | cost (median) | "
+        "inside redis-py's Lock (median) | time added (µs) | cost of redis-py's Lock (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         plain, locked_ = statistics.median(r.plain), statistics.median(r.locked)
         added = (1 / locked_ - 1 / plain) * 1e6
         rounds = ", ".join(f"{(1 - x) * 100:.1f}%" for x in r.ratios)
+        peer = statistics.median(r.peer) if r.peer else math.nan
+        peer_added = (1 / peer - 1 / plain) * 1e6 if r.peer else math.nan
         lines.append(
             f"| {_pool_label(r.pool)} | {len(r.ratios)} | {plain:.0f} | {locked_:.0f} | "
-            f"{added:.0f} | {rounds} | {r.cost * 100:.1f}% |"
+            f"{added:.0f} | {rounds} | {r.cost * 100:.1f}% | {peer:.0f} | {peer_added:.0f} | "
+            f"{r.peer_cost * 100:.1f}% |"
         )
     lines.append("")
     for r in results:
         verdict = "met" if r.met else f"NOT met ({r.cost * 100:.1f}%)"
         lines.append(
             f"target 3b (@locked costs <= {COST_TARGET * 100:.0f}% tasks/s): {verdict} "
-            f"[{_pool_label(r.pool)}: {r.cost * 100:.1f}%]"
+            f"[{_pool_label(r.pool)}: {r.cost * 100:.1f}%; for contrast, redis-py's Lock "
+            f"around the same body: {r.peer_cost * 100:.1f}%]"
         )
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -203,8 +203,8 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
 
     res = celery_e2e.run_cost(redis_url, tmp_path, "solo", rounds=2, batch=10)
 
-    assert len(res.plain) == len(res.locked) == 2
-    assert all(rate > 0 for rate in res.plain + res.locked)
+    assert len(res.plain) == len(res.locked) == len(res.peer) == 2
+    assert all(rate > 0 for rate in res.plain + res.locked + res.peer)
     assert "target 3b (@locked costs <= 10% tasks/s): " in celery_e2e.cost_markdown([res])
 
 
