@@ -4,7 +4,8 @@ Started as ``celery -A benchmarks.celery_app worker`` by the end-to-end
 harness (``tests/e2e/harness.py``), which sets the environment it reads:
 ``E2E_BROKER_URL`` (broker, result backend and lock store), ``E2E_DATA_URL``
 (the tasks' own counters), ``E2E_NAMESPACE``, ``E2E_QUEUE``,
-``E2E_OWNER_TTL`` and ``E2E_HEARTBEAT``. Kept apart from the tests' app
+``E2E_OWNER_TTL``, ``E2E_HEARTBEAT`` and, to put the lock store on a
+Redis of its own, ``E2E_LOCK_URL``. Kept apart from the tests' app
 (``tests/e2e/proj.py``) so that the no-op tasks the cost measurement times
 run with no signal handler but the one the contention measurement needs.
 
@@ -33,6 +34,8 @@ def _build() -> Celery:
         "result_expires": 600,
         "redislock_namespace": os.environ.get("E2E_NAMESPACE", "cebench"),
     }
+    if os.environ.get("E2E_LOCK_URL"):  # the lock store on a Redis of its own
+        conf["redislock_url"] = os.environ["E2E_LOCK_URL"]
     if os.environ.get("E2E_OWNER_TTL"):
         conf["redislock_owner_ttl"] = float(os.environ["E2E_OWNER_TTL"])
     if os.environ.get("E2E_HEARTBEAT"):
@@ -140,7 +143,8 @@ def peer_client() -> redis.Redis:
     """This process's client of the lock store for the peer lock (re-made after fork)."""
     global _peer, _peer_pid
     if _peer is None or _peer_pid != os.getpid():
-        _peer = redis.Redis.from_url(os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0"))
+        url = os.environ.get("E2E_LOCK_URL") or os.environ.get("E2E_BROKER_URL", "")
+        _peer = redis.Redis.from_url(url or "redis://127.0.0.1:6379/0")
         _peer_pid = os.getpid()
     return _peer
 

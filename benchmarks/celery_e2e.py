@@ -18,7 +18,9 @@ the cost of ``@locked`` on a no-op task.
    solo``) runs ``--rounds`` batches of ``--batch`` no-op tasks, in which
    runs of 10 plain tasks, 10 under ``@locked`` (one uncontended resource)
    and, for contrast, 10 inside redis-py's ``Lock`` (the simplest Redis
-   lock: two round trips, like ``@locked``) take turns. A gate task holds the worker while the batch is
+   lock: two round trips, like ``@locked``) take turns. Measured twice
+   (``--lock-stores``): with the locks on the broker's redis-server, and on
+   a redis-server of their own. A gate task holds the worker while the batch is
    queued, so it runs at the worker's pace. From the bodies' own
    ``perf_counter()`` stamps, a kind's cycle is the time from one body to
    the next of the same kind; its rate, one over the round's median cycle
@@ -31,7 +33,8 @@ Usage::
     make bench-celery
     .venv/bin/python -m benchmarks.celery_e2e [--runs 6] [--tasks 240] [--resources 4]
         [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 12]
-        [--batch 400] [--pools prefork,solo] [--skip-cost] [--skip-contention]
+        [--batch 400] [--pools prefork,solo] [--lock-stores broker,own]
+        [--skip-cost] [--skip-contention]
         [--no-profile] [--out benchmarks/results-celery.md]
 
 3. **Where the time goes** (unless ``--no-profile``): the no-op tasks again
@@ -225,6 +228,10 @@ class CostResult:
     """
 
     pool: str
+    #: Where the locks live: "broker" (the redis-server that is also the
+    #: worker's broker and result backend) or "own" (a redis-server of
+    #: their own).
+    store: str = "broker"
     plain: list[float] = field(default_factory=list)
     locked: list[float] = field(default_factory=list)
     #: The same no-op body inside redis-py's ``Lock`` (a peer, for contrast).
@@ -321,12 +328,20 @@ def run_cost(
     rounds: int,
     batch: int,
     progress: Callable[[str], None] | None = None,
+    lock_url: str | None = None,
 ) -> CostResult:
-    """Start one worker (``-P prefork -c 1`` or ``-P solo``), measure, stop it."""
+    """Start one worker (``-P prefork -c 1`` or ``-P solo``), measure, stop it.
+
+    ``lock_url``: the lock store (``@locked``'s and the peer lock's) on that
+    Redis instead of the broker's.
+    """
     c = Cluster(broker_url, workdir, app_module=APP)
     try:
-        worker = c.start_worker("cost", concurrency=1, pool=pool)
-        return measure_cost(c, worker, pool, rounds=rounds, batch=batch, progress=progress)
+        env = {"E2E_LOCK_URL": lock_url} if lock_url else None
+        worker = c.start_worker("cost", concurrency=1, pool=pool, env=env)
+        result = measure_cost(c, worker, pool, rounds=rounds, batch=batch, progress=progress)
+        result.store = "own" if lock_url else "broker"
+        return result
     finally:
         c.close()
 
@@ -491,13 +506,17 @@ def _pool_label(pool: str) -> str:
     return "prefork -c 1" if pool == "prefork" else pool
 
 
+def _store_label(store: str) -> str:
+    return "on the broker's Redis" if store == "broker" else "on a Redis of their own"
+
+
 def cost_markdown(results: list[CostResult]) -> str:
     """The per-pool cost table and one target line per pool."""
     lines = [
-        "| worker | rounds | no-op tasks/s (median) | with @locked (median) | "
+        "| worker | lock store | rounds | no-op tasks/s (median) | with @locked (median) | "
         "time added per task (µs, medians) | per-round cost of @locked | cost (median) | "
         "inside redis-py's Lock (median) | time added (µs) | cost of redis-py's Lock (median) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         plain, locked_ = statistics.median(r.plain), statistics.median(r.locked)
@@ -506,7 +525,8 @@ def cost_markdown(results: list[CostResult]) -> str:
         peer = statistics.median(r.peer) if r.peer else math.nan
         peer_added = (1 / peer - 1 / plain) * 1e6 if r.peer else math.nan
         lines.append(
-            f"| {_pool_label(r.pool)} | {len(r.ratios)} | {plain:.0f} | {locked_:.0f} | "
+            f"| {_pool_label(r.pool)} | {_store_label(r.store)} | {len(r.ratios)} | "
+            f"{plain:.0f} | {locked_:.0f} | "
             f"{added:.0f} | {rounds} | {r.cost * 100:.1f}% | {peer:.0f} | {peer_added:.0f} | "
             f"{r.peer_cost * 100:.1f}% |"
         )
@@ -515,7 +535,8 @@ def cost_markdown(results: list[CostResult]) -> str:
         verdict = "met" if r.met else f"NOT met ({r.cost * 100:.1f}%)"
         lines.append(
             f"target 3b (@locked costs <= {COST_TARGET * 100:.0f}% tasks/s): {verdict} "
-            f"[{_pool_label(r.pool)}: {r.cost * 100:.1f}%; for contrast, redis-py's Lock "
+            f"[{_pool_label(r.pool)}, locks {_store_label(r.store)}: {r.cost * 100:.1f}%; "
+            "for contrast, redis-py's Lock "
             f"around the same body: {r.peer_cost * 100:.1f}%]"
         )
         lines.append("")
@@ -533,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=12, help="interleaved cost rounds")
     ap.add_argument("--batch", type=int, default=400, help="no-op tasks per cost batch")
     ap.add_argument("--pools", default=",".join(POOLS), help="pools of the cost measurement")
+    ap.add_argument(
+        "--lock-stores",
+        default="broker,own",
+        help="where the cost measurement's locks live: 'broker' (the broker's "
+        "redis-server), 'own' (a redis-server of their own), or both",
+    )
     ap.add_argument("--skip-contention", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument(
@@ -551,7 +578,14 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     cells: list[CellResult] = []
     costs: list[CostResult] = []
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(workdir=Path(tmp) / "r") as server:
+    stores = [x for x in args.lock_stores.split(",") if x]
+    if not set(stores) <= {"broker", "own"}:
+        ap.error(f"--lock-stores: 'broker', 'own' or both, not {args.lock_stores!r}")
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        RedisServer(workdir=Path(tmp) / "r") as server,
+        RedisServer(workdir=Path(tmp) / "locks") as lock_server,
+    ):
         if not args.skip_contention:
             for workers in (int(x) for x in args.workers.split(",")):
                 for conc in (int(x) for x in args.concurrency.split(",")):
@@ -570,18 +604,20 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
         if not args.skip_cost:
-            for pool in args.pools.split(","):
-                progress(f"cost of @locked: {pool}")
-                costs.append(
-                    run_cost(
-                        server.url,
-                        Path(tmp) / f"cost-{pool}",
-                        pool,
-                        rounds=args.rounds,
-                        batch=args.batch,
-                        progress=progress,
+            for store in stores:
+                for pool in args.pools.split(","):
+                    progress(f"cost of @locked: {pool}, locks {_store_label(store)}")
+                    costs.append(
+                        run_cost(
+                            server.url,
+                            Path(tmp) / f"cost-{pool}-{store}",
+                            pool,
+                            rounds=args.rounds,
+                            batch=args.batch,
+                            progress=progress,
+                            lock_url=lock_server.url if store == "own" else None,
+                        )
                     )
-                )
         profile = None
         if args.profile and not args.skip_cost:
             progress("profile of @locked: solo")

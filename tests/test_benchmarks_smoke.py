@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
+
+from redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -206,6 +209,20 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
     assert len(res.plain) == len(res.locked) == len(res.peer) == 2
     assert all(rate > 0 for rate in res.plain + res.locked + res.peer)
     assert "target 3b (@locked costs <= 10% tasks/s): " in celery_e2e.cost_markdown([res])
+
+    # The locks on a redis-server of their own: taken there, not on the broker's.
+    with RedisServer() as own:
+        res = celery_e2e.run_cost(
+            redis_url, tmp_path / "own", "solo", rounds=1, batch=10, lock_url=own.url
+        )
+        assert res.store == "own" and len(res.locked) == len(res.peer) == 1
+        locks = redis.Redis.from_url(own.url)
+        try:
+            # Every lock was released, so the fencing counter is what is left.
+            assert locks.keys("{e2e*}:fence") and not locks.keys("cebench-rp:*")
+        finally:
+            locks.close()
+    assert "on a Redis of their own" in celery_e2e.cost_markdown([res])
 
 
 # -- fleet scale (benchmarks/fleet.py): tiny sizes, counts only ---------------
