@@ -47,18 +47,22 @@ def _build() -> Celery:
 app = _build()
 locks = RedisLock(app)
 
-_data: redis.Redis | None = None
-_data_pid = 0
+#: name -> (pid, client): this process's clients (made again after a fork).
+_clients: dict[str, tuple[int, redis.Redis]] = {}
+
+
+def _client(name: str, url: str, **kwargs: Any) -> redis.Redis:
+    pid, client = _clients.get(name) or (0, None)
+    if client is None or pid != os.getpid():
+        client = redis.Redis.from_url(url, **kwargs)
+        _clients[name] = (os.getpid(), client)
+    return client
 
 
 def data() -> redis.Redis:
-    """This process's client for the benchmark's own keys (re-made after fork)."""
-    global _data, _data_pid
-    if _data is None or _data_pid != os.getpid():
-        url = os.environ.get("E2E_DATA_URL") or os.environ.get("E2E_BROKER_URL", "")
-        _data = redis.Redis.from_url(url, decode_responses=True)
-        _data_pid = os.getpid()
-    return _data
+    """This process's client for the benchmark's own keys."""
+    url = os.environ.get("E2E_DATA_URL") or os.environ.get("E2E_BROKER_URL", "")
+    return _client("data", url, decode_responses=True)
 
 
 @app.task(name="e2e.ping", bind=True)
@@ -135,18 +139,10 @@ def noop_locked(key: str) -> None:
     _stamps.append((time.perf_counter(), "l"))
 
 
-_peer: redis.Redis | None = None
-_peer_pid = 0
-
-
 def peer_client() -> redis.Redis:
-    """This process's client of the lock store for the peer lock (re-made after fork)."""
-    global _peer, _peer_pid
-    if _peer is None or _peer_pid != os.getpid():
-        url = os.environ.get("E2E_LOCK_URL") or os.environ.get("E2E_BROKER_URL", "")
-        _peer = redis.Redis.from_url(url or "redis://127.0.0.1:6379/0")
-        _peer_pid = os.getpid()
-    return _peer
+    """This process's client of the lock store, for the peer lock."""
+    url = os.environ.get("E2E_LOCK_URL") or os.environ.get("E2E_BROKER_URL", "")
+    return _client("peer", url or "redis://127.0.0.1:6379/0")
 
 
 @app.task(name="cebench.noop_redis_py_lock", ignore_result=True)
