@@ -8,7 +8,9 @@ The engine's own hot commands (its scripts' ``EVALSHA`` and the waiter's
 ``TimeoutError``, a cut-short read or write disconnects), its reply parser
 (RESP2 or RESP3, hiredis when installed) and its retry policy (the client's
 ``Retry``: a failed attempt disconnects, then the command is sent again, as
-redis-py does). What is skipped: the generic argument encoder (one
+redis-py does; a caller may give what a resend sends instead, since a
+first send may claim what a resend cannot, such as a token never sent
+before). What is skipped: the generic argument encoder (one
 ``isinstance`` chain per argument), the per-command observability hooks and
 option handling, and the response callbacks (none apply to ``EVALSHA``;
 ``BLPOP``'s only makes a tuple of the pair). On this machine that halves
