@@ -364,6 +364,11 @@ class Profile:
     socket: float  # of the round trips: in send and recv on the socket (waiting for Redis)
     server: float  # Redis executing the scripts (INFO commandstats, not profiled)
     top: str  # the heaviest functions of the @locked run, by own time
+    #: For contrast, the same body inside redis-py's ``Lock``: the task call,
+    #: its time in send/recv, and Redis executing its SET and release script.
+    peer_call: float = math.nan
+    peer_socket: float = math.nan
+    peer_server: float = math.nan
 
 
 def _entry(stats: dict, path_end: str, func: str) -> float:
@@ -390,14 +395,16 @@ def run_profile(
     calls: dict[str, float] = {}
     try:
         worker = c.start_worker("prof", concurrency=1, pool="solo", env={"CEBENCH_PROFILE": "1"})
-        for name, kind in (("plain", "p"), ("locked", "l")):
+        peer_socket = peer_server = math.nan
+        for name, kind in (("plain", "p"), ("locked", "l"), ("peer", "r")):
             _batch(c, worker, kind * 50)  # warm-up, then forget it
             dump = str(out_dir / f"cebench-{name}.prof")
             c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
             c.lock_redis.config_resetstat()
             _batch(c, worker, kind * batch)
-            # Only the lock engine runs scripts on this server (not the broker, not the backend).
-            evalsha = c.lock_redis.info("commandstats").get("cmdstat_evalsha", {})
+            # Only the locks run scripts or SET on this server (not the broker, not the backend).
+            cmdstats = c.lock_redis.info("commandstats")
+            evalsha = cmdstats.get("cmdstat_evalsha", {})
             c.producer.send_task("cebench.profile_dump", args=(dump,), queue=worker.queue).get(60)
             st = pstats.Stats(dump)
             stats = st.stats  # type: ignore[attr-defined]
@@ -417,6 +424,11 @@ def run_profile(
                 )
                 socket = _socket_time(stats)
                 server = float(evalsha.get("usec", 0))
+            if name == "peer":
+                peer_socket = _socket_time(stats)
+                peer_server = float(evalsha.get("usec", 0)) + float(
+                    cmdstats.get("cmdstat_set", {}).get("usec", 0)
+                )
     finally:
         c.close()
     per = 1e6 / batch
@@ -431,6 +443,9 @@ def run_profile(
         socket * per,
         server / batch,
         top,
+        calls["peer"] * per,
+        peer_socket * per,
+        peer_server / batch,
     )
 
 
@@ -451,6 +466,9 @@ def profile_markdown(p: Profile) -> str:
             "    task.py's own Python (arguments, templates, holder record, body run)",
             p.wrapper - p.acquire - p.release,
         ),
+        ("the task call inside redis-py's Lock, for contrast (its two round trips)", p.peer_call),
+        ("  of which in send/recv on the socket (waiting for Redis)", p.peer_socket),
+        ("    within it, Redis executing its SET and release script", p.peer_server),
     ]
     lines = ["| phase (solo worker, under cProfile) | µs per task |", "| --- | --- |"]
     lines += [f"| {name} | {us:.0f} |" for name, us in rows]

@@ -225,6 +225,22 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
     assert "on a Redis of their own" in celery_e2e.cost_markdown([res])
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_celery_profile_splits_the_locked_call_and_the_redis_py_lock_call(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from benchmarks import celery_e2e
+
+    prof = celery_e2e.run_profile(redis_url, tmp_path, batch=10)
+
+    assert prof.locked_call > prof.plain_call > 0
+    assert prof.acquire > 0 and prof.release > 0 and prof.round_trips > 0
+    assert prof.peer_call > prof.plain_call and prof.peer_socket > 0 and prof.peer_server > 0
+    table = celery_e2e.profile_markdown(prof)
+    assert "the task call inside redis-py's Lock, for contrast" in table
+
+
 # -- fleet scale (benchmarks/fleet.py): tiny sizes, counts only ---------------
 
 
