@@ -903,23 +903,22 @@ class LockManager:
         resends ``again``); every other path, whose retries resend what they
         were given, sends ``again``.
         """
-        if again is not None and (wait or client is not None):
-            args = again
+        resend = args if again is None else again
         if self._eviction_pending or self._eviction_refusal is not None:
             self._check_eviction_once()  # first: a refusal must write nothing
         if self._format_pending:
             self._check_format_once(client)
         try:
             if wait:
-                return self._scripts.run_and_wait(name, keys, args, wait, self._wait_ms)
+                return self._scripts.run_and_wait(name, keys, resend, wait, self._wait_ms)
             if client is not None:
-                return self._scripts.run(name, keys, args, client=client)
+                return self._scripts.run(name, keys, resend, client=client)
             c = self._conn()
             conn = self._direct(c)
             if conn is not None:
                 reply = self._scripts.run_direct(conn, c, name, keys, args, again)
             else:
-                reply = self._scripts.run(name, keys, args if again is None else again, client=c)
+                reply = self._scripts.run(name, keys, resend, client=c)
             self._conn_done()
             return reply
         except REDIS_DOWN_ERRORS as exc:
@@ -1383,6 +1382,8 @@ class LockManager:
         """One run of acquire.lua for ``token``; ``holder``: the holder record
         (None: read from the thread's ``@locked`` state); ``first``: the token
         was never sent (flag 'f', on the first send only)."""
+        # WAIT goes in a pipeline that redis-py may resend as it is: never 'f'.
+        first = first and not self.wait_replicas
         group = None
         if not ident.registered:
             make_group = self._group
@@ -1403,7 +1404,7 @@ class LockManager:
             holder=holder,
             listed=ident.listed,
             spill=self._spill(ident.owner_id),
-            first=first and not self.wait_replicas,
+            first=first,
         )
         if self.wait_replicas:
             reply = self._call_and_wait("acquire", keys, args)

@@ -336,15 +336,14 @@ end
 -- LOCK when the caller has it; nil: the first HSCAN page is read at once
 -- (one call where HLEN, then the page, would be two; a hash of up to 128
 -- fields, a listpack, comes whole in one page).
--- Returns (ms, freed, by): ms = the live holder's remaining liveness (it
--- blocks MODE), 0 when the purge budget ran out first (treat as blocked,
--- try again soon), or nil when no conflicting holder is left; by = the
--- blocking holder's mode ('x' or 's'; nil when nothing blocks).
+-- Returns (ms, freed): ms = the live holder's remaining liveness (it blocks
+-- MODE), 0 when the purge budget ran out first (treat as blocked, try again
+-- soon), or nil when no conflicting holder is left.
 local function reclaim_holders(prefix, lock, mode, limit, n)
-  if n == 0 or (mode == 's' and n ~= nil and n > 1) then return nil, 0, nil end
+  if n == 0 or (mode == 's' and n ~= nil and n > 1) then return nil, 0 end
   local budget = purge_budget(limit)
   local freed, dead_owners, seen = 0, {}, 0
-  local cursor, ms, by = '0', nil, nil
+  local cursor, ms = '0', nil
   repeat
     local kv
     if n == 1 then
@@ -359,12 +358,11 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
     end
     for j = 1, #kv, 2 do
       local t = kv[j]
-      local m = mode_of(kv[j + 1])
-      if conflicts(mode, m) then
+      if conflicts(mode, mode_of(kv[j + 1])) then
         local o = owner_of(t)
         local left = owner_pttl(prefix, o)
         if left >= 0 then
-          ms, by = left, m
+          ms = left
           break
         end
         if redis.call('HDEL', lock, t) == 1 then
@@ -384,7 +382,7 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
       registry_del(prefix, o, {name_of(prefix, lock)})
     end
   end
-  return ms, freed, by
+  return ms, freed
 end
 
 local wake_front
