@@ -48,6 +48,7 @@ Not a timed test: tests/test_benchmarks_smoke.py runs it small.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -213,6 +214,11 @@ def run_cell(
 # -- the cost of @locked ----------------------------------------------------------
 
 
+def _median_loss(ratios: list[float]) -> float:
+    """Share of tasks/s lost, from per-round rate ratios (median; nan: none)."""
+    return 1 - statistics.median(ratios) if ratios else math.nan
+
+
 @dataclass
 class CostResult:
     """Per-round no-op rates (tasks/s) with and without ``@locked``.
@@ -244,13 +250,12 @@ class CostResult:
     @property
     def peer_cost(self) -> float:
         """Share of tasks/s lost to redis-py's ``Lock`` (median over rounds)."""
-        ratios = [b / a for a, b in zip(self.plain, self.peer)]
-        return 1 - statistics.median(ratios) if ratios else math.nan
+        return _median_loss([b / a for a, b in zip(self.plain, self.peer)])
 
     @property
     def cost(self) -> float:
         """Share of tasks/s lost to ``@locked`` (median over rounds)."""
-        return 1 - statistics.median(self.ratios) if self.ratios else math.nan
+        return _median_loss(self.ratios)
 
     @property
     def met(self) -> bool:
@@ -599,11 +604,15 @@ def main(argv: list[str] | None = None) -> int:
     stores = [x for x in args.lock_stores.split(",") if x]
     if not set(stores) <= {"broker", "own"}:
         ap.error(f"--lock-stores: 'broker', 'own' or both, not {args.lock_stores!r}")
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        RedisServer(workdir=Path(tmp) / "r") as server,
-        RedisServer(workdir=Path(tmp) / "locks") as lock_server,
-    ):
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        server = stack.enter_context(RedisServer(workdir=Path(tmp) / "r"))
+        # The second redis-server only when a cost run puts the locks on it.
+        lock_server = (
+            stack.enter_context(RedisServer(workdir=Path(tmp) / "locks"))
+            if "own" in stores and not args.skip_cost
+            else None
+        )
         if not args.skip_contention:
             for workers in (int(x) for x in args.workers.split(",")):
                 for conc in (int(x) for x in args.concurrency.split(",")):
@@ -633,7 +642,9 @@ def main(argv: list[str] | None = None) -> int:
                             rounds=args.rounds,
                             batch=args.batch,
                             progress=progress,
-                            lock_url=lock_server.url if store == "own" else None,
+                            lock_url=lock_server.url
+                            if lock_server is not None and store == "own"
+                            else None,
                         )
                     )
         profile = None
