@@ -32,7 +32,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -43,12 +43,16 @@ from .identity import pid_of_tag
 from .keys import (
     FORMAT_VERSION,
     UNVERSIONED_FORMAT,
+    holder_info_of,
+    registry_bucket,
     validate_node_name,
     validate_owner_id,
     validate_resource,
 )
 from .manager import REDIS_DOWN_ERRORS, LockManager, format_verdict
 from .redact import redact_url as redact_url  # old name, kept importable
+
+_T = TypeVar("_T")
 
 #: Default number of commands per round trip (SSCAN COUNT, pipeline size).
 DEFAULT_BATCH_SIZE = 500
@@ -148,7 +152,7 @@ class Holder:
     #: Fencing token of the grant (stored with it in the lock hash).
     fence: int | None = None
     #: The Celery task holding it (name, id) and its worker node, when the
-    #: grant was taken by a task (``{ns}:holder:<token>``); None otherwise.
+    #: grant was taken by a task (its holder record); None otherwise.
     task_name: str | None = None
     task_id: str | None = None
     node: str | None = None
@@ -158,7 +162,7 @@ class Holder:
 
 
 def _holder_fields(value: Any) -> tuple[str | None, str | None, str | None]:
-    """``(task name, task id, node)`` of a ``{ns}:holder:<token>`` value."""
+    """``(task name, task id, node)`` of a holder record's ``name\nid\nnode``."""
     if value is None or isinstance(value, Exception):
         return None, None, None
     parts = _text(value).split("\n")
@@ -451,7 +455,7 @@ class Inspector:
     def _pipe(self) -> Any:
         return self.client.pipeline(transaction=False)
 
-    def _batches(self, items: Sequence[str]) -> Iterator[Sequence[str]]:
+    def _batches(self, items: Sequence[_T]) -> Iterator[Sequence[_T]]:
         for i in range(0, len(items), self.batch_size):
             yield items[i : i + self.batch_size]
 
@@ -613,7 +617,7 @@ class Inspector:
                 for token, value in h.items():
                     grants.append((key, _text(token), *_grant_value(_text(value))))
         live = self.liveness(owner_of_token(t) for _, t, _, _ in grants)
-        tasks = self._holder_infos([t for _, t, _, _ in grants])
+        tasks = self._holder_infos([(self._resource(k), t) for k, t, _, _ in grants])
         holders: dict[str, list[Holder]] = {}
         for key, token, mode, fence in grants:
             owner = owner_of_token(token)
@@ -649,17 +653,36 @@ class Inspector:
         return out
 
     def _holder_infos(
-        self, tokens: Sequence[str]
+        self, grants: Sequence[tuple[str, str]]
     ) -> dict[str, tuple[str | None, str | None, str | None]]:
-        """Task name, id and node of each grant taken by a task (GET, in batches)."""
+        """Task name, id and node of each ``(resource, token)`` grant taken by
+        a task, by token.
+
+        The holder record is the resource's value in the owner's registry
+        (its main hash, or the name's bucket when the registry spilled),
+        when it names the token's request; an earlier release kept it in
+        ``{ns}:holder:<token>``, read last. Three reads per grant, pipelined
+        in batches.
+        """
         out: dict[str, tuple[str | None, str | None, str | None]] = {}
-        wanted = list(dict.fromkeys(tokens))
+        wanted = list(dict.fromkeys(grants))
         for batch in self._batches(wanted):
             pipe = self._pipe()
-            for token in batch:
+            for resource, token in batch:
+                owner = owner_of_token(token)
+                pipe.hget(self.keys.held(owner), resource)
+                pipe.hget(self.keys.held_bucket(owner, registry_bucket(resource)), resource)
                 pipe.get(self.keys.holder(token))
-            for token, value in zip(batch, self._run(pipe)):
-                out[token] = _holder_fields(value)
+            replies = self._run(pipe)
+            for i, (_resource, token) in enumerate(batch):
+                info = None
+                for record in replies[3 * i : 3 * i + 2]:
+                    if info is None and isinstance(record, (str, bytes)):
+                        info = holder_info_of(_text(record), token)
+                legacy = replies[3 * i + 2]
+                if info is None and isinstance(legacy, (str, bytes)):
+                    info = _text(legacy)
+                out[token] = _holder_fields(info)
         return out
 
     def _resource(self, lock_key: str) -> str:

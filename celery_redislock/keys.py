@@ -8,10 +8,12 @@ key                            type    holds
 =============================  ======  =========================================
 ``{ns}:lock:<resource>``       hash    holder token -> ``x`` | ``s``
 ``{ns}:q:<resource>``          zset    ``<mode><token>`` scored by arrival
-``{ns}:held:<owner>``          hash    the owner's registry: resource -> ``''``
+``{ns}:held:<owner>``          hash    the owner's registry: resource -> ``''``,
+                                       or a task's holder record
+                                       (:func:`holder_record`)
 ``{ns}:held:<owner>|``         hash    bucket index of a registry that spilled
                                        (an owner holding many locks): b -> ``''``
-``{ns}:held:<owner>|<b>``      hash    one bucket of it: resource -> ``''``
+``{ns}:held:<owner>|<b>``      hash    one bucket of it (values as above)
 ``{ns}:alive:<owner>``         string  the owner's liveness (TTL); value = who
 ``{ns}:owners``                set     owners that may hold or wait for locks
 ``{ns}:req:<token>``           hash    one request's state (queued / granted)
@@ -25,7 +27,9 @@ key                            type    holds
 ``{ns}:dead:<owner>``          string  tombstone of a cleaned owner (TTL);
                                        value = why ('operator', 'dead', '1')
 ``{ns}:holder:<token>``        string  ``task name\ntask id\nnode`` of a grant
-                                       taken by a Celery task (none otherwise)
+                                       taken by a Celery task, written by
+                                       earlier releases only (now the
+                                       registry value: holder_record)
 ``{ns}:adopted:<task owner>``  hash    who adopted a task owner's locks, and
                                        the grants (TTL; see adopt.lua)
 ``{ns}:defer:<task id>``        hash    a deferred task's park record
@@ -44,6 +48,7 @@ key                            type    holds
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from .exceptions import ConfigurationError, InvalidResource
@@ -190,6 +195,32 @@ def task_id_of_token(token: str) -> str | None:
     if sep and rid.startswith(TASK_OWNER_PREFIX):
         return rid[len(TASK_OWNER_PREFIX) :]
     return None
+
+
+def registry_bucket(resource: str) -> str:
+    """The registry bucket (``'0'`` .. ``'63'``) of a resource name, as
+    ``_common.lua``'s ``reg_bucket`` computes it (from its SHA-1)."""
+    return str(int(hashlib.sha1(resource.encode("utf-8")).hexdigest()[:2], 16) % 64)
+
+
+def holder_record(token: str, info: str) -> str:
+    """The registry value recording who holds grant ``token``.
+
+    ``<request id>\n<info>``, where ``info`` is ``task name\ntask id\nnode``.
+    The request id (the token after ``|``) ties the record to this one grant:
+    an owner holding a resource through two tokens has one registry field.
+    """
+    return f"{token.partition('|')[2]}\n{info}"
+
+
+def holder_info_of(record: str, token: str) -> str | None:
+    """The ``task name\ntask id\nnode`` part of a registry value if it is
+    grant ``token``'s holder record (see :func:`holder_record`); else None
+    (``''``, a plain lock, or another grant of the same owner)."""
+    rid, sep, info = record.partition("\n")
+    if not sep or rid != token.partition("|")[2]:
+        return None
+    return info
 
 
 def validate_node_name(name: object, setting: str = "nodename") -> str:

@@ -66,6 +66,7 @@ from .keys import (
     MAX_RESOURCES,
     UNVERSIONED_FORMAT,
     Keyspace,
+    holder_record,
     task_id_of_token,
     task_owner_id,
     task_token,
@@ -1099,9 +1100,9 @@ class LockManager:
                             continue
                     lease = Lease(self, req, ident, token, int(reply[1]), depth)
                     # Granted by the script call that replied (not a hand-off,
-                    # not a retry finding an earlier grant), without a holder
-                    # record: its release has no request keys to delete.
-                    lease._clean = len(reply) > 2 and not holder and not self.wait_replicas
+                    # not a retry finding an earlier grant): its release has no
+                    # request keys to delete (a holder record is a registry value).
+                    lease._clean = len(reply) > 2 and not self.wait_replicas
                     # Kept only while its identity is current (checked under the
                     # lock that _owner_lost takes to mark leases lost): a grant
                     # made to a retired identity, e.g. handed off just as a
@@ -1328,8 +1329,9 @@ class LockManager:
 
         ``register``: the liveness key's value when the call registers the
         owner ('' when it is registered); ``group``: the group hash the owner
-        registers in (with its process ``tag``); ``holder``: the holder
-        record; ``listed``: the owner is in ``{ns}:owners`` already; ``spill``:
+        registers in (with its process ``tag``); ``holder``: who holds it
+        (``task name\ntask id\nnode``), sent as the holder record that names
+        this token's request id (:func:`~.keys.holder_record`); ``listed``: the owner is in ``{ns}:owners`` already; ``spill``:
         the owner holds many locks (its registry's buckets); ``first``: the
         token was never sent before (the caller must resend without it). Only the
         lock keys travel as KEYS (the script builds the rest from the
@@ -1356,7 +1358,7 @@ class LockManager:
             self._limit_arg,
         ]
         if register or group is not None or holder:
-            args += [register, tag, holder]
+            args += [register, tag, holder_record(token, holder) if holder else ""]
         return keys, args
 
     def _spill(self, owner_id: str) -> bool:
@@ -1869,8 +1871,8 @@ class LockManager:
         ``lease=True`` for a request returned as a lease: granted, so it has no
         queue entries left and the script skips leaving them. ``clean=True``
         (with ``lease``): acquire.lua made the grant in the call that replied
-        it and no holder record was given, so the request has no state, wake
-        list or holder record to delete either.
+        it, so the request has no state or wake list to delete either (a
+        task's holder record is the value of its registry fields).
         """
         args = [
             token,

@@ -344,8 +344,9 @@ def _hand_back(task: Any, label: str, exc: ShuttingDown) -> None:
 def holder_info(task: Any, label: str, nodename: str | None = None) -> str:
     """What the lock records about a task holder: ``name\nid\nnode``.
 
-    Stored beside the grant (``{ns}:holder:<token>``) only when the locks are
-    taken from a task, and shown by ``redislock locks`` and the Inspector.
+    Recorded with the grant (the holder record, the resource's value in the
+    owner's registry) only when the locks are taken from a task, and shown
+    by ``redislock locks`` and the Inspector.
     The node is the worker's node name (``celery@host``), else the request's
     hostname.
     """

@@ -17,6 +17,7 @@ import redis
 
 from celery_redislock import LockManager
 from celery_redislock.defer import Dispatcher, adopt, mark_done, park, withdraw
+from celery_redislock.inspect import Inspector
 from engine_helpers import Managers, namespace_keys, wait_until
 
 NS = "t"
@@ -277,6 +278,13 @@ def test_a_grant_whose_message_expired_is_withdrawn_not_published(
     got[0].release()
 
 
+def _task_of(mgr: LockManager, resource: str) -> tuple[str | None, str | None, str | None]:
+    """(task name, task id, node) of the one holder of ``resource``, as the
+    operator sees it (``redislock locks``)."""
+    (holder,) = Inspector(mgr).locks([resource])[0].holders
+    return holder.task_name, holder.task_id, holder.node
+
+
 def test_a_parked_task_carries_its_holder_record_through_hand_off_dispatch_and_adopt(
     managers: Managers, rs: redis.Redis
 ) -> None:
@@ -289,19 +297,42 @@ def test_a_parked_task_carries_its_holder_record_through_hand_off_dispatch_and_a
         "parked"
     )
     token = "task:t1|task:t1"
-    assert rs.hget(f"{P}req:{token}", "holder") == first
-    # The release hands the grant over (try_handoff): the record follows it.
+    # The queued request carries the record (naming its request id).
+    assert rs.hget(f"{P}req:{token}", "holder") == "task:t1\n" + first
+    # The release hands the grant over (try_handoff): the record follows it,
+    # into the task owner's registry, for both resources.
     holder.release()
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
-    assert rs.get(f"{P}holder:{token}") == first
-    # The adopting process records itself (its node) at the new token.
+    assert _task_of(mgr, "a") == _task_of(mgr, "b") == ("t.task", "t1", "celery@parker")
+    # The adopting process records itself (its node) with its new token.
     second = "t.task\nt1\ncelery@runner"
     outcome, leases = adopt(child, "t1", 0, holder=second)
     assert outcome == "adopted" and len(leases) == 1
-    assert rs.get(f"{P}holder:{leases[0].token}") == second
-    assert not rs.exists(f"{P}holder:{token}")
+    assert _task_of(mgr, "a") == _task_of(mgr, "b") == ("t.task", "t1", "celery@runner")
+    assert rs.hgetall(f"{P}held:{child.owner_id}") == {
+        "a": "task:t1\n" + second,
+        "b": "task:t1\n" + second,
+    }
+    assert not rs.exists(f"{P}held:task:t1")
     leases[0].release()
-    assert not rs.exists(f"{P}holder:{leases[0].token}")
+    assert not rs.exists(f"{P}held:{child.owner_id}")
+    assert not rs.keys(f"{P}holder:*")
+
+
+def test_an_adopted_grant_without_new_holder_info_keeps_the_task_owners_record(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, child = managers(), managers()
+    info = "t.task\nt1\ncelery@parker"
+    holder = mgr.acquire("a")
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+    park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder=info)
+    holder.release()
+    outcome, leases = adopt(child, "t1", 0)
+    assert outcome == "adopted"
+    assert _task_of(mgr, "a") == ("t.task", "t1", "celery@parker")
+    leases[0].release()
 
 
 def test_the_dispatcher_granting_a_parked_task_writes_its_holder_record(
@@ -321,7 +352,7 @@ def test_the_dispatcher_granting_a_parked_task_writes_its_holder_record(
     dispatcher, _ = _dispatcher(mgr)
     dispatcher._attempt("t1", "task:t1|task:t1", "x", "a", 600_000, info)
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
-    assert rs.get(f"{P}holder:task:t1|task:t1") == info
+    assert _task_of(mgr, "a") == ("t.task", "t1", "celery@parker")
 
 
 def test_a_withdrawn_grant_leaves_no_holder_record(managers: Managers, rs: redis.Redis) -> None:
@@ -331,9 +362,10 @@ def test_a_withdrawn_grant_leaves_no_holder_record(managers: Managers, rs: redis
     holder = mgr.acquire("a")
     park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder="t.task\nt1\nnode")
     holder.release()
-    assert rs.exists(f"{P}holder:task:t1|task:t1")
+    assert _task_of(mgr, "a") == ("t.task", "t1", "node")
     assert withdraw(mgr, "t1")[0] == "granted"
-    assert not rs.exists(f"{P}holder:task:t1|task:t1")
+    assert not rs.exists(f"{P}held:task:t1")
+    assert not rs.keys(f"{P}holder:*")
     assert not rs.exists(f"{P}lock:a")
 
 

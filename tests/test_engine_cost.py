@@ -194,6 +194,30 @@ def uncontended_cycle_scenario(resources: int) -> Callable[..., Callable[[], Any
     return scenario
 
 
+def task_cycle_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+    mgr = managers(owner_ttl=OWNER_TTL)
+    with mgr.lock("r0"):  # registers the owner (and lists it in {ns}:owners)
+        pass
+
+    def run() -> None:
+        mgr._local.holder = "proj.sync\n0b7e4a2c-7b1e-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"
+        try:
+            lease = mgr.acquire("r0")
+        finally:
+            mgr._local.holder = None
+        lease.release()
+
+    return run
+
+
+def test_a_task_grant_runs_the_same_commands_as_a_plain_one(
+    rc: redis.Redis, managers: Managers
+) -> None:
+    # The holder record rides in the registry HSET every grant makes (and
+    # goes with its HDEL): no SET of a key of its own, no DEL at release.
+    assert measure(rc, managers, SMALL, task_cycle_scenario) == UNCONTENDED_CYCLE[1]
+
+
 @pytest.mark.parametrize("resources", [1, 5])
 def test_uncontended_cycle_runs_a_pinned_set_of_commands_whatever_the_keyspace(
     rc: redis.Redis, managers: Managers, resources: int

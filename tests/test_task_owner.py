@@ -267,21 +267,28 @@ def test_lock_manager_is_importable_with_the_new_types() -> None:
 
 def test_holder_records_follow_the_grant_to_its_adopter(managers: Managers, r: redis.Redis) -> None:
     producer, worker = managers(), managers()
+
+    def task_of(resource: str) -> tuple[str | None, ...]:
+        [held] = Inspector(producer).locks([resource])[0].holders
+        return held.token, held.task_name, held.task_id, held.node
+
     g = producer.acquire_for_task("h1", "unique:a", ttl=60, holder="proj.report\nh1\n")
-    assert r.get("{t}:holder:" + g.token) == b"proj.report\nh1\n"
+    assert task_of("unique:a") == (g.token, "proj.report", "h1", None)
     [lease] = worker.adopt("h1", holder="proj.report\nh1\ncelery@w1").leases
-    assert not r.exists("{t}:holder:" + g.token)
-    assert r.get("{t}:holder:" + lease.token) == b"proj.report\nh1\ncelery@w1"
+    assert task_of("unique:a") == (lease.token, "proj.report", "h1", "celery@w1")
     # Without new holder info the task owner's record moves as it is.
-    g2 = producer.acquire_for_task("h2", "unique:b", ttl=60, holder="proj.report\nh2\n")
+    producer.acquire_for_task("h2", "unique:b", ttl=60, holder="proj.report\nh2\n")
     [lease2] = worker.adopt("h2").leases
-    assert r.get("{t}:holder:" + lease2.token) == b"proj.report\nh2\n"
-    assert not r.exists("{t}:holder:" + g2.token)
-    [held] = Inspector(producer).locks(["unique:a"])[0].holders
-    assert (held.task_name, held.task_id, held.node) == ("proj.report", "h1", "celery@w1")
-    lease.release()
-    lease2.release()
+    assert task_of("unique:b") == (lease2.token, "proj.report", "h2", None)
+    # So does a record key an earlier release wrote (and the key goes).
+    g3 = producer.acquire_for_task("h3", "unique:c", ttl=60)
+    r.set("{t}:holder:" + g3.token, "proj.report\nh3\nold")
+    [lease3] = worker.adopt("h3").leases
+    assert task_of("unique:c") == (lease3.token, "proj.report", "h3", "old")
     assert not r.keys("{t}:holder:*")
+    for held in (lease, lease2, lease3):
+        held.release()
+    assert not r.exists("{t}:held:" + worker.owner_id)
 
 
 def test_a_namespace_of_another_format_refuses_task_acquires(

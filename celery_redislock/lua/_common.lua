@@ -12,7 +12,10 @@
 --                (shared), then the grant's fencing token in decimal,
 --                e.g. 'x1764456000123456'; mode_of() reads the mode
 --   registry     {ns}:held:<owner>: a hash, field = resource name (not the
---                lock key) -> '' for every lock the owner holds a token in
+--                lock key) -> '' for every lock the owner holds a token in,
+--                or, for a grant a Celery task took, its holder record
+--                '<request id>\ntask name\ntask id\nnode' (the request id
+--                names the one token of the owner the record is about)
 --                (a hash of up to 128 short fields is a compact listpack or
 --                ziplist; before Redis 7.2 a set of strings never is). An
 --                owner holding many locks spills: its client asks for it
@@ -122,15 +125,22 @@ end
 -- Record the resource NAMES in OWNER's registry: one HSET into the main
 -- hash, or, when SPILL (the owner's client holds many locks), into each
 -- name's bucket hash, which the bucket index then lists (one more HSET).
+-- Each name's value is VALUE: a task's holder record, or '' (nil).
 -- An owner may hold one resource twice (two tokens); the name may then be
 -- in the main hash and in its bucket: registry_del removes both.
-local function registry_add(prefix, owner, names, spill)
+local function registry_add(prefix, owner, names, spill, value)
   local held = prefix .. 'held:' .. owner
+  value = value or ''
   if not spill then
+    if #names == 1 then
+      -- the usual case: no table to build and unpack
+      redis.call('HSET', held, names[1], value)
+      return
+    end
     local kv = {}
     for i, name in ipairs(names) do
       kv[2 * i - 1] = name
-      kv[2 * i] = ''
+      kv[2 * i] = value
     end
     redis.call('HSET', held, unpack(kv))
     return
@@ -144,7 +154,7 @@ local function registry_add(prefix, owner, names, spill)
       index[#index + 1] = ''
     end
     by[b][#by[b] + 1] = name
-    by[b][#by[b] + 1] = ''
+    by[b][#by[b] + 1] = value
   end
   redis.call('HSET', held .. '|', unpack(index))
   for b, kv in pairs(by) do redis.call('HSET', held .. '|' .. b, unpack(kv)) end
@@ -442,10 +452,10 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
     redis.call('HSET', lock, token, mode .. fence)
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
-  registry_add(prefix, owner, names, false)
+  -- A task's request carries who it is (its holder record): the registry
+  -- keeps it with the grant, for operators.
+  registry_add(prefix, owner, names, false, st[6])
   redis.call('HDEL', prefix .. 'waits:' .. owner, token)
-  -- A task's request carries who it is: kept beside the grant for operators.
-  if st[6] then redis.call('SET', prefix .. 'holder:' .. token, st[6]) end
   local tid = parked_task(prefix, token)
   if tid then
     -- A parked task: its grant goes to the dispatch list (docs/defer.md).

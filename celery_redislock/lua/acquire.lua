@@ -43,9 +43,10 @@
 --   9 (optional) process tag recorded in the group hash: '<pid>.<starttime>'
 --     (field 22 of /proc/<pid>/stat, so a reused pid does not match), or
 --     '<pid>' where /proc is unavailable (only read with KEYS[n+1])
---  10 (optional) holder info 'task name\ntask id\nnode' when a Celery task
---     acquires; '' or absent otherwise (a plain engine lock stores nothing
---     more)
+--  10 (optional) holder record '<request id>\ntask name\ntask id\nnode'
+--     when a Celery task acquires (the request id is the token's, after
+--     '|'); '' or absent otherwise. It is the value of the resource names
+--     in the owner's registry (a plain engine lock writes '')
 --
 -- Atomic steps:
 --   1. Liveness. Registering (ARGV[8] not ''): an owner with a tombstone
@@ -80,25 +81,25 @@
 --      blocked, conservatively); at most 4 x ARGV[7] are removed per queue
 --      (past it: blocked with wait_ms 0, to run again at once).
 --   6. Not blocked: grant every lock (token -> mode and fence), add the
---      resource names to the registry (one HSET; its buckets with flag 's'), SADD the owner to
---      {ns}:owners (unless flag 'l'), leave the queues and the owner's
---      waits hash, delete the request's state and wake list (a granted
---      request needs neither: a retry finds its grant in step 3), wake
---      whoever can follow (wake_front: this also carries on a wake-up that
---      a release's budget stopped); with holder info (ARGV[10]), SET
---      {ns}:holder:<token> to it (deleted with the grant).
+--      resource names to the registry (one HSET; its buckets with flag 's'),
+--      each with the holder record (ARGV[10]) or '' as its value, SADD the
+--      owner to {ns}:owners (unless flag 'l'), leave the queues and the
+--      owner's waits hash, delete the request's state and wake list (a
+--      granted request needs neither: a retry finds its grant in step 3),
+--      wake whoever can follow (wake_front: this also carries on a wake-up
+--      that a release's budget stopped).
 --   7. Blocked: join the queues once (flag 'q'), keyed by the token,
---      record the request (modes, resource names, nested, holder info when
---      given) in its state so a release can hand it the locks (_common.lua
---      try_handoff, which copies the holder info to {ns}:holder:<token>), and in the
---      owner's waits hash so its cleanup finds every entry.
+--      record the request (modes, resource names, nested, holder record
+--      when given) in its state so a release can hand it the locks
+--      (_common.lua try_handoff, which writes the holder record into the
+--      registry), and in the owner's waits hash so its cleanup finds every
+--      entry.
 --
 -- Reply:
 --   {1, fence, reclaimed}
 --                      granted by this call (steps 2 and 6; the fence is a
 --                      decimal string): the request has no state, wake list
---                      or queue entry left, and a holder record only if
---                      ARGV[10] gave one
+--                      or queue entry left
 --   {1, fence}         granted earlier (step 3: same fence); a hand-off's
 --                      grant keeps its request state and wake list until
 --                      release.lua deletes them
@@ -112,13 +113,9 @@
 local prefix = ARGV[5]
 local token, modes, flags = ARGV[1], ARGV[2], ARGV[3]
 local owner = owner_of(token)
-local want_queue = string.find(flags, 'q', 1, true) ~= nil
-local nested = string.find(flags, 'n', 1, true) ~= nil
 local known = string.find(flags, 'l', 1, true) ~= nil
 local spill = string.find(flags, 's', 1, true) ~= nil
-local first = string.find(flags, 'f', 1, true) ~= nil
 local reg_ttl = ARGV[4]
-local req_ttl, limit = ARGV[6], tonumber(ARGV[7])
 local register, holder = ARGV[8] or '', ARGV[10] or ''
 local n = #modes
 local alive_key = prefix .. 'alive:' .. owner
@@ -151,16 +148,18 @@ if redis.call('EXISTS', unpack(probe)) == 0 then
   for i = 1, n do
     redis.call('HSET', KEYS[i], token, string.sub(modes, i, i) .. fence)
   end
-  registry_add(prefix, owner, names, spill)
+  registry_add(prefix, owner, names, spill, holder)
   if not known then redis.call('SADD', prefix .. 'owners', owner) end
-  if holder ~= '' then
-    redis.call('SET', prefix .. 'holder:' .. token, holder)
-  end
   return {1, fence, 0}
 end
 
 -- @helpers
 
+-- What only the paths below need (each string.find is a C call).
+local want_queue = string.find(flags, 'q', 1, true) ~= nil
+local nested = string.find(flags, 'n', 1, true) ~= nil
+local first = string.find(flags, 'f', 1, true) ~= nil
+local req_ttl, limit = ARGV[6], tonumber(ARGV[7])
 local req_key, wake_key = prefix .. 'req:' .. token, prefix .. 'wake:' .. token
 
 -- 3. idempotency (a token's first send has nothing to find)
@@ -278,13 +277,10 @@ if not blocked then
       rewake[i] = true
     end
   end
-  registry_add(prefix, owner, names, spill)
+  registry_add(prefix, owner, names, spill, holder)
   if queued then redis.call('HDEL', prefix .. 'waits:' .. owner, token) end
   if not known then redis.call('SADD', prefix .. 'owners', owner) end
   redis.call('DEL', wake_key, req_key)
-  if holder ~= '' then
-    redis.call('SET', prefix .. 'holder:' .. token, holder)
-  end
   for i, _ in pairs(rewake) do
     wake_front(prefix, probe[n + i], KEYS[i], limit, req_ttl)
   end

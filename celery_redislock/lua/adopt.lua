@@ -29,8 +29,9 @@
 --   7 TTL in ms of the tombstone and of the adoption record
 --   8 queue scan limit
 --   9 (optional) holder info 'task name\ntask id\nnode' to record for the
---     adopted grants ({ns}:holder:<new token>); '' or absent: the task
---     owner's record, if any, moves to the new token
+--     adopted grants (their holder record in the adopter's registry, after
+--     the request id); '' or absent: the task owner's record, if any, moves
+--     with the grant
 --
 -- Atomic steps:
 --   1. The adopting owner's liveness, exactly as acquire.lua step 1
@@ -45,10 +46,13 @@
 --   4. Move: for each resource of the task owner's registry (a hash of
 --      resource names, see _common.lua), every field of the task owner is
 --      rewritten to '<owner>|<same request id>' with the same value (mode
---      and fence), the resource joins the adopter's registry, the old token's
---      request state and wake list are deleted, and its holder record
---      ({ns}:holder:<token>) goes to the new token (ARGV[9] when given). The task owner's queued
---      requests, if any, leave their queues (their waiters are woken).
+--      and fence), the resource joins the adopter's registry with the
+--      grant's holder record as its value (ARGV[9] after the request id
+--      when given, else the task owner's registry value, else the
+--      {ns}:holder:<token> key an earlier release wrote, which is deleted),
+--      and the old token's request state and wake list are deleted. The
+--      task owner's queued requests, if any, leave their queues (their
+--      waiters are woken).
 --   5. Retire the task owner: DEL its registry, liveness and waits hash,
 --      SREM it from the owners set, tombstone it (KEYS[7], PX ARGV[7]: a
 --      late acquire for it is refused), write the adoption record (PX
@@ -117,35 +121,50 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
 end
 
 -- 4. move
+-- The task owner's holder record of resource NAME (its registry value, in
+-- the main hash or in the name's bucket), or nil.
+local function record_of(name)
+  local held = prefix .. 'held:' .. task_owner
+  local v = redis.call('HGET', held, name)
+  if not v or v == '' then v = redis.call('HGET', held .. '|' .. reg_bucket(name), name) end
+  if v == '' then return nil end
+  return v
+end
+
 local p = task_owner .. '|'
 local grants, order = {}, {} -- old token -> {fence, modes, names}
 for _, lock in ipairs(registry_locks()) do
   if string.sub(lock, 1, #lock_prefix) == lock_prefix then
+    local name = string.sub(lock, #lock_prefix + 1)
     local kv = redis.call('HGETALL', lock)
+    local record = nil
     for j = 1, #kv, 2 do
       local t, v = kv[j], kv[j + 1]
       if string.sub(t, 1, #p) == p then
-        local new = owner .. '|' .. string.sub(t, #p + 1)
+        local rid = string.sub(t, #p + 1)
+        local new = owner .. '|' .. rid
         redis.call('HDEL', lock, t)
         redis.call('HSET', lock, new, v)
-        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t)
-        local g = grants[new]
-        if not g then
-          local info = ARGV[9]
-          if not info or info == '' then info = redis.call('GET', prefix .. 'holder:' .. t) end
-          if info then redis.call('SET', prefix .. 'holder:' .. new, info) end
-          redis.call('DEL', prefix .. 'holder:' .. t)
+        -- (a holder record key of an earlier release goes with them)
+        local old = redis.call('GET', prefix .. 'holder:' .. t)
+        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
+        -- The request id is kept, so the record still names the grant.
+        if ARGV[9] and ARGV[9] ~= '' then
+          record = rid .. '\n' .. ARGV[9]
+        else
+          record = record_of(name) or (old and rid .. '\n' .. old) or record
         end
+        local g = grants[new]
         if not g then
           g = {string.sub(v, 2), {}, {}}
           grants[new] = g
           order[#order + 1] = new
         end
         g[2][#g[2] + 1] = mode_of(v)
-        g[3][#g[3] + 1] = string.sub(lock, #lock_prefix + 1)
+        g[3][#g[3] + 1] = name
       end
     end
-    registry_add(prefix, owner, {string.sub(lock, #lock_prefix + 1)}, false)
+    registry_add(prefix, owner, {name}, false, record)
   end
 end
 local waits = prefix .. 'waits:' .. task_owner

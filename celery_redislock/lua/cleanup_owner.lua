@@ -38,7 +38,8 @@
 -- then, in two passes over the resources in the registry: first, a
 -- missing lock key is dropped from the registry (nothing held), a hash has
 -- every field of this owner deleted with its request state, wake list and
--- holder info ({ns}:holder:<token>), and its contended stream deleted when
+-- any holder record key an earlier release wrote ({ns}:holder:<token>; a
+-- holder record is now a registry value), and its contended stream deleted when
 -- no holder is left, and a key of any other type is kept and reported (by
 -- its lock key); second, the waiters of each freed lock are woken
 -- (wake_front) and the resource leaves the registry. Every lock of the

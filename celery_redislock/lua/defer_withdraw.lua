@@ -24,8 +24,9 @@
 -- HDEL the request's grant (if it has one; the contended stream goes when
 -- the lock is left with no holder), ZREM its queue entry (if queued), and
 -- hand the lock on or wake the queue (wake_front), as release.lua does. Then
--- delete the task owner's keys (its registry hash, liveness, waits, and the
--- request's state, wake list and holder record), drop it from the owners set and the task
+-- delete the task owner's keys (its registry hash with the holder record,
+-- liveness, waits, and the request's state, wake list and any holder record
+-- key of an earlier release), drop it from the owners set and the task
 -- from {ns}:deferred, and delete the record.
 --
 -- Reply:

@@ -10,7 +10,8 @@
 -- {ns}:held:<owner> (hash: resource name -> ''; if it spilled, its bucket
 -- index and buckets, _common.lua registry_del) and queued requests
 -- {ns}:waits:<owner> (hash), the request's state {ns}:req:<token>, wake
--- list {ns}:wake:<token> and holder record {ns}:holder:<token>, the wait
+-- list {ns}:wake:<token> and (written by an earlier release only) holder
+-- record {ns}:holder:<token>, the wait
 -- queues {ns}:q:<res> (same order as KEYS), the {ns}:contended:<res>
 -- streams, and the keys of waiters to wake and of holders freed on the
 -- way (see _common.lua reclaim_holders).
@@ -23,10 +24,10 @@
 --   5 queue scan limit
 --   6 '1' when the request was returned as a lease (granted, so it has no
 --     queue entries: the queue ZREM is skipped); '2' for a lease whose grant
---     acquire.lua made in the call that replied it ({1, fence, reclaimed})
---     without holder info: it has no request state, wake list or holder
---     record, so their DEL is skipped too; '0' on exit paths, where it may
---     still be queued
+--     acquire.lua made in the call that replied it ({1, fence, reclaimed}):
+--     it has no request state or wake list (a task's holder record is the
+--     value of its registry fields), so their DEL is skipped too; '0' on
+--     exit paths, where it may still be queued
 --   7 (optional) '1' when the owner's registry has spilled into buckets,
 --     '0' when it has not (the client knows), absent: unknown (one HMGET of
 --     the bucket index)
@@ -49,9 +50,9 @@
 -- it unblocked included (wake_front; the holders of a later lock are read
 -- again once a waiter was served, since a hand-off may have granted that
 -- lock too). Every lock of the request is free before any waiter is
--- served. Last, delete the request's state, wake list and holder info
--- ({ns}:holder:<token>) unless ARGV[6] = '2', and (not for a lease) its
--- line in the owner's waits hash.
+-- served. Last, delete the request's state, wake list and any holder
+-- record key of an earlier release ({ns}:holder:<token>) unless ARGV[6] =
+-- '2', and (not for a lease) its line in the owner's waits hash.
 --
 -- Reply: {released, dequeued}: how many locks this token still held and how
 -- many queue entries it still had. released < n on a granted lease means
