@@ -27,6 +27,17 @@ the cost of ``@locked`` on a no-op task.
    (see :class:`CostResult`). Results are not stored (``ignore_result``),
    so the no-op baseline is as cheap as Celery gets. Target: ``@locked``
    costs at most 10% of tasks/s (median of the rounds' ratios).
+2b. **Where the CPU goes in a prefork worker.** Then, on the same prefork
+   worker (not solo: its one process does everything), ``--cpu-rounds``
+   rounds of one batch of ``--cpu-batch`` tasks per kind, each kind alone
+   in its batch, the kinds' order rotated by round. Before and after each
+   batch, the CPU time (utime + stime in ``/proc/<pid>/stat``) of the
+   worker's main process, its pool child, the broker's redis-server and
+   the locks' redis-server when it is another one; per process and kind,
+   the median over the rounds of the µs of CPU per task, and the wall
+   time per task from the bodies' stamps (:class:`CpuSplit`). CPU times
+   count in clock ticks (10 ms at ``CLK_TCK`` 100): one tick over a batch
+   is the resolution of each figure.
 
 Usage::
 
@@ -34,7 +45,7 @@ Usage::
     .venv/bin/python -m benchmarks.celery_e2e [--runs 6] [--tasks 240] [--resources 4]
         [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 12]
         [--batch 400] [--pools prefork,solo] [--lock-stores broker,own]
-        [--skip-cost] [--skip-contention]
+        [--cpu-rounds 3] [--cpu-batch 600] [--skip-cost] [--skip-contention]
         [--no-profile] [--out benchmarks/results-celery.md]
 
 3. **Where the time goes** (unless ``--no-profile``): the no-op tasks again
@@ -62,6 +73,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -242,6 +255,8 @@ class CostResult:
     locked: list[float] = field(default_factory=list)
     #: The same no-op body inside redis-py's ``Lock`` (a peer, for contrast).
     peer: list[float] = field(default_factory=list)
+    #: CPU per task by process (prefork only; None when not measured).
+    cpu: CpuSplit | None = None
 
     @property
     def ratios(self) -> list[float]:
@@ -325,6 +340,156 @@ def measure_cost(
     return result
 
 
+#: Clock ticks per second of the CPU times in ``/proc/<pid>/stat``.
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: Defaults of the CPU split: rounds, and tasks per kind and round.
+CPU_ROUNDS = 3
+CPU_BATCH = 600
+#: The processes of the CPU split, in the table's order, with their labels.
+PROCESSES = {
+    "main": "worker main process (receives the messages, feeds the child)",
+    "child": "pool child (runs the task)",
+    "broker": "broker's redis-server",
+    "locks": "locks' redis-server",
+}
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far; None if
+    it is gone (or there is no ``/proc``).
+
+    Fields 14 and 15 (utime, stime) of ``/proc/<pid>/stat``, in clock ticks
+    (:data:`CLK_TCK`). The split is after the last ``)``: the command name
+    in field 2 may hold spaces.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _redis_server_pid(url: str) -> int | None:
+    """The pid of the redis-server at ``url`` if it runs on this machine
+    (INFO server's ``process_id`` names a local redis-server); else None."""
+    client = redis.Redis.from_url(url)
+    try:
+        pid = int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None  # INFO refused (a least-privilege user), or no process_id
+    finally:
+        client.close()
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text()
+    except OSError:
+        return None
+    return pid if comm.startswith("redis") else None
+
+
+def cpu_pids(c: Cluster, worker: Worker, lock_url: str | None = None) -> dict[str, int]:
+    """The pids of the processes of :data:`PROCESSES` for a ``-c 1`` prefork
+    ``worker``: the main process, its pool child (the one that answers
+    ``e2e.ping``), the broker's redis-server and, when the locks live on
+    another one, that redis-server. A redis-server not on this machine is
+    left out."""
+    child = c.producer.send_task("e2e.ping", queue=worker.queue).get(timeout=60)["pid"]
+    pids = {"main": worker.pid, "child": int(child)}
+    broker = _redis_server_pid(c.broker_url)
+    if broker is not None:
+        pids["broker"] = broker
+    locks = _redis_server_pid(lock_url) if lock_url else None
+    if locks is not None and locks != broker:
+        pids["locks"] = locks
+    return pids
+
+
+@dataclass
+class CpuSplit:
+    """Where the CPU goes in a prefork worker: µs of CPU per no-op task, by
+    process and kind (``p`` plain, ``l`` ``@locked``, ``r`` redis-py ``Lock``).
+
+    Each round runs one batch of ``batch`` tasks of each kind (only that
+    kind), the kinds' order rotated by round (:data:`ORDERS`), and reads
+    the processes' CPU (:func:`process_cpu`) before and after each batch.
+    A batch also runs the gate and the stamps tasks, and the producer's
+    sends reach the broker within it: equal for every kind.
+    """
+
+    batch: int
+    #: The processes measured (keys of :data:`PROCESSES`).
+    processes: list[str]
+    #: kind -> process -> per-round µs of CPU per task (NaN: the process was gone).
+    cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    #: kind -> per-round wall µs per task, from the bodies' stamps:
+    #: (last - first) / (tasks - 1).
+    wall: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.wall.get("p", []))
+
+    def cpu_us(self, kind: str, process: str) -> float:
+        """Median over the rounds of ``process``'s µs of CPU per ``kind`` task."""
+        return _median(self.cpu.get(kind, {}).get(process, []))
+
+    def total_us(self, kind: str) -> float:
+        """The processes' medians added up (those measured)."""
+        values = [self.cpu_us(kind, p) for p in self.processes]
+        return sum(v for v in values if not math.isnan(v))
+
+    def wall_us(self, kind: str) -> float:
+        """Median over the rounds of the wall µs per ``kind`` task."""
+        return _median(self.wall.get(kind, []))
+
+    @property
+    def resolution_us(self) -> float:
+        """One clock tick spread over a batch: each cell's resolution (µs per task)."""
+        return 1e6 / CLK_TCK / self.batch
+
+
+def _median(values: list[float]) -> float:
+    """Median of the values that are not NaN (NaN if none)."""
+    present = [v for v in values if not math.isnan(v)]
+    return statistics.median(present) if present else math.nan
+
+
+def measure_cpu(
+    c: Cluster,
+    worker: Worker,
+    pids: dict[str, int],
+    *,
+    rounds: int,
+    batch: int,
+    progress: Callable[[str], None] | None = None,
+) -> CpuSplit:
+    """``rounds`` rounds of one ``batch``-task batch per kind on ``worker``,
+    each kind alone in its batch; the CPU of each process of ``pids``
+    (:func:`cpu_pids`) per task, and the wall time per task (:class:`CpuSplit`)."""
+    if batch < 2:
+        raise ValueError(f"a CPU batch needs at least 2 tasks, not {batch}")
+    split = CpuSplit(batch, list(pids))
+    for i in range(rounds):
+        for kind in ORDERS[i % len(ORDERS)]:
+            before = {name: process_cpu(pid) for name, pid in pids.items()}
+            stamps = _batch(c, worker, kind * batch)
+            after = {name: process_cpu(pid) for name, pid in pids.items()}
+            per_process = split.cpu.setdefault(kind, {})
+            for name in pids:
+                b, a = before[name], after[name]
+                us = math.nan if a is None or b is None else (a - b) / batch * 1e6
+                per_process.setdefault(name, []).append(us)
+            wall = (stamps[-1][0] - stamps[0][0]) / (len(stamps) - 1) * 1e6
+            split.wall.setdefault(kind, []).append(wall)
+        if progress is not None:
+            progress(
+                f"  CPU split round {i + 1}/{rounds}: main process "
+                + ", ".join(f"{k} {split.cpu[k]['main'][-1]:.0f}" for k in "plr")
+                + " µs of CPU per task"
+            )
+    return split
+
+
 def run_cost(
     broker_url: str,
     workdir: Path,
@@ -334,11 +499,16 @@ def run_cost(
     batch: int,
     progress: Callable[[str], None] | None = None,
     lock_url: str | None = None,
+    cpu_rounds: int = 0,
+    cpu_batch: int = CPU_BATCH,
 ) -> CostResult:
     """Start one worker (``-P prefork -c 1`` or ``-P solo``), measure, stop it.
 
     ``lock_url``: the lock store (``@locked``'s and the peer lock's) on that
-    Redis instead of the broker's.
+    Redis instead of the broker's. ``cpu_rounds`` (0: none): for prefork,
+    then split the CPU by process on the same worker (:func:`measure_cpu`,
+    ``cpu_batch`` tasks per kind and round); solo has no main process apart
+    from the one that runs the task, so it is not split.
     """
     c = Cluster(broker_url, workdir, app_module=APP)
     try:
@@ -346,6 +516,11 @@ def run_cost(
         worker = c.start_worker("cost", concurrency=1, pool=pool, env=env)
         result = measure_cost(c, worker, pool, rounds=rounds, batch=batch, progress=progress)
         result.store = "own" if lock_url else "broker"
+        if pool == "prefork" and cpu_rounds > 0:
+            pids = cpu_pids(c, worker, lock_url)
+            result.cpu = measure_cpu(
+                c, worker, pids, rounds=cpu_rounds, batch=cpu_batch, progress=progress
+            )
         return result
     finally:
         c.close()
@@ -563,7 +738,57 @@ def cost_markdown(results: list[CostResult]) -> str:
             f"around the same body: {r.peer_cost * 100:.1f}%]"
         )
         lines.append("")
+    for r in results:
+        if r.cpu is not None:
+            lines.append(cpu_markdown(r.cpu, r.store))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _us(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0f}"
+
+
+def _added(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.0f}"
+
+
+def cpu_markdown(split: CpuSplit, store: str) -> str:
+    """The CPU split of one prefork worker: a row per process, their total
+    and the wall time per task, with the clock tick's resolution under it."""
+    labels = dict(PROCESSES)
+    if store == "broker":
+        labels["broker"] += " (and the locks)"
+    lines = [
+        f"CPU by process, prefork -c 1, locks {_store_label(store)}: {split.rounds} "
+        f"round{'s' if split.rounds != 1 else ''}, each a batch of {split.batch} tasks "
+        "per kind (medians over the rounds):",
+        "",
+        "| process | plain (µs CPU per task) | @locked | redis-py Lock | added by @locked "
+        "| added by redis-py Lock |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def row(label: str, values: dict[str, float]) -> str:
+        p, l_, r = values["p"], values["l"], values["r"]
+        return f"| {label} | {_us(p)} | {_us(l_)} | {_us(r)} | {_added(l_ - p)} | {_added(r - p)} |"
+
+    for name in split.processes:
+        lines.append(row(labels[name], {k: split.cpu_us(k, name) for k in "plr"}))
+    lines.append(row("total", {k: split.total_us(k) for k in "plr"}))
+    lines.append(
+        row(
+            "wall time per task (µs, from the bodies' stamps)", {k: split.wall_us(k) for k in "plr"}
+        )
+    )
+    lines += [
+        "",
+        f"CPU times count in clock ticks of {1000 / CLK_TCK:g} ms (CLK_TCK {CLK_TCK}): "
+        f"one tick over a batch of {split.batch} tasks is {split.resolution_us:.0f} µs per "
+        "task, the resolution of each cell. A process whose CPU per task comes close to "
+        "the wall time per task is busy all the time: it paces the worker.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -582,6 +807,18 @@ def main(argv: list[str] | None = None) -> int:
         default="broker,own",
         help="where the cost measurement's locks live: 'broker' (the broker's "
         "redis-server), 'own' (a redis-server of their own), or both",
+    )
+    ap.add_argument(
+        "--cpu-rounds",
+        type=int,
+        default=CPU_ROUNDS,
+        help="rounds of the CPU split by process (prefork only; 0: none)",
+    )
+    ap.add_argument(
+        "--cpu-batch",
+        type=int,
+        default=CPU_BATCH,
+        help="no-op tasks per kind and round of the CPU split",
     )
     ap.add_argument("--skip-contention", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
@@ -604,6 +841,8 @@ def main(argv: list[str] | None = None) -> int:
     stores = [x for x in args.lock_stores.split(",") if x]
     if not set(stores) <= {"broker", "own"}:
         ap.error(f"--lock-stores: 'broker', 'own' or both, not {args.lock_stores!r}")
+    if args.cpu_rounds > 0 and args.cpu_batch < 2:
+        ap.error(f"--cpu-batch: at least 2 tasks, not {args.cpu_batch}")
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         server = stack.enter_context(RedisServer(workdir=Path(tmp) / "r"))
@@ -645,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
                             lock_url=lock_server.url
                             if lock_server is not None and store == "own"
                             else None,
+                            cpu_rounds=args.cpu_rounds,
+                            cpu_batch=args.cpu_batch,
                         )
                     )
         profile = None
