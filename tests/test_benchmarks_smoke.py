@@ -204,16 +204,25 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
 ) -> None:
     from benchmarks import celery_e2e
 
-    res = celery_e2e.run_cost(redis_url, tmp_path, "solo", rounds=2, batch=10)
+    res = celery_e2e.run_cost(redis_url, tmp_path, "solo", rounds=2, batch=10, cpu_rounds=1)
 
     assert len(res.plain) == len(res.locked) == len(res.peer) == 2
     assert all(rate > 0 for rate in res.plain + res.locked + res.peer)
+    assert res.cpu is None  # solo: no main process apart from the one running the task
     assert "target 3b (@locked costs <= 10% tasks/s): " in celery_e2e.cost_markdown([res])
 
-    # The locks on a redis-server of their own: taken there, not on the broker's.
+    # The locks on a redis-server of their own: taken there, not on the broker's;
+    # prefork, with the CPU split by process.
     with RedisServer() as own:
         res = celery_e2e.run_cost(
-            redis_url, tmp_path / "own", "solo", rounds=1, batch=10, lock_url=own.url
+            redis_url,
+            tmp_path / "own",
+            "prefork",
+            rounds=1,
+            batch=10,
+            lock_url=own.url,
+            cpu_rounds=1,
+            cpu_batch=20,
         )
         assert res.store == "own" and len(res.locked) == len(res.peer) == 1
         locks = redis.Redis.from_url(own.url)
@@ -222,7 +231,22 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
             assert locks.keys("{e2e*}:fence") and not locks.keys("cebench-rp:*")
         finally:
             locks.close()
-    assert "on a Redis of their own" in celery_e2e.cost_markdown([res])
+    text = celery_e2e.cost_markdown([res])
+    assert "on a Redis of their own" in text
+
+    cpu = res.cpu
+    assert cpu is not None and cpu.batch == 20 and cpu.rounds == 1
+    assert {"main", "child", "locks"} <= set(cpu.processes)
+    for kind in "plr":
+        for process in cpu.processes:
+            us = cpu.cpu_us(kind, process)
+            assert us >= 0, (kind, process, us)  # NaN (a process gone) fails too
+        assert cpu.total_us(kind) >= 0
+        assert cpu.wall_us(kind) > 0
+    assert "CPU by process, prefork -c 1, locks on a Redis of their own: 1 round," in text
+    for label in ("worker main process", "pool child", "locks' redis-server", "| total |"):
+        assert label in text, label
+    assert f"one tick over a batch of 20 tasks is {1e6 / celery_e2e.CLK_TCK / 20:.0f} µs" in text
 
 
 @pytest.mark.e2e
