@@ -29,15 +29,16 @@ the cost of ``@locked`` on a no-op task.
    costs at most 10% of tasks/s (median of the rounds' ratios).
 2b. **Where the CPU goes in a prefork worker.** Then, on the same prefork
    worker (not solo: its one process does everything), ``--cpu-rounds``
-   rounds of one batch of ``--cpu-batch`` tasks per kind, each kind alone
-   in its batch, the kinds' order rotated by round. Before and after each
-   batch, the CPU time (utime + stime in ``/proc/<pid>/stat``) of the
-   worker's main process, its pool child, the broker's redis-server and
-   the locks' redis-server when it is another one; per process and kind,
-   the median over the rounds of the µs of CPU per task, and the wall
-   time per task from the bodies' stamps (:class:`CpuSplit`). CPU times
-   count in clock ticks (10 ms at ``CLK_TCK`` 100): one tick over a batch
-   is the resolution of each figure.
+   rounds of ``--cpu-batch`` no-op tasks, interleaved like the rates'
+   (runs of 10 of each kind in turn), while the pool child watches the CPU
+   of the worker's main process, itself, the broker's redis-server and the
+   locks' redis-server when it is another one: each body records with its
+   stamp the ns each has spent on the CPU (``/proc/<pid>/task/<tid>/
+   schedstat``; its own ``process_time_ns()``). Per process and kind, the
+   median over the rounds of the round's median CPU over the intervals
+   between two consecutive bodies of that kind, and the wall time of the
+   same intervals (:class:`CpuSplit`). Skipped, saying why, on a kernel
+   without schedstats.
 
 Usage::
 
@@ -45,7 +46,7 @@ Usage::
     .venv/bin/python -m benchmarks.celery_e2e [--runs 6] [--tasks 240] [--resources 4]
         [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 12]
         [--batch 400] [--pools prefork,solo] [--lock-stores broker,own]
-        [--cpu-rounds 3] [--cpu-batch 600] [--skip-cost] [--skip-contention]
+        [--cpu-rounds 3] [--cpu-batch 300] [--skip-cost] [--skip-contention]
         [--no-profile] [--out benchmarks/results-celery.md]
 
 3. **Where the time goes** (unless ``--no-profile``): the no-op tasks again
@@ -73,6 +74,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -284,9 +286,10 @@ KINDS = {"p": "cebench.noop", "l": "cebench.noop_locked", "r": "cebench.noop_red
 ORDERS = ("plr", "lrp", "rpl")
 
 
-def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
+def _run_batch(c: Cluster, worker: Worker, kinds: str) -> list[list[Any]]:
     """Run one no-op task per letter of ``kinds`` (``p``/``l``/``r``) on ``worker``,
-    all queued behind a gate; return the bodies' ``(perf_counter, kind)``."""
+    all queued behind a gate; return the bodies' stamps as the worker sent
+    them: ``[perf_counter, kind]``, and the CPU reading while it watches."""
     gate = f"cebench:gate:{uuid.uuid4().hex[:8]}"
     c.producer.send_task("cebench.gate", args=(gate,), queue=worker.queue)
     wait_for(lambda: c.data.llen(f"{gate}:in"), timeout=60, what="the gate task to start")
@@ -295,9 +298,14 @@ def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
     c.data.rpush(gate, "go")
     stamps = c.producer.send_task("cebench.stamps", queue=worker.queue).get(timeout=300)
     c.data.delete(gate, f"{gate}:in")
-    if "".join(k for _, k in stamps) != kinds:
+    if "".join(str(s[1]) for s in stamps) != kinds:
         raise AssertionError(f"{len(stamps)} of {len(kinds)} tasks ran, in order?\n{c.report()}")
-    return [(float(t), str(k)) for t, k in stamps]
+    return [list(s) for s in stamps]
+
+
+def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
+    """:func:`_run_batch`; the bodies' ``(perf_counter, kind)``."""
+    return [(float(s[0]), str(s[1])) for s in _run_batch(c, worker, kinds)]
 
 
 def cycle_rates(stamps: list[tuple[float, str]]) -> dict[str, float]:
@@ -340,11 +348,9 @@ def measure_cost(
     return result
 
 
-#: Clock ticks per second of the CPU times in ``/proc/<pid>/stat``.
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-#: Defaults of the CPU split: rounds, and tasks per kind and round.
+#: Defaults of the CPU split: rounds, and tasks per round (all kinds).
 CPU_ROUNDS = 3
-CPU_BATCH = 600
+CPU_BATCH = 300
 #: The processes of the CPU split, in the table's order, with their labels.
 PROCESSES = {
     "main": "worker main process (receives the messages, feeds the child)",
@@ -352,22 +358,6 @@ PROCESSES = {
     "broker": "broker's redis-server",
     "locks": "locks' redis-server",
 }
-
-
-def process_cpu(pid: int) -> float | None:
-    """CPU seconds (user + system) process ``pid`` has used so far; None if
-    it is gone (or there is no ``/proc``).
-
-    Fields 14 and 15 (utime, stime) of ``/proc/<pid>/stat``, in clock ticks
-    (:data:`CLK_TCK`). The split is after the last ``)``: the command name
-    in field 2 may hold spaces.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def _redis_server_pid(url: str) -> int | None:
@@ -409,21 +399,30 @@ class CpuSplit:
     """Where the CPU goes in a prefork worker: µs of CPU per no-op task, by
     process and kind (``p`` plain, ``l`` ``@locked``, ``r`` redis-py ``Lock``).
 
-    Each round runs one batch of ``batch`` tasks of each kind (only that
-    kind), the kinds' order rotated by round (:data:`ORDERS`), and reads
-    the processes' CPU (:func:`process_cpu`) before and after each batch.
-    A batch also runs the gate and the stamps tasks, and the producer's
-    sends reach the broker within it: equal for every kind.
+    Measured like the rates (:class:`CostResult`): each round is one batch
+    of ``batch`` tasks in which runs of :data:`RUN` tasks of each kind take
+    turns (the order rotated by round, :data:`ORDERS`). While it runs, each
+    body records with its stamp the ns on CPU so far of every process
+    (``/proc/<pid>/task/<tid>/schedstat``; the pool child's own
+    ``time.process_time_ns()``): the delta from one body to the next of the
+    same kind is one task cycle's CPU in each process. Per round, process
+    and kind: the median of those deltas; reported: the median over rounds.
     """
 
     batch: int
     #: The processes measured (keys of :data:`PROCESSES`).
     processes: list[str]
-    #: kind -> process -> per-round µs of CPU per task (NaN: the process was gone).
+    #: kind -> process -> per-round median µs of CPU per task cycle.
     cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-    #: kind -> per-round wall µs per task, from the bodies' stamps:
-    #: (last - first) / (tasks - 1).
+    #: kind -> per-round median wall µs per task cycle (the same intervals).
     wall: dict[str, list[float]] = field(default_factory=dict)
+    #: kind -> per-round count of the intervals the medians are taken over.
+    intervals: dict[str, list[int]] = field(default_factory=dict)
+    #: The pool child's CPU per reading of the processes' counters (µs),
+    #: paid once per body whatever the kind.
+    read_us: float = math.nan
+    #: Why the split was not measured (None: it was).
+    skipped: str | None = None
 
     @property
     def rounds(self) -> int:
@@ -442,16 +441,40 @@ class CpuSplit:
         """Median over the rounds of the wall µs per ``kind`` task."""
         return _median(self.wall.get(kind, []))
 
-    @property
-    def resolution_us(self) -> float:
-        """One clock tick spread over a batch: each cell's resolution (µs per task)."""
-        return 1e6 / CLK_TCK / self.batch
-
 
 def _median(values: list[float]) -> float:
     """Median of the values that are not NaN (NaN if none)."""
     present = [v for v in values if not math.isnan(v)]
     return statistics.median(present) if present else math.nan
+
+
+def cycle_cpu(
+    stamps: list[list[Any]], processes: list[str]
+) -> tuple[dict[str, dict[str, float]], dict[str, float], dict[str, int]]:
+    """From one batch's stamps ``[perf_counter, kind, [ns per process]]``:
+    per kind, the median over the intervals between two consecutive bodies
+    of that kind (the pairing of :func:`cycle_rates`) of each process's µs
+    of CPU, the median wall µs of the same intervals, and their count."""
+    cpu: dict[str, dict[str, list[float]]] = {}
+    wall: dict[str, list[float]] = {}
+    for (t0, k0, ns0), (t1, k1, ns1) in zip(stamps, stamps[1:]):
+        if k0 != k1:
+            continue
+        per = cpu.setdefault(k0, {})
+        for name, a, b in zip(processes, ns0, ns1):
+            per.setdefault(name, []).append((b - a) / 1000)
+        wall.setdefault(k0, []).append((t1 - t0) * 1e6)
+    return (
+        {k: {n: statistics.median(v) for n, v in per.items()} for k, per in cpu.items()},
+        {k: statistics.median(v) for k, v in wall.items()},
+        {k: len(v) for k, v in wall.items()},
+    )
+
+
+def _watch(c: Cluster, worker: Worker, pids: list[int]) -> dict[str, Any]:
+    """Have ``worker``'s pool child watch the CPU of ``pids`` (``[]``: stop)."""
+    reply = c.producer.send_task("cebench.cpu_watch", args=(pids,), queue=worker.queue)
+    return dict(reply.get(timeout=60))
 
 
 def measure_cpu(
@@ -463,30 +486,47 @@ def measure_cpu(
     batch: int,
     progress: Callable[[str], None] | None = None,
 ) -> CpuSplit:
-    """``rounds`` rounds of one ``batch``-task batch per kind on ``worker``,
-    each kind alone in its batch; the CPU of each process of ``pids``
-    (:func:`cpu_pids`) per task, and the wall time per task (:class:`CpuSplit`)."""
-    if batch < 2:
-        raise ValueError(f"a CPU batch needs at least 2 tasks, not {batch}")
-    split = CpuSplit(batch, list(pids))
-    for i in range(rounds):
-        for kind in ORDERS[i % len(ORDERS)]:
-            before = {name: process_cpu(pid) for name, pid in pids.items()}
-            stamps = _batch(c, worker, kind * batch)
-            after = {name: process_cpu(pid) for name, pid in pids.items()}
-            per_process = split.cpu.setdefault(kind, {})
-            for name in pids:
-                b, a = before[name], after[name]
-                us = math.nan if a is None or b is None else (a - b) / batch * 1e6
-                per_process.setdefault(name, []).append(us)
-            wall = (stamps[-1][0] - stamps[0][0]) / (len(stamps) - 1) * 1e6
-            split.wall.setdefault(kind, []).append(wall)
-        if progress is not None:
-            progress(
-                f"  CPU split round {i + 1}/{rounds}: main process "
-                + ", ".join(f"{k} {split.cpu[k]['main'][-1]:.0f}" for k in "plr")
-                + " µs of CPU per task"
+    """``rounds`` batches of ``batch`` no-op tasks on ``worker``, runs of
+    each kind in turn, while the pool child watches the CPU of the processes
+    of ``pids`` (:func:`cpu_pids`); the CPU of each per task, and the wall
+    time per task (:class:`CpuSplit`). Skipped, with the reason, where the
+    kernel keeps no ``/proc/<pid>/task/<tid>/schedstat``."""
+    runs = max(3, batch // RUN)
+    split = CpuSplit(runs * RUN, list(pids))
+    names = list(pids)
+    try:
+        reply = _watch(c, worker, list(pids.values()))
+        unread = [n for n, ns in zip(names, reply["reading"]) if ns <= 0]
+        if unread:
+            split.skipped = (
+                f"no CPU time in /proc/<pid>/task/<tid>/schedstat for {', '.join(unread)} "
+                "(a kernel without schedstats?)"
             )
+            return split
+        split.read_us = reply["read_ns"] / 1000
+        for i in range(rounds):
+            order = ORDERS[i % len(ORDERS)]
+            kinds = "".join(order[j % len(order)] * RUN for j in range(runs))
+            stamps = _run_batch(c, worker, kinds)
+            if any(len(s) < 3 for s in stamps):
+                raise AssertionError(f"a body ran without the CPU watch\n{c.report()}")
+            cpu, wall, count = cycle_cpu(stamps, names)
+            for kind in "plr":
+                per = split.cpu.setdefault(kind, {})
+                for name in names:
+                    per.setdefault(name, []).append(cpu[kind][name])
+                split.wall.setdefault(kind, []).append(wall[kind])
+                split.intervals.setdefault(kind, []).append(count[kind])
+            if progress is not None:
+                progress(
+                    f"  CPU split round {i + 1}/{rounds}: main process "
+                    + ", ".join(f"{k} {split.cpu[k]['main'][-1]:.0f}" for k in "plr")
+                    + ", pool child "
+                    + ", ".join(f"{k} {split.cpu[k]['child'][-1]:.0f}" for k in "plr")
+                    + " µs of CPU per task"
+                )
+    finally:
+        _watch(c, worker, [])
     return split
 
 
@@ -507,8 +547,8 @@ def run_cost(
     ``lock_url``: the lock store (``@locked``'s and the peer lock's) on that
     Redis instead of the broker's. ``cpu_rounds`` (0: none): for prefork,
     then split the CPU by process on the same worker (:func:`measure_cpu`,
-    ``cpu_batch`` tasks per kind and round); solo has no main process apart
-    from the one that runs the task, so it is not split.
+    ``cpu_batch`` tasks per round); solo has no main process apart from the
+    one that runs the task, so it is not split.
     """
     c = Cluster(broker_url, workdir, app_module=APP)
     try:
@@ -754,14 +794,19 @@ def _added(value: float) -> str:
 
 def cpu_markdown(split: CpuSplit, store: str) -> str:
     """The CPU split of one prefork worker: a row per process, their total
-    and the wall time per task, with the clock tick's resolution under it."""
+    and the wall time per task, with how it is measured under it."""
+    title = f"CPU by process, prefork -c 1, locks {_store_label(store)}"
+    if split.skipped is not None:
+        return f"{title}: not measured: {split.skipped}.\n"
     labels = dict(PROCESSES)
     if store == "broker":
         labels["broker"] += " (and the locks)"
+    intervals = min((n for v in split.intervals.values() for n in v), default=0)
     lines = [
-        f"CPU by process, prefork -c 1, locks {_store_label(store)}: {split.rounds} "
-        f"round{'s' if split.rounds != 1 else ''}, each a batch of {split.batch} tasks "
-        "per kind (medians over the rounds):",
+        f"{title}: {split.rounds} round{'s' if split.rounds != 1 else ''} of "
+        f"{split.batch} tasks, runs of {RUN} of each kind in turn (medians over "
+        f"the rounds of each round's median over at least {intervals} intervals "
+        "per kind):",
         "",
         "| process | plain (µs CPU per task) | @locked | redis-py Lock | added by @locked "
         "| added by redis-py Lock |",
@@ -774,18 +819,19 @@ def cpu_markdown(split: CpuSplit, store: str) -> str:
 
     for name in split.processes:
         lines.append(row(labels[name], {k: split.cpu_us(k, name) for k in "plr"}))
-    lines.append(row("total", {k: split.total_us(k) for k in "plr"}))
+    lines.append(row("total (of the medians)", {k: split.total_us(k) for k in "plr"}))
     lines.append(
-        row(
-            "wall time per task (µs, from the bodies' stamps)", {k: split.wall_us(k) for k in "plr"}
-        )
+        row("wall time per task (µs, same intervals)", {k: split.wall_us(k) for k in "plr"})
     )
     lines += [
         "",
-        f"CPU times count in clock ticks of {1000 / CLK_TCK:g} ms (CLK_TCK {CLK_TCK}): "
-        f"one tick over a batch of {split.batch} tasks is {split.resolution_us:.0f} µs per "
-        "task, the resolution of each cell. A process whose CPU per task comes close to "
-        "the wall time per task is busy all the time: it paces the worker.",
+        "Each body stamps perf_counter() and the ns each process has spent on the CPU "
+        "(/proc/<pid>/task/<tid>/schedstat summed over its threads; the pool child's "
+        "own process_time_ns()); a task's CPU in a process is the delta between two "
+        "consecutive bodies of the same kind, medians per round. Reading the counters "
+        f"costs the pool child about {split.read_us:.0f} µs per task, alike for every "
+        "kind (in its row and in the wall time). A process whose CPU per task comes "
+        "close to the wall time per task is busy all the time: it paces the worker.",
         "",
     ]
     return "\n".join(lines)
@@ -818,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-batch",
         type=int,
         default=CPU_BATCH,
-        help="no-op tasks per kind and round of the CPU split",
+        help="no-op tasks per round of the CPU split (runs of each kind in turn)",
     )
     ap.add_argument("--skip-contention", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
@@ -841,8 +887,6 @@ def main(argv: list[str] | None = None) -> int:
     stores = [x for x in args.lock_stores.split(",") if x]
     if not set(stores) <= {"broker", "own"}:
         ap.error(f"--lock-stores: 'broker', 'own' or both, not {args.lock_stores!r}")
-    if args.cpu_rounds > 0 and args.cpu_batch < 2:
-        ap.error(f"--cpu-batch: at least 2 tasks, not {args.cpu_batch}")
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         server = stack.enter_context(RedisServer(workdir=Path(tmp) / "r"))
