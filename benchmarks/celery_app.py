@@ -15,6 +15,7 @@ namespace).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -108,10 +109,98 @@ def write(self: Any, res: str, run: str, work: float) -> None:
 
 # -- the cost of @locked: no-op tasks, timed in the process that runs them -------
 
-#: ``(time.perf_counter(), kind)`` of every no-op body run in this process
-#: since the last :func:`stamps` call (kind ``p``: plain, ``l``: @locked,
-#: ``r``: inside redis-py's ``Lock``).
-_stamps: list[tuple[float, str]] = []
+#: Every no-op body run in this process since the last :func:`stamps` call:
+#: ``(time.perf_counter(), kind)`` (kind ``p``: plain, ``l``: @locked,
+#: ``r``: inside redis-py's ``Lock``) or, while :func:`cpu_watch` watches,
+#: ``(time.perf_counter(), kind, [ns on CPU of each watched process])``.
+_stamps: list[tuple[Any, ...]] = []
+
+
+class _CpuWatch:
+    """Cumulative ns on CPU of a set of processes, read from a task body.
+
+    This process: ``time.process_time_ns()`` (all its threads). Another: the
+    sum over its threads alive when the watch starts of the first field of
+    ``/proc/<pid>/task/<tid>/schedstat`` (ns on the CPU), each file opened
+    once and read again with ``pread``. A thread that exits keeps its last
+    reading; one started later is not counted.
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = list(pids)
+        #: pid -> [fd, last reading] per thread (not for this process).
+        self.threads: dict[int, list[list[int]]] = {}
+        for pid in self.pids:
+            if pid == os.getpid():
+                continue
+            fds = []
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):  # a thread that just exited
+                        fds.append([os.open(f"/proc/{pid}/task/{tid}/schedstat", os.O_RDONLY), 0])
+            except OSError:
+                pass  # no such process, or no /proc: read as -1
+            self.threads[pid] = fds
+
+    def read(self) -> list[int]:
+        """ns on CPU of each watched process so far; -1 for one not readable."""
+        out = []
+        for pid in self.pids:
+            if pid == os.getpid():
+                out.append(time.process_time_ns())
+                continue
+            threads = self.threads[pid]
+            for thread in threads:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    thread[1] = int(os.pread(thread[0], 64, 0).split(None, 1)[0])
+            out.append(sum(t[1] for t in threads) if threads else -1)
+        return out
+
+    def close(self) -> None:
+        for threads in self.threads.values():
+            for fd, _ in threads:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.threads.clear()
+
+
+#: The processes the no-op bodies read the CPU of (None: none, the default).
+_watch: _CpuWatch | None = None
+
+
+def _stamp(kind: str) -> None:
+    now = time.perf_counter()
+    if _watch is None:
+        _stamps.append((now, kind))
+    else:
+        _stamps.append((now, kind, _watch.read()))
+
+
+@app.task(name="cebench.cpu_watch")
+def cpu_watch(pids: list[int]) -> dict[str, Any]:
+    """From now on, each no-op body run in this process also records the ns
+    on CPU of the processes ``pids`` (this one's own pid included as
+    ``os.getpid()``; an empty list turns it off).
+
+    Returns one reading (``reading``: ns per pid, -1 where unreadable, 0
+    where the kernel keeps no schedstats) and ``read_ns``, this process's
+    CPU per reading (ns, mean of 200).
+    """
+    global _watch
+    if _watch is not None:
+        _watch.close()
+        _watch = None
+    if not pids:
+        return {"reading": [], "read_ns": 0}
+    watch = _CpuWatch(pids)
+    reading = watch.read()
+    n = 200
+    began = time.process_time_ns()
+    for _ in range(n):
+        watch.read()
+    read_ns = (time.process_time_ns() - began) // n
+    _watch = watch
+    return {"reading": reading, "read_ns": read_ns}
 
 
 @app.task(name="cebench.gate", ignore_result=True)
@@ -129,14 +218,14 @@ def gate(key: str) -> None:
 @app.task(name="cebench.noop", ignore_result=True)
 def noop(key: str) -> None:
     """A no-op task (``key`` only to take the same argument as noop_locked)."""
-    _stamps.append((time.perf_counter(), "p"))
+    _stamp("p")
 
 
 @app.task(name="cebench.noop_locked", ignore_result=True)
 @locked("cebench-cost:{key}")
 def noop_locked(key: str) -> None:
     """The same no-op task under ``@locked`` (an uncontended resource)."""
-    _stamps.append((time.perf_counter(), "l"))
+    _stamp("l")
 
 
 def peer_client() -> redis.Redis:
@@ -153,14 +242,14 @@ def noop_redis_py_lock(key: str) -> None:
     lock = peer_client().lock(f"cebench-rp:{key}", timeout=60)
     lock.acquire()
     try:
-        _stamps.append((time.perf_counter(), "r"))
+        _stamp("r")
     finally:
         lock.release()
 
 
 @app.task(name="cebench.stamps")
-def stamps() -> list[tuple[float, str]]:
-    """Return and forget this process's no-op stamps."""
+def stamps() -> list[tuple[Any, ...]]:
+    """Return and forget this process's no-op stamps (:data:`_stamps`)."""
     out = list(_stamps)
     _stamps.clear()
     return out

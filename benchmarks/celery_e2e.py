@@ -27,6 +27,18 @@ the cost of ``@locked`` on a no-op task.
    (see :class:`CostResult`). Results are not stored (``ignore_result``),
    so the no-op baseline is as cheap as Celery gets. Target: ``@locked``
    costs at most 10% of tasks/s (median of the rounds' ratios).
+2b. **Where the CPU goes in a prefork worker.** Then, on the same prefork
+   worker (not solo: its one process does everything), ``--cpu-rounds``
+   rounds of ``--cpu-batch`` no-op tasks, interleaved like the rates'
+   (runs of 10 of each kind in turn), while the pool child watches the CPU
+   of the worker's main process, itself, the broker's redis-server and the
+   locks' redis-server when it is another one: each body records with its
+   stamp the ns each has spent on the CPU (``/proc/<pid>/task/<tid>/
+   schedstat``; its own ``process_time_ns()``). Per process and kind, the
+   median over the rounds of the round's median CPU over the intervals
+   between two consecutive bodies of that kind, and the wall time of the
+   same intervals (:class:`CpuSplit`). Skipped, saying why, on a kernel
+   without schedstats.
 
 Usage::
 
@@ -34,7 +46,7 @@ Usage::
     .venv/bin/python -m benchmarks.celery_e2e [--runs 6] [--tasks 240] [--resources 4]
         [--work-ms 3] [--workers 2,4] [--concurrency 1,2,4] [--rounds 12]
         [--batch 400] [--pools prefork,solo] [--lock-stores broker,own]
-        [--skip-cost] [--skip-contention]
+        [--cpu-rounds 3] [--cpu-batch 300] [--skip-cost] [--skip-contention]
         [--no-profile] [--out benchmarks/results-celery.md]
 
 3. **Where the time goes** (unless ``--no-profile``): the no-op tasks again
@@ -62,6 +74,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -242,6 +257,8 @@ class CostResult:
     locked: list[float] = field(default_factory=list)
     #: The same no-op body inside redis-py's ``Lock`` (a peer, for contrast).
     peer: list[float] = field(default_factory=list)
+    #: CPU per task by process (prefork only; None when not measured).
+    cpu: CpuSplit | None = None
 
     @property
     def ratios(self) -> list[float]:
@@ -269,9 +286,10 @@ KINDS = {"p": "cebench.noop", "l": "cebench.noop_locked", "r": "cebench.noop_red
 ORDERS = ("plr", "lrp", "rpl")
 
 
-def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
+def _run_batch(c: Cluster, worker: Worker, kinds: str) -> list[list[Any]]:
     """Run one no-op task per letter of ``kinds`` (``p``/``l``/``r``) on ``worker``,
-    all queued behind a gate; return the bodies' ``(perf_counter, kind)``."""
+    all queued behind a gate; return the bodies' stamps as the worker sent
+    them: ``[perf_counter, kind]``, and the CPU reading while it watches."""
     gate = f"cebench:gate:{uuid.uuid4().hex[:8]}"
     c.producer.send_task("cebench.gate", args=(gate,), queue=worker.queue)
     wait_for(lambda: c.data.llen(f"{gate}:in"), timeout=60, what="the gate task to start")
@@ -280,9 +298,14 @@ def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
     c.data.rpush(gate, "go")
     stamps = c.producer.send_task("cebench.stamps", queue=worker.queue).get(timeout=300)
     c.data.delete(gate, f"{gate}:in")
-    if "".join(k for _, k in stamps) != kinds:
+    if "".join(str(s[1]) for s in stamps) != kinds:
         raise AssertionError(f"{len(stamps)} of {len(kinds)} tasks ran, in order?\n{c.report()}")
-    return [(float(t), str(k)) for t, k in stamps]
+    return [list(s) for s in stamps]
+
+
+def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
+    """:func:`_run_batch`; the bodies' ``(perf_counter, kind)``."""
+    return [(float(s[0]), str(s[1])) for s in _run_batch(c, worker, kinds)]
 
 
 def cycle_rates(stamps: list[tuple[float, str]]) -> dict[str, float]:
@@ -325,6 +348,188 @@ def measure_cost(
     return result
 
 
+#: Defaults of the CPU split: rounds, and tasks per round (all kinds).
+CPU_ROUNDS = 3
+CPU_BATCH = 300
+#: The processes of the CPU split, in the table's order, with their labels.
+PROCESSES = {
+    "main": "worker main process (receives the messages, feeds the child)",
+    "child": "pool child (runs the task)",
+    "broker": "broker's redis-server",
+    "locks": "locks' redis-server",
+}
+
+
+def _redis_server_pid(url: str) -> int | None:
+    """The pid of the redis-server at ``url`` if it runs on this machine
+    (INFO server's ``process_id`` names a local redis-server); else None."""
+    client = redis.Redis.from_url(url)
+    try:
+        pid = int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None  # INFO refused (a least-privilege user), or no process_id
+    finally:
+        client.close()
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text()
+    except OSError:
+        return None
+    return pid if comm.startswith("redis") else None
+
+
+def cpu_pids(c: Cluster, worker: Worker, lock_url: str | None = None) -> dict[str, int]:
+    """The pids of the processes of :data:`PROCESSES` for a ``-c 1`` prefork
+    ``worker``: the main process, its pool child (the one that answers
+    ``e2e.ping``), the broker's redis-server and, when the locks live on
+    another one, that redis-server. A redis-server not on this machine is
+    left out."""
+    child = c.producer.send_task("e2e.ping", queue=worker.queue).get(timeout=60)["pid"]
+    pids = {"main": worker.pid, "child": int(child)}
+    broker = _redis_server_pid(c.broker_url)
+    if broker is not None:
+        pids["broker"] = broker
+    locks = _redis_server_pid(lock_url) if lock_url else None
+    if locks is not None and locks != broker:
+        pids["locks"] = locks
+    return pids
+
+
+@dataclass
+class CpuSplit:
+    """Where the CPU goes in a prefork worker: µs of CPU per no-op task, by
+    process and kind (``p`` plain, ``l`` ``@locked``, ``r`` redis-py ``Lock``).
+
+    Measured like the rates (:class:`CostResult`): each round is one batch
+    of ``batch`` tasks in which runs of :data:`RUN` tasks of each kind take
+    turns (the order rotated by round, :data:`ORDERS`). While it runs, each
+    body records with its stamp the ns on CPU so far of every process
+    (``/proc/<pid>/task/<tid>/schedstat``; the pool child's own
+    ``time.process_time_ns()``): the delta from one body to the next of the
+    same kind is one task cycle's CPU in each process. Per round, process
+    and kind: the median of those deltas; reported: the median over rounds.
+    """
+
+    batch: int
+    #: The processes measured (keys of :data:`PROCESSES`).
+    processes: list[str]
+    #: kind -> process -> per-round median µs of CPU per task cycle.
+    cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    #: kind -> per-round median wall µs per task cycle (the same intervals).
+    wall: dict[str, list[float]] = field(default_factory=dict)
+    #: kind -> per-round count of the intervals the medians are taken over.
+    intervals: dict[str, list[int]] = field(default_factory=dict)
+    #: The pool child's CPU per reading of the processes' counters (µs),
+    #: paid once per body whatever the kind.
+    read_us: float = math.nan
+    #: Why the split was not measured (None: it was).
+    skipped: str | None = None
+
+    @property
+    def rounds(self) -> int:
+        return len(self.wall.get("p", []))
+
+    def cpu_us(self, kind: str, process: str) -> float:
+        """Median over the rounds of ``process``'s µs of CPU per ``kind`` task."""
+        return _median(self.cpu.get(kind, {}).get(process, []))
+
+    def total_us(self, kind: str) -> float:
+        """The processes' medians added up (those measured)."""
+        values = [self.cpu_us(kind, p) for p in self.processes]
+        return sum(v for v in values if not math.isnan(v))
+
+    def wall_us(self, kind: str) -> float:
+        """Median over the rounds of the wall µs per ``kind`` task."""
+        return _median(self.wall.get(kind, []))
+
+
+def _median(values: list[float]) -> float:
+    """Median of the values that are not NaN (NaN if none)."""
+    present = [v for v in values if not math.isnan(v)]
+    return statistics.median(present) if present else math.nan
+
+
+def cycle_cpu(
+    stamps: list[list[Any]], processes: list[str]
+) -> tuple[dict[str, dict[str, float]], dict[str, float], dict[str, int]]:
+    """From one batch's stamps ``[perf_counter, kind, [ns per process]]``:
+    per kind, the median over the intervals between two consecutive bodies
+    of that kind (the pairing of :func:`cycle_rates`) of each process's µs
+    of CPU, the median wall µs of the same intervals, and their count."""
+    cpu: dict[str, dict[str, list[float]]] = {}
+    wall: dict[str, list[float]] = {}
+    for (t0, k0, ns0), (t1, k1, ns1) in zip(stamps, stamps[1:]):
+        if k0 != k1:
+            continue
+        per = cpu.setdefault(k0, {})
+        for name, a, b in zip(processes, ns0, ns1):
+            per.setdefault(name, []).append((b - a) / 1000)
+        wall.setdefault(k0, []).append((t1 - t0) * 1e6)
+    return (
+        {k: {n: statistics.median(v) for n, v in per.items()} for k, per in cpu.items()},
+        {k: statistics.median(v) for k, v in wall.items()},
+        {k: len(v) for k, v in wall.items()},
+    )
+
+
+def _watch(c: Cluster, worker: Worker, pids: list[int]) -> dict[str, Any]:
+    """Have ``worker``'s pool child watch the CPU of ``pids`` (``[]``: stop)."""
+    reply = c.producer.send_task("cebench.cpu_watch", args=(pids,), queue=worker.queue)
+    return dict(reply.get(timeout=60))
+
+
+def measure_cpu(
+    c: Cluster,
+    worker: Worker,
+    pids: dict[str, int],
+    *,
+    rounds: int,
+    batch: int,
+    progress: Callable[[str], None] | None = None,
+) -> CpuSplit:
+    """``rounds`` batches of ``batch`` no-op tasks on ``worker``, runs of
+    each kind in turn, while the pool child watches the CPU of the processes
+    of ``pids`` (:func:`cpu_pids`); the CPU of each per task, and the wall
+    time per task (:class:`CpuSplit`). Skipped, with the reason, where the
+    kernel keeps no ``/proc/<pid>/task/<tid>/schedstat``."""
+    runs = max(3, batch // RUN)
+    split = CpuSplit(runs * RUN, list(pids))
+    names = list(pids)
+    try:
+        reply = _watch(c, worker, list(pids.values()))
+        unread = [n for n, ns in zip(names, reply["reading"]) if ns <= 0]
+        if unread:
+            split.skipped = (
+                f"no CPU time in /proc/<pid>/task/<tid>/schedstat for {', '.join(unread)} "
+                "(a kernel without schedstats?)"
+            )
+            return split
+        split.read_us = reply["read_ns"] / 1000
+        for i in range(rounds):
+            order = ORDERS[i % len(ORDERS)]
+            kinds = "".join(order[j % len(order)] * RUN for j in range(runs))
+            stamps = _run_batch(c, worker, kinds)
+            if any(len(s) < 3 for s in stamps):
+                raise AssertionError(f"a body ran without the CPU watch\n{c.report()}")
+            cpu, wall, count = cycle_cpu(stamps, names)
+            for kind in "plr":
+                per = split.cpu.setdefault(kind, {})
+                for name in names:
+                    per.setdefault(name, []).append(cpu[kind][name])
+                split.wall.setdefault(kind, []).append(wall[kind])
+                split.intervals.setdefault(kind, []).append(count[kind])
+            if progress is not None:
+                progress(
+                    f"  CPU split round {i + 1}/{rounds}: main process "
+                    + ", ".join(f"{k} {split.cpu[k]['main'][-1]:.0f}" for k in "plr")
+                    + ", pool child "
+                    + ", ".join(f"{k} {split.cpu[k]['child'][-1]:.0f}" for k in "plr")
+                    + " µs of CPU per task"
+                )
+    finally:
+        _watch(c, worker, [])
+    return split
+
+
 def run_cost(
     broker_url: str,
     workdir: Path,
@@ -334,11 +539,16 @@ def run_cost(
     batch: int,
     progress: Callable[[str], None] | None = None,
     lock_url: str | None = None,
+    cpu_rounds: int = 0,
+    cpu_batch: int = CPU_BATCH,
 ) -> CostResult:
     """Start one worker (``-P prefork -c 1`` or ``-P solo``), measure, stop it.
 
     ``lock_url``: the lock store (``@locked``'s and the peer lock's) on that
-    Redis instead of the broker's.
+    Redis instead of the broker's. ``cpu_rounds`` (0: none): for prefork,
+    then split the CPU by process on the same worker (:func:`measure_cpu`,
+    ``cpu_batch`` tasks per round); solo has no main process apart from the
+    one that runs the task, so it is not split.
     """
     c = Cluster(broker_url, workdir, app_module=APP)
     try:
@@ -346,6 +556,11 @@ def run_cost(
         worker = c.start_worker("cost", concurrency=1, pool=pool, env=env)
         result = measure_cost(c, worker, pool, rounds=rounds, batch=batch, progress=progress)
         result.store = "own" if lock_url else "broker"
+        if pool == "prefork" and cpu_rounds > 0:
+            pids = cpu_pids(c, worker, lock_url)
+            result.cpu = measure_cpu(
+                c, worker, pids, rounds=cpu_rounds, batch=cpu_batch, progress=progress
+            )
         return result
     finally:
         c.close()
@@ -563,7 +778,63 @@ def cost_markdown(results: list[CostResult]) -> str:
             f"around the same body: {r.peer_cost * 100:.1f}%]"
         )
         lines.append("")
+    for r in results:
+        if r.cpu is not None:
+            lines.append(cpu_markdown(r.cpu, r.store))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _us(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0f}"
+
+
+def _added(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.0f}"
+
+
+def cpu_markdown(split: CpuSplit, store: str) -> str:
+    """The CPU split of one prefork worker: a row per process, their total
+    and the wall time per task, with how it is measured under it."""
+    title = f"CPU by process, prefork -c 1, locks {_store_label(store)}"
+    if split.skipped is not None:
+        return f"{title}: not measured: {split.skipped}.\n"
+    labels = dict(PROCESSES)
+    if store == "broker":
+        labels["broker"] += " (and the locks)"
+    intervals = min((n for v in split.intervals.values() for n in v), default=0)
+    lines = [
+        f"{title}: {split.rounds} round{'s' if split.rounds != 1 else ''} of "
+        f"{split.batch} tasks, runs of {RUN} of each kind in turn (medians over "
+        f"the rounds of each round's median over at least {intervals} intervals "
+        "per kind):",
+        "",
+        "| process | plain (µs CPU per task) | @locked | redis-py Lock | added by @locked "
+        "| added by redis-py Lock |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def row(label: str, values: dict[str, float]) -> str:
+        p, l_, r = values["p"], values["l"], values["r"]
+        return f"| {label} | {_us(p)} | {_us(l_)} | {_us(r)} | {_added(l_ - p)} | {_added(r - p)} |"
+
+    for name in split.processes:
+        lines.append(row(labels[name], {k: split.cpu_us(k, name) for k in "plr"}))
+    lines.append(row("total (of the medians)", {k: split.total_us(k) for k in "plr"}))
+    lines.append(
+        row("wall time per task (µs, same intervals)", {k: split.wall_us(k) for k in "plr"})
+    )
+    lines += [
+        "",
+        "Each body stamps perf_counter() and the ns each process has spent on the CPU "
+        "(/proc/<pid>/task/<tid>/schedstat summed over its threads; the pool child's "
+        "own process_time_ns()); a task's CPU in a process is the delta between two "
+        "consecutive bodies of the same kind, medians per round. Reading the counters "
+        f"costs the pool child about {split.read_us:.0f} µs per task, alike for every "
+        "kind (in its row and in the wall time). A process whose CPU per task comes "
+        "close to the wall time per task is busy all the time: it paces the worker.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -582,6 +853,18 @@ def main(argv: list[str] | None = None) -> int:
         default="broker,own",
         help="where the cost measurement's locks live: 'broker' (the broker's "
         "redis-server), 'own' (a redis-server of their own), or both",
+    )
+    ap.add_argument(
+        "--cpu-rounds",
+        type=int,
+        default=CPU_ROUNDS,
+        help="rounds of the CPU split by process (prefork only; 0: none)",
+    )
+    ap.add_argument(
+        "--cpu-batch",
+        type=int,
+        default=CPU_BATCH,
+        help="no-op tasks per round of the CPU split (runs of each kind in turn)",
     )
     ap.add_argument("--skip-contention", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
@@ -645,6 +928,8 @@ def main(argv: list[str] | None = None) -> int:
                             lock_url=lock_server.url
                             if lock_server is not None and store == "own"
                             else None,
+                            cpu_rounds=args.cpu_rounds,
+                            cpu_batch=args.cpu_batch,
                         )
                     )
         profile = None

@@ -204,16 +204,25 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
 ) -> None:
     from benchmarks import celery_e2e
 
-    res = celery_e2e.run_cost(redis_url, tmp_path, "solo", rounds=2, batch=10)
+    res = celery_e2e.run_cost(redis_url, tmp_path, "solo", rounds=2, batch=10, cpu_rounds=1)
 
     assert len(res.plain) == len(res.locked) == len(res.peer) == 2
     assert all(rate > 0 for rate in res.plain + res.locked + res.peer)
+    assert res.cpu is None  # solo: no main process apart from the one running the task
     assert "target 3b (@locked costs <= 10% tasks/s): " in celery_e2e.cost_markdown([res])
 
-    # The locks on a redis-server of their own: taken there, not on the broker's.
+    # The locks on a redis-server of their own: taken there, not on the broker's;
+    # prefork, with the CPU split by process.
     with RedisServer() as own:
         res = celery_e2e.run_cost(
-            redis_url, tmp_path / "own", "solo", rounds=1, batch=10, lock_url=own.url
+            redis_url,
+            tmp_path / "own",
+            "prefork",
+            rounds=1,
+            batch=10,
+            lock_url=own.url,
+            cpu_rounds=1,
+            cpu_batch=30,
         )
         assert res.store == "own" and len(res.locked) == len(res.peer) == 1
         locks = redis.Redis.from_url(own.url)
@@ -222,7 +231,48 @@ def test_celery_cost_benchmark_times_interleaved_plain_and_locked_batches(
             assert locks.keys("{e2e*}:fence") and not locks.keys("cebench-rp:*")
         finally:
             locks.close()
-    assert "on a Redis of their own" in celery_e2e.cost_markdown([res])
+    text = celery_e2e.cost_markdown([res])
+    assert "on a Redis of their own" in text
+
+    cpu = res.cpu
+    assert cpu is not None
+    if cpu.skipped is not None:  # a kernel without schedstats: said, not measured
+        assert "not measured: " in text
+        return
+    assert cpu.batch == 30 and cpu.rounds == 1
+    assert {"main", "child", "locks"} <= set(cpu.processes)
+    for kind in "plr":
+        assert cpu.intervals[kind] == [9]  # one run of 10 per kind: 9 intervals
+        for process in cpu.processes:
+            us = cpu.cpu_us(kind, process)
+            assert us >= 0, (kind, process, us)  # NaN fails too
+        assert cpu.total_us(kind) >= 0
+        assert cpu.wall_us(kind) > 0
+    assert cpu.read_us >= 0
+    assert "CPU by process, prefork -c 1, locks on a Redis of their own: 1 round of 30" in text
+    for label in ("worker main process", "pool child", "locks' redis-server", "| total "):
+        assert label in text, label
+    assert "schedstat" in text
+
+
+def test_celery_cpu_split_pairs_consecutive_bodies_of_one_kind_and_says_when_skipped() -> None:
+    from benchmarks import celery_e2e
+
+    # Two processes; the interval across the change of kind (p -> l) is left out.
+    stamps = [
+        [0.0, "p", [0, 0]],
+        [0.001, "p", [100_000, 10_000]],
+        [0.002, "l", [900_000, 90_000]],
+        [0.004, "l", [1_200_000, 150_000]],
+        [0.006, "l", [1_500_000, 230_000]],
+    ]
+    cpu, wall, count = celery_e2e.cycle_cpu(stamps, ["main", "child"])
+
+    assert cpu == {"p": {"main": 100, "child": 10}, "l": {"main": 300, "child": 70}}
+    assert wall == pytest.approx({"p": 1000, "l": 2000})
+    assert count == {"p": 1, "l": 2}
+    split = celery_e2e.CpuSplit(30, ["main", "child"], skipped="no schedstat")
+    assert "not measured: no schedstat" in celery_e2e.cpu_markdown(split, "own")
 
 
 @pytest.mark.e2e
