@@ -13,7 +13,7 @@ FAULTS   ?= all
 END      ?= term
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs dist ci demo bench bench-celery chaos clean
+.PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs dist ci demo bench bench-celery bench-server chaos clean
 
 help:
 	@echo "make demo       run the example (embedded Redis, no install needed)"
@@ -27,6 +27,7 @@ help:
 	@echo "make ci         lint + docs + test (what .ci/run runs)"
 	@echo "make bench      benchmarks"
 	@echo "make bench-celery  real prefork workers: lock waits, stalls, exact counts; the cost of @locked (~5 min)"
+	@echo "make bench-server  redis-server's instructions per lock cycle under callgrind, every library (needs valgrind)"
 	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all END=term|kill), see docs/chaos.md"
 	@echo "make clean      remove the venv and caches"
 
@@ -123,6 +124,12 @@ bench: venv
 CELERY_BENCH_ARGS ?=
 bench-celery: venv
 	$(BIN)/python -m benchmarks.celery_e2e $(CELERY_BENCH_ARGS)
+
+# redis-server under callgrind: the exact instructions (and Redis commands)
+# of one uncontended lock cycle per library (docs/benchmarks.md, "Server
+# work per cycle"). Needs valgrind.
+bench-server: venv
+	$(BIN)/python -m benchmarks.server_work
 
 # Randomized fault-injection run against real redis-servers; prints the seed
 # (replay with SEED=...) and exits non-zero on any invariant violation.

@@ -436,3 +436,22 @@ def test_zero_length_critical_section_rounds_count_commands_and_state_target_2(
     assert "commands per grant" in "\n".join(peers.throughput_lines(pooled))
     lines = peers.throughput_target_lines(pooled, [])
     assert len(lines) == 1 and lines[0].startswith("target 2 (2 processes")
+
+
+def test_server_work_counts_each_librarys_instructions_and_commands_per_cycle() -> None:
+    from benchmarks import server_work
+
+    with server_work.callgrind_server() as server:
+        rows = server_work.measure(server, cycles=3)
+
+    by = {(r.lib, r.resources): r for r in rows}
+    assert set(by) == set(server_work.ROWS)
+    assert all(r.instructions > 0 for r in rows)
+    # The commands are exact: a task's grant runs the same ones as a plain lock.
+    ours = by[("celery-redislock", 1)].commands
+    assert ours == by[("celery-redislock @locked", 1)].commands
+    assert ours["evalsha"] == 2 and "set" in ours and "del" not in ours
+    assert by[("redis-py Lock", 1)].commands["evalsha"] == 1
+    assert by[(server_work.FLOOR, 1)].commands == ours  # the same commands, no logic
+    text = server_work.markdown(rows)
+    assert "| celery-redislock @locked | 1 |" in text and "1.00x" in text
