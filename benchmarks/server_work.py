@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks.cost import CYCLE_SHAPES, EXCLUDED, _cycle  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
+from engine_helpers import acquire_as_task  # noqa: E402
 from redis_server import binary_version, free_port, resolve_binary  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results-server.md"
@@ -199,12 +200,7 @@ def _locked_cycle(client: redis.Redis) -> Callable[[], None]:
     mgr = LockManager(client, namespace="cycle", owner_ttl=60)
 
     def cycle() -> None:
-        mgr._local.holder = HOLDER
-        try:
-            lease = mgr.acquire("r0")
-        finally:
-            mgr._local.holder = None
-        lease.release()
+        acquire_as_task(mgr, HOLDER, "r0", timeout=None).release()
 
     return cycle
 

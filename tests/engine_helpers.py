@@ -9,6 +9,8 @@
   and their difference, to count the commands an operation made.
 - :func:`queue_requests`: queued requests with no waiting thread (dead
   entries once the owner's liveness key is deleted).
+- :func:`acquire_as_task`: acquire as ``@locked`` does in a task (with a
+  holder record).
 - :class:`Child` and the ``child_*`` targets: a holder or waiter in a spawned
   process with its own LockManager, talking to the test over a pipe.
 
@@ -36,7 +38,7 @@ from typing import Any
 import redis
 
 from acl_helpers import admin_url
-from celery_redislock import LockLost, LockManager
+from celery_redislock import Lease, LockLost, LockManager
 
 #: Default deadline of every wait in these tests (seconds). Generous: the
 #: machine is small and shared.
@@ -206,6 +208,23 @@ def queue_requests(
         ident.registered = True
         tokens.append(token)
     return tokens
+
+
+def acquire_as_task(
+    mgr: LockManager,
+    info: str,
+    exclusive: str | list[str] | None = None,
+    shared: list[str] | None = None,
+    timeout: float | None = 5.0,
+) -> Lease:
+    """Acquire as ``@locked`` does in a task: ``info`` (``task name\ntask
+    id\nnode``) is the thread's holder for this one call, so the grant
+    carries its holder record."""
+    mgr._local.holder = info
+    try:
+        return mgr.acquire(exclusive, shared, timeout=timeout)
+    finally:
+        mgr._local.holder = None
 
 
 # -- INFO commandstats ------------------------------------------------------

@@ -19,7 +19,14 @@ import pytest
 import redis
 
 from celery_redislock import LockManager, LockTimeout
-from engine_helpers import Managers, command_delta, commandstats, counting, queue_requests
+from engine_helpers import (
+    Managers,
+    acquire_as_task,
+    command_delta,
+    commandstats,
+    counting,
+    queue_requests,
+)
 from redis_server import RedisServer
 
 SMALL, LARGE = 100, 50_000
@@ -200,12 +207,8 @@ def task_cycle_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any
         pass
 
     def run() -> None:
-        mgr._local.holder = "proj.sync\n0b7e4a2c-7b1e-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"
-        try:
-            lease = mgr.acquire("r0")
-        finally:
-            mgr._local.holder = None
-        lease.release()
+        info = "proj.sync\n0b7e4a2c-7b1e-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"
+        acquire_as_task(mgr, info, "r0", timeout=None).release()
 
     return run
 

@@ -14,7 +14,7 @@ import redis
 
 from celery_redislock import Inspector, Lease, LockManager
 from celery_redislock.keys import registry_bucket
-from engine_helpers import Managers, wait_until
+from engine_helpers import Managers, acquire_as_task, wait_until
 
 INFO = "proj.sync\n0b7e4a2c-7b1e-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"
 OTHER = "proj.other\n5f1c2d3e-0000-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"
@@ -23,14 +23,10 @@ OTHER = "proj.other\n5f1c2d3e-0000-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"
 def as_task(
     mgr: LockManager, resource: str, timeout: float, info: str = INFO, *, shared: bool = False
 ) -> Lease:
-    """Acquire as @locked does in a task: the holder info set for this thread."""
-    mgr._local.holder = info
-    try:
-        if shared:
-            return mgr.acquire(shared=[resource], timeout=timeout)
-        return mgr.acquire(resource, timeout=timeout)
-    finally:
-        mgr._local.holder = None
+    """Acquire ``resource`` (exclusive, or ``shared``) as @locked does in a task."""
+    if shared:
+        return acquire_as_task(mgr, info, shared=[resource], timeout=timeout)
+    return acquire_as_task(mgr, info, resource, timeout=timeout)
 
 
 def record(r: redis.Redis, lease: Lease, resource: str) -> bytes | None:
