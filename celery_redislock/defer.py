@@ -93,8 +93,8 @@ def _attempt_as_task(
     """acquire.lua as the task owner of ``token`` (queue when blocked); its raw reply:
     ``{1, fence, ...}``, ``{0, wait_ms, why, reclaimed}`` or ``{-1}``.
 
-    ``holder``: the task's holder record (task name, id, node), kept with the
-    queued request and beside its grant (``{ns}:holder:<token>``)."""
+    ``holder``: who the task is (task name, id, node), kept with the queued
+    request and, once granted, as its holder record in the registry."""
     keys, args = mgr._acquire_call(
         token,
         req,

@@ -1330,11 +1330,12 @@ class LockManager:
         ``register``: the liveness key's value when the call registers the
         owner ('' when it is registered); ``group``: the group hash the owner
         registers in (with its process ``tag``); ``holder``: who holds it
-        (``task name\ntask id\nnode``), sent as the holder record that names
-        this token's request id (:func:`~.keys.holder_record`); ``listed``: the owner is in ``{ns}:owners`` already; ``spill``:
-        the owner holds many locks (its registry's buckets); ``first``: the
-        token was never sent before (the caller must resend without it). Only the
-        lock keys travel as KEYS (the script builds the rest from the
+        (task name, task id and node), sent as the holder record that names
+        this token's request id (:func:`~.keys.holder_record`); ``listed``:
+        the owner is in ``{ns}:owners`` already; ``spill``: the owner holds
+        many locks (its registry's buckets); ``first``: the token was never
+        sent before (the caller must resend without it). Only the lock keys
+        travel as KEYS (the script builds the rest from the
         prefix), and the arguments are bytes where they repeat: each
         argument costs the client an encoding on every call.
         """

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from celery_redislock import LockManager
+from celery_redislock import Inspector, LockManager
 from redis_server import RedisServer
 
 from .harness import Cluster, wait_for
@@ -118,14 +118,24 @@ def test_an_adopted_deferred_body_re_enters_its_lock_and_names_its_task_and_node
     # The nested @locked call re-entered the adopted grant (same fence).
     assert info["inner_fence"] == info["outer_fence"] is not None, info
     # The adopted grant carries the task's holder record, naming the node
-    # whose child runs it.
-    record = c.lock_redis.get(c.key("holder", info["token"]))
+    # whose child runs it: what the operator sees (redislock locks).
     node = next(p.nodename for p in c.processes if getattr(p, "nodename", "").startswith("defer-"))
-    assert record is not None and record.split("\n") == ["e2e.dreenter", d.id, node]
+    operator = LockManager(c.lock_url, c.namespace, heartbeat=False, eviction_check="ignore")
+    try:
+        [held] = Inspector(operator).locks(["res:dre"])[0].holders
+    finally:
+        operator.close()
+    assert (held.token, held.task_name, held.task_id, held.node) == (
+        info["token"],
+        "e2e.dreenter",
+        d.id,
+        node,
+    )
     c.go("dre-d")
     assert d.get(timeout=60)["outer_fence"] == info["outer_fence"]
     wait_for(lambda: not c.namespace_keys("lock"), 30, "locks released", on_timeout=c.report)
-    assert not c.namespace_keys("holder"), "the holder record goes with the grant"
+    # The holder record goes with the grant (its registry, no key of its own).
+    assert not c.namespace_keys("holder") and not c.namespace_keys("held")
 
 
 def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> None:
