@@ -347,6 +347,45 @@ def test_a_subclass_that_only_counts_sends_keeps_the_direct_send(
         client.close()
 
 
+def test_hold_connection_false_shows_every_lock_command_to_execute_command_wrappers(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tracing and APM agents wrap redis.Redis.execute_command: with the held
+    # connection the scripts and the waiter's BLPOP pass them by; without
+    # it they see every one (docs/operations.md, "Tracing and APM").
+    seen: list[str] = []
+    real = redis.Redis.execute_command
+
+    def traced(self: redis.Redis, *args: Any, **kwargs: Any) -> Any:
+        seen.append(str(args[0]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.Redis, "execute_command", traced)
+    held = LockManager(client, NS, heartbeat=False)
+    plain = LockManager(client, NS, heartbeat=False, hold_connection=False)
+    try:
+        for mgr, expected in ((held, []), (plain, ["EVALSHA", "EVALSHA"])):
+            mgr.acquire("R", timeout=5).release()  # its one-off format check first
+            del seen[:]
+            mgr.acquire("R", timeout=5).release()
+            assert [c for c in seen if c in ("EVALSHA", "BLPOP")] == expected
+        # A waiter woken by a hand-off: its BLPOP is traced too.
+        first = held.acquire("H", timeout=5)
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(plain.acquire("H", timeout=30)))
+        del seen[:]
+        t.start()
+        while not first.contenders():
+            threading.Event().wait(0.01)
+        first.release()
+        t.join(30)
+        assert got and "BLPOP" in seen
+        got[0].release()
+    finally:
+        held.close()
+        plain.close()
+
+
 def test_hold_connection_false_checks_out_per_command_and_holds_nothing(
     client: redis.Redis,
 ) -> None:
