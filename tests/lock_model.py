@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
+from celery_redislock.keys import holder_record
+
 #: A nested request's queue score is its arrival number minus this.
 NESTED_OFFSET = 10**15
 
@@ -74,6 +76,9 @@ class Request:
     deadline_due: bool = False
     #: Granted by a hand-off whose 'g<fence>' the waiter has not popped yet.
     handed_off: bool = False
+    #: Who holds it, when a task asks (``task name\ntask id\nnode``); '' for
+    #: a plain lock. Its grant records it in the owner's registry.
+    holder: str = ""
 
     @property
     def resources(self) -> list[str]:
@@ -95,6 +100,9 @@ class Model:
     seq: int = 0
     #: Highest fencing token granted so far (across flushes too).
     max_fence: int = 0
+    #: (owner, resource) -> the registry value the last grant of that owner
+    #: on that resource wrote: its holder record, or ''.
+    records: dict[tuple[str, str], str] = field(default_factory=dict)
 
     # -- queries ---------------------------------------------------------
 
@@ -195,6 +203,9 @@ class Model:
         )
         self.max_fence = fence
         q.state, q.fence, q.score = "granted", fence, None
+        record = holder_record(q.token, q.holder) if q.holder else ""
+        for res in q.modes:
+            self.records[(q.owner, res)] = record
 
     def flush(self) -> None:
         """Redis lost everything (FLUSHALL, a restart without persistence)."""

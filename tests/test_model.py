@@ -94,6 +94,7 @@ from hypothesis.stateful import (
 
 from celery_redislock import FORMAT_VERSION, LockManager
 from celery_redislock.identity import OwnerIdentity
+from celery_redislock.keys import holder_record
 from celery_redislock.node import group_key, node_key, tomb_key
 from lock_model import Model, Owner, Request, conflicts, purge_budget
 from redis_server import RedisServer
@@ -347,7 +348,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         # A request's first run is sent as the client sends it: flag 'f' (its
         # token was never sent, nothing to look for); every later run looks.
         first = q.state == "fresh"
-        reply = self.mgr._attempt(ident, q.token, self.reqs[q.token], queue, q.nested, None, first)
+        reply = self.mgr._attempt(
+            ident, q.token, self.reqs[q.token], queue, q.nested, q.holder, first
+        )
         code = int(reply[0])
         q.deadline_due = False
         note(f"acquire: {expect}{' (nested)' if q.nested else ''}")
@@ -465,6 +468,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         queue=st.booleans(),
         nested=st.booleans(),
         spill=st.booleans(),
+        task=st.booleans(),
     )
     def acquire(
         self,
@@ -473,6 +477,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         queue: bool,
         nested: bool,
         spill: bool = False,
+        task: bool = False,
     ) -> None:
         oid = data.draw(st.sampled_from(self.usable()), label="owner")
         # Nested: made while the same thread holds a lock (the owner has a lease).
@@ -482,6 +487,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         req = self.mgr._request(ex, sh)
         modes = dict(zip(req.resources, req.modes))
         q = Request(token=f"{oid}|r{self._next()}", owner=oid, modes=modes, nested=nested)
+        if task:  # as @locked asks: its grant records who holds it
+            q.holder = f"t.run\n{q.token}\nnode"
         self.model.requests[q.token] = q
         self.reqs[q.token] = req
         # As an owner holding many locks: its registry spills into buckets
@@ -638,13 +645,14 @@ class ProtocolMachine(RuleBasedStateMachine):
         sh = [res for res, m in shape.items() if m == "s"]
         req = self.mgr._request(ex, sh)
         q = Request(f"{oid}|task:{tid}", oid, dict(zip(req.resources, req.modes)), False)
+        q.holder = f"t.unique\n{tid}\n"  # as UniqueTask records it at enqueue
         self.model.requests[q.token] = q
         self.reqs[q.token] = req
         why = self.model.blockers(q)
         expect = "blocked" if why else "granted"
         if not why and self.dead_residue(q) >= purge_budget(LIMIT):
             expect = "either"
-        grant = self.mgr.acquire_for_task(tid, ex, sh, ttl=OWNER_TTL)
+        grant = self.mgr.acquire_for_task(tid, ex, sh, ttl=OWNER_TTL, holder=q.holder)
         # Registered by the attempt; a refused one holding nothing is forgotten.
         owner.state = "alive" if grant.granted else "dead"
         note(f"task acquire: {expect}")
@@ -721,6 +729,8 @@ class ProtocolMachine(RuleBasedStateMachine):
                 old = q.token
                 q.token = oid + "|" + old.split("|", 1)[1]
                 q.owner = oid
+                for res in q.modes:  # the record keeps the request id
+                    self.model.records[(oid, res)] = self.model.records.get((towner, res), "")
                 del self.model.requests[old]
                 self.model.requests[q.token] = q
                 self.reqs[q.token] = self.reqs.pop(old)
@@ -1057,8 +1067,19 @@ class ProtocolMachine(RuleBasedStateMachine):
                 assert q.token in view.lock(res), f"live grant {q.token} lost {res} in Redis"
         held = registry_view(view)
         assert held == holds, f"registry {held} != locks held {holds}"
-        for o, v in view.of_kind("held"):
-            assert set(v.values()) == {""}, f"registry of {o}: {v}"
+        # Each registry value is the record of the owner's last grant on the
+        # resource ('' for a plain lock). A name in both the main hash and a
+        # bucket (two tokens, spilled in between) has it in one of them.
+        values: dict[tuple[str, str], list[str]] = {}
+        for key, fields in view.of_kind("held"):
+            owner, bar, bucket = key.partition("|")
+            if bar and not bucket:
+                continue  # the bucket index
+            for name, value in fields.items():
+                values.setdefault((owner, name), []).append(value)
+        for (owner, name), found in values.items():
+            expected = model.records.get((owner, name), "")
+            assert expected in found, f"registry of {owner}: {name} -> {found}, not {expected!r}"
         members = set(view.raw.get(PREFIX + "owners") or ())
         waiting = {q.owner for q in model.live_queued()}
         assert set(held) | waiting <= members, f"owners set {members} lacks {set(held) | waiting}"
@@ -1087,13 +1108,16 @@ class ProtocolMachine(RuleBasedStateMachine):
                     f"{q.token} lost its place in {res}"
                 )
             state = view.raw.get(PREFIX + "req:" + q.token)
-            assert state == {
+            expected = {
                 "state": "q",
                 "seq": str(q.score),
                 "modes": q.mode_string,
                 "res": "\n".join(q.modes),
                 "nested": "1" if q.nested else "0",
-            }, (q, state)
+            }
+            if q.holder:  # what the hand-off writes into the registry
+                expected["holder"] = holder_record(q.token, q.holder)
+            assert state == expected, (q, state)
 
     def dead_blocker(self, q: Request, view: View) -> bool:
         """Whether a holder or earlier entry that conflicts with ``q`` in
