@@ -20,7 +20,9 @@ call for celery-redislock, five locks one after the other for the peers).
 A reference row (:data:`FLOOR`) runs celery-redislock's 9 commands in two
 scripts with no logic: the difference to our row is the scripts' own work.
 Also counted: Redis commands per cycle (``INFO commandstats``, commands run
-inside scripts under their own names).
+inside scripts under their own names), and the liveness upkeep per call: one
+``heartbeat.lua`` call for one owner, one node tick with 8 idle children
+(:func:`measure_upkeep`).
 
 Usage::
 
@@ -271,6 +273,41 @@ def measure(server: CallgrindServer, cycles: int) -> list[Row]:
     return rows
 
 
+def measure_upkeep(server: CallgrindServer, calls: int) -> dict[str, float]:
+    """Instructions per call of the liveness upkeep: one ``heartbeat.lua``
+    call for one owner (a manager's own heartbeat), and one node tick of a
+    worker with 8 idle pool children (``node_heartbeat.lua``, the fleet's
+    per-tick cost; benchmarks/fleet.py's simulated node)."""
+    from benchmarks import fleet
+    from celery_redislock.node import Node, new_incarnation
+    from celery_redislock.scripts import Scripts
+
+    client = fleet._admin(server.url, scripts=True)
+    mgr = fleet._manager(client, "upkeep", owner_ttl=30)
+    mgr.acquire("warm", timeout=0).release()  # registers the owner
+    scripts = Scripts(client)
+    alive = [mgr.keys.alive(mgr.owner_id)]
+
+    def heartbeat() -> None:
+        for _ in range(calls):
+            scripts.run("heartbeat", alive, ["30000"])
+
+    node = Node(fleet._manager(client, "upkeep", owner_ttl=30), "w0@fleet", new_incarnation())
+    node.start()
+    fleet._children(client, "upkeep", node.group_key, 8, 0, "n0", 30)
+
+    def ticks() -> None:
+        for _ in range(calls):
+            node.tick()
+
+    out = {}
+    for label, work in (("heartbeat.lua, one owner", heartbeat), ("node tick, 8 children", ticks)):
+        work()  # warm-up: scripts loaded, connections open
+        out[label] = server.count(work) / calls
+    client.close()
+    return out
+
+
 def markdown(rows: list[Row]) -> str:
     """The table: instructions and commands per cycle, and ratios to redis-py's Lock."""
     base = {r.resources: r.instructions for r in rows if r.lib == "redis-py Lock"}
@@ -311,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         with callgrind_server() as server:
             version = ".".join(str(x) for x in binary_version(server.binary))
             rows = measure(server, args.cycles)
+            upkeep = measure_upkeep(server, args.cycles)
     except ValgrindMissing as exc:
         print(f"server_work: {exc}", file=sys.stderr)
         return 2
@@ -326,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             "Instructions: redis-server's user space (parsing, commands, scripts, replies), "
             "counted, not timed (runs agree within about 1%).\n",
             markdown(rows),
+            "## Liveness upkeep, per call\n",
+            "| call | redis-server instructions |\n| --- | --- |\n"
+            + "".join(f"| {k} | {v:,.0f} |\n" for k, v in upkeep.items()),
         ]
     )
     print(text)

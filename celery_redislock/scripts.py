@@ -1,8 +1,11 @@
 """Loads the Lua scripts in ``lua/`` and runs them with EVALSHA.
 
-Each script is ``_common.lua`` followed by the script's own file (the part of
-``_common.lua`` below its ``-- @helpers`` line goes where the script has that
-line, if it has one: after the script's fast path).
+Each script is the helpers of ``_common.lua`` it uses followed by the
+script's own file: a helper is a closure Lua makes on every call of the
+script, used or not, so a script gets only the helpers its code names
+(and the helpers they name). Where a script has a ``-- @helpers`` line,
+the helpers its fast path (above that line) does not use go there instead,
+so a call that returns early makes none of them.
 :meth:`Scripts.run` sends EVALSHA and, on NOSCRIPT (after a Redis restart or
 SCRIPT FLUSH), loads the script and retries, so callers never see a missing
 script. :meth:`Scripts.run_and_wait` sends EVALSHA and ``WAIT`` in one
@@ -15,6 +18,7 @@ that wrapper copies every key and argument once more on each call.)
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -50,35 +54,90 @@ SCRIPT_NAMES = (
 )
 
 
-#: The line that splits ``_common.lua`` into the helpers every script gets
-#: first and those placed where a script has the same line (after its fast
-#: path: creating a closure costs each call of the script, returned early or not).
+#: A script's line after which the helpers its fast path does not use are
+#: placed (scripts.py, :func:`source`).
 HELPERS = "-- @helpers\n"
+
+#: A top-level definition of ``_common.lua``: ``local function f(``,
+#: ``local x`` (a variable, or a forward declaration) or ``f = function(``.
+_DEFINITION = re.compile(
+    r"^(?:local function ([A-Za-z_]\w*)|local ([A-Za-z_]\w*)|([A-Za-z_]\w*) = function\b)"
+)
+_COMMENT = re.compile(r"--[^\n]*")
+#: A comment, a quoted string (escapes included) or a name, in Lua source.
+_TOKEN = re.compile(
+    r"""--[^\n]*|'(?:\\.|[^'\\\n])*'|"(?:\\.|[^"\\\n])*"|([A-Za-z_][A-Za-z0-9_]*)"""
+)
+
+
+def _names(lua: str) -> set[str]:
+    """The names ``lua`` uses: identifiers outside comments and strings."""
+    return {m.group(1) for m in _TOKEN.finditer(lua) if m.group(1)}
+
+
+@cache
+def helper_units() -> tuple[tuple[str, str, frozenset[str]], ...]:
+    """``_common.lua`` cut at its top-level definitions: ``(name defined,
+    text, names it uses)`` in file order. Comment lines before a definition
+    end the previous unit's text; they cost nothing at run time."""
+    lua = resources.files("celery_redislock") / "lua"
+    common = (lua / "_common.lua").read_text(encoding="utf-8")
+    units: list[list[str]] = []
+    for line in common.splitlines(keepends=True):
+        match = _DEFINITION.match(line)
+        if match:
+            units.append([match.group(1) or match.group(2) or match.group(3), line])
+        elif units:
+            units[-1][1] += line
+        elif _COMMENT.sub("", line).strip():
+            raise RuntimeError(f"_common.lua: code before its first definition: {line!r}")
+    defined = {name for name, _ in units}
+    return tuple((name, text, frozenset(_names(text) & defined - {name})) for name, text in units)
+
+
+def _needed(lua: str, units: tuple[tuple[str, str, frozenset[str]], ...]) -> set[str]:
+    """The helper names ``lua`` uses, and those they use, transitively."""
+    uses: dict[str, frozenset[str]] = {}
+    for name, _, names in units:
+        uses[name] = uses.get(name, frozenset()) | names
+    todo = [n for n in _names(lua) if n in uses]
+    needed: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo.extend(uses[name])
+    return needed
 
 
 @cache
 def source(name: str) -> str:
-    """Full source of script ``name``: the format constant, the shared helpers, the script.
+    """Full source of script ``name``: the format constant, the helpers it
+    uses, the script.
 
-    The helpers below ``_common.lua``'s :data:`HELPERS` line go where the
-    script has that line, if it has one (after its fast path), else before it.
+    The helpers come in ``_common.lua``'s order (each uses only those above
+    it, or a forward-declared one). With a :data:`HELPERS` line in the
+    script, those its code above the line does not use go at that line.
 
     ``FORMAT_VERSION`` (a Lua string) is this release's data format, which
     ``_common.lua``'s ``next_fence`` records when it creates the fence.
     """
     lua = resources.files("celery_redislock") / "lua"
-    common = (lua / "_common.lua").read_text(encoding="utf-8")
     own = (lua / f"{name}.lua").read_text(encoding="utf-8")
     head = f"local FORMAT_VERSION = '{int(FORMAT_VERSION)}'\n"
-    core, found, rest = common.partition(HELPERS)
-    if not found:
-        raise RuntimeError(f"_common.lua has no {HELPERS.strip()!r} line")
+    units = helper_units()
     before, found, after = own.partition(HELPERS)
+    first = _needed(before, units)
+    later = _needed(own, units) - first
+
+    def block(names: set[str]) -> str:
+        return "".join(text for unit, text, _ in units if unit in names)
+
     if not found:
-        return head + common + "\n" + own
+        return head + block(first) + "\n" + own
     # The script's fast path (before its marker) runs before the closures of
-    # the helpers below _common.lua's marker are made.
-    return head + core + "\n" + before + rest + "\n" + after
+    # the helpers only the rest uses are made.
+    return head + block(first) + "\n" + before + block(later) + "\n" + after
 
 
 class Scripts:

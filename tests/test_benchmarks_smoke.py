@@ -443,6 +443,7 @@ def test_server_work_counts_each_librarys_instructions_and_commands_per_cycle() 
 
     with server_work.callgrind_server() as server:
         rows = server_work.measure(server, cycles=3)
+        upkeep = server_work.measure_upkeep(server, calls=3)
 
     by = {(r.lib, r.resources): r for r in rows}
     assert set(by) == set(server_work.ROWS)
@@ -453,5 +454,7 @@ def test_server_work_counts_each_librarys_instructions_and_commands_per_cycle() 
     assert ours["evalsha"] == 2 and "set" in ours and "del" not in ours
     assert by[("redis-py Lock", 1)].commands["evalsha"] == 1
     assert by[(server_work.FLOOR, 1)].commands == ours  # the same commands, no logic
+    assert set(upkeep) == {"heartbeat.lua, one owner", "node tick, 8 children"}
+    assert all(v > 0 for v in upkeep.values())
     text = server_work.markdown(rows)
     assert "| celery-redislock @locked | 1 |" in text and "1.00x" in text

@@ -18,6 +18,7 @@ from importlib import resources
 
 import pytest
 
+from celery_redislock import scripts
 from celery_redislock.scripts import SCRIPT_NAMES
 
 LUA = resources.files("celery_redislock") / "lua"
@@ -81,3 +82,45 @@ def test_the_number_check_finds_what_it_looks_for() -> None:
     code = _code("redis.call('LTRIM', k, 0, 0)\nredis.call('PEXPIRE', k, tonumber(ARGV[1]))")
     calls = _call_arguments(code)
     assert calls == [["''", "k", "0", "0"], ["''", "k", "tonumber(ARGV[1])"]]
+
+
+def _helpers() -> list[str]:
+    """Names ``_common.lua`` defines at its top level."""
+    return [name for name, _, _ in scripts.helper_units()]
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+def test_each_script_defines_every_helper_it_uses_before_using_it(name: str) -> None:
+    # scripts.source() includes only the helpers a script names; a helper
+    # left out, or placed after its first use, would be a global at run
+    # time ("Script attempted to access nonexistent global variable").
+    # Checked with this file's own comment and string stripper.
+    code = _code(scripts.source(name))
+    for helper in _helpers():
+        uses = [m.start() for m in re.finditer(rf"(?<![\w.]){helper}\b", code)]
+        if not uses:
+            continue
+        definition = re.search(rf"^(?:local function {helper}\(|local {helper}\b)", code, re.M)
+        assert definition is not None, f"{name}.lua uses {helper} but its source does not define it"
+        assert definition.start() <= uses[0], f"{name}.lua uses {helper} before defining it"
+
+
+def test_a_script_makes_only_the_closures_it_uses() -> None:
+    # Every helper is a closure made on each call of the script: one that
+    # uses none (the heartbeats run for every node each tick) gets none,
+    # and acquire's fast path, before its '-- @helpers' line, gets only
+    # what it calls.
+    for name in ("heartbeat", "node_heartbeat", "node_start", "format"):
+        assert "local function" not in _code(scripts.source(name)).split(_code(_source(name)))[0]
+    acquire = scripts.source("acquire")
+    fast = acquire[: acquire.index("local prefix = ARGV[5]")]
+    defined = set(re.findall(r"^local function (\w+)", fast, re.M))
+    assert defined == {"int", "owner_of", "name_of", "next_fence", "reg_bucket", "registry_add"}
+    assert "wake_front" in acquire  # the rest still has every helper it uses
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_no_long_string_or_comment_hides_a_name(name: str) -> None:
+    # The helper scan (scripts.py) reads line comments and quoted strings
+    # only; a Lua long bracket ([[...]], --[[...]]) would need more.
+    assert not re.search(r"\[=*\[", _source(name)), f"{name}.lua has a long bracket"

@@ -1,5 +1,8 @@
--- _common.lua: helpers prepended to every script by celery_redislock/scripts.py
--- (those below the '-- @helpers' line go where the script has that line).
+-- _common.lua: helpers for the scripts. celery_redislock/scripts.py puts
+-- in front of each script only the helpers it names (and those they name),
+-- in this file's order: a helper is a closure Lua makes on every call. Where
+-- a script has a '-- @helpers' line, the helpers its code above that line
+-- (its fast path) does not name go there instead.
 -- Not a script of its own. Every key these helpers build is
 -- PREFIX .. kind .. ':' .. id, where PREFIX is '{namespace}:' (hash tag
 -- included), so a key read from a lock, a queue or a registry stays in the
@@ -187,12 +190,6 @@ local function registry_del(prefix, owner, names, spilled)
     for _, b in ipairs(order) do redis.call('HDEL', held .. '|' .. b, unpack(by[b])) end
   end
 end
-
--- Everything below the next line goes where a script has the line
--- '-- @helpers' (scripts.py), or right here when it has none: a fast path
--- above that line returns before Lua creates the closures below (a few
--- microseconds per call). What a fast path may use is above it.
--- @helpers
 
 -- Milliseconds the owner's liveness has left: -2 when dead (no key),
 -- a large number when the key has no TTL (treated as alive).
