@@ -71,7 +71,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,13 +308,29 @@ def _batch(c: Cluster, worker: Worker, kinds: str) -> list[tuple[float, str]]:
     return [(float(s[0]), str(s[1])) for s in _run_batch(c, worker, kinds)]
 
 
+def _same_kind_pairs(stamps: Sequence[Sequence[Any]]) -> Iterator[tuple[Any, Any]]:
+    """Each two consecutive stamps of the same kind (``stamp[1]``): the
+    interval between them is one whole task cycle of that kind; intervals
+    across a change of kind are left out."""
+    for a, b in zip(stamps, stamps[1:]):
+        if a[1] == b[1]:
+            yield a, b
+
+
+def _round_kinds(round_index: int, batch: int) -> str:
+    """The kinds of one round's batch: runs of :data:`RUN` tasks of each kind
+    in turn (at least 3 runs, about ``batch`` tasks), in the order of
+    :data:`ORDERS` rotated by round."""
+    order = ORDERS[round_index % len(ORDERS)]
+    return "".join(order[j % len(order)] * RUN for j in range(max(3, batch // RUN)))
+
+
 def cycle_rates(stamps: list[tuple[float, str]]) -> dict[str, float]:
     """Tasks/s of each kind: one over the median body-to-body interval
     between two consecutive tasks of that kind."""
     gaps: dict[str, list[float]] = {}
-    for (t0, k0), (t1, k1) in zip(stamps, stamps[1:]):
-        if k0 == k1:
-            gaps.setdefault(k0, []).append(t1 - t0)
+    for (t0, k0), (t1, _) in _same_kind_pairs(stamps):
+        gaps.setdefault(k0, []).append(t1 - t0)
     return {k: 1 / statistics.median(v) for k, v in gaps.items()}
 
 
@@ -330,13 +346,10 @@ def measure_cost(
     """``rounds`` batches of ``batch`` no-op tasks on ``worker``, runs of
     plain, ``@locked`` and redis-py ``Lock`` ones in turn (the order rotated
     by round, :data:`ORDERS`)."""
-    runs = max(3, batch // RUN)
     _batch(c, worker, "".join(k * RUN for k in ORDERS[0]) * 2)  # warm-up: connections, scripts
     result = CostResult(pool)
     for i in range(rounds):
-        order = ORDERS[i % len(ORDERS)]
-        kinds = "".join(order[j % len(order)] * RUN for j in range(runs))
-        rates = cycle_rates(_batch(c, worker, kinds))
+        rates = cycle_rates(_batch(c, worker, _round_kinds(i, batch)))
         result.plain.append(rates["p"])
         result.locked.append(rates["l"])
         result.peer.append(rates["r"])
@@ -457,9 +470,7 @@ def cycle_cpu(
     of CPU, the median wall µs of the same intervals, and their count."""
     cpu: dict[str, dict[str, list[float]]] = {}
     wall: dict[str, list[float]] = {}
-    for (t0, k0, ns0), (t1, k1, ns1) in zip(stamps, stamps[1:]):
-        if k0 != k1:
-            continue
+    for (t0, k0, ns0), (t1, _, ns1) in _same_kind_pairs(stamps):
         per = cpu.setdefault(k0, {})
         for name, a, b in zip(processes, ns0, ns1):
             per.setdefault(name, []).append((b - a) / 1000)
@@ -491,8 +502,7 @@ def measure_cpu(
     of ``pids`` (:func:`cpu_pids`); the CPU of each per task, and the wall
     time per task (:class:`CpuSplit`). Skipped, with the reason, where the
     kernel keeps no ``/proc/<pid>/task/<tid>/schedstat``."""
-    runs = max(3, batch // RUN)
-    split = CpuSplit(runs * RUN, list(pids))
+    split = CpuSplit(len(_round_kinds(0, batch)), list(pids))
     names = list(pids)
     try:
         reply = _watch(c, worker, list(pids.values()))
@@ -505,9 +515,7 @@ def measure_cpu(
             return split
         split.read_us = reply["read_ns"] / 1000
         for i in range(rounds):
-            order = ORDERS[i % len(ORDERS)]
-            kinds = "".join(order[j % len(order)] * RUN for j in range(runs))
-            stamps = _run_batch(c, worker, kinds)
+            stamps = _run_batch(c, worker, _round_kinds(i, batch))
             if any(len(s) < 3 for s in stamps):
                 raise AssertionError(f"a body ran without the CPU watch\n{c.report()}")
             cpu, wall, count = cycle_cpu(stamps, names)

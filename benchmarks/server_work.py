@@ -59,7 +59,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks.cost import CYCLE_SHAPES, EXCLUDED, _cycle  # noqa: E402
+from benchmarks.cost import CYCLE_SHAPES, EXCLUDED, _cycle, commandstats  # noqa: E402
 from benchmarks.machine import cpu_model  # noqa: E402
 from engine_helpers import acquire_as_task  # noqa: E402
 from redis_server import binary_version, free_port, resolve_binary  # noqa: E402
@@ -187,12 +187,8 @@ class CallgrindServer:
 
 
 def _commands(client: redis.Redis) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for key, value in client.info("commandstats").items():
-        name = str(key).removeprefix("cmdstat_")
-        if name not in EXCLUDED:
-            out[name] = int(value["calls"])
-    return out
+    """Calls per command so far, the measurement's own commands left out."""
+    return {k: v for k, v in commandstats(client).items() if k not in EXCLUDED}
 
 
 def _locked_cycle(client: redis.Redis) -> Callable[[], None]:
