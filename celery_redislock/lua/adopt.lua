@@ -145,15 +145,19 @@ for _, lock in ipairs(registry_locks()) do
         local new = owner .. '|' .. rid
         redis.call('HDEL', lock, t)
         redis.call('HSET', lock, new, v)
-        -- (a holder record key of an earlier release goes with them)
-        local old = redis.call('GET', prefix .. 'holder:' .. t)
-        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
-        -- The request id is kept, so the record still names the grant.
+        -- The request id is kept, so the record still names the grant:
+        -- the new info, else the task owner's record, else the record key
+        -- an earlier release wrote (which goes with the old token's keys).
         if ARGV[9] and ARGV[9] ~= '' then
           record = rid .. '\n' .. ARGV[9]
         else
-          record = record_of(name) or (old and rid .. '\n' .. old) or record
+          record = record_of(name)
+          if not record then
+            local old = redis.call('GET', prefix .. 'holder:' .. t)
+            if old then record = rid .. '\n' .. old end
+          end
         end
+        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
         local g = grants[new]
         if not g then
           g = {string.sub(v, 2), {}, {}}
