@@ -13,7 +13,7 @@ FAULTS   ?= all
 END      ?= term
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs dist ci demo bench bench-celery bench-server chaos clean
+.PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs docs-shots dist ci demo bench bench-celery bench-server chaos clean
 
 help:
 	@echo "make demo       run the example (embedded Redis, no install needed)"
@@ -23,6 +23,7 @@ help:
 	@echo "make lint       ruff check, ruff format --check, mypy"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make docs       build the documentation site into docs/_build/html (warnings are errors, internal links checked)"
+	@echo "make docs-shots screenshots of the built site at 1280 px and phone width (needs chromium)"
 	@echo "make dist       build the sdist and wheel into dist/ and check them with twine"
 	@echo "make ci         lint + docs + test (what .ci/run runs)"
 	@echo "make bench      benchmarks"
@@ -101,6 +102,21 @@ docs: venv
 	rm -rf $(DOCS_OUT) docs/_build/doctrees
 	$(BIN)/sphinx-build -b html -n -W --keep-going -q -d docs/_build/doctrees docs $(DOCS_OUT)
 	@echo "docs: open $(DOCS_OUT)/index.html"
+
+# Screenshots of the built site at a laptop and a phone width, in headless
+# Chromium (Debian's package), to look at before a docs change is done.
+SHOT_PAGES := index tutorial usage concepts howto defer configuration operations metrics
+docs-shots: docs
+	@command -v chromium >/dev/null || { echo "docs-shots: needs chromium (apt-get install chromium)"; exit 1; }
+	mkdir -p docs/_build/shots
+	for page in $(SHOT_PAGES); do for size in 1280,900 390,844; do \
+		chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
+			--disable-background-networking --disable-component-update --disable-sync \
+			--user-data-dir=docs/_build/chromium --hide-scrollbars --window-size=$$size \
+			--screenshot=docs/_build/shots/$$page-$${size%%,*}.png \
+			file://$(CURDIR)/$(DOCS_OUT)/$$page.html >/dev/null 2>&1 || exit 1; \
+	done; done
+	@echo "docs-shots: docs/_build/shots/*.png"
 
 # Release artefacts. tests/test_packaging.py (part of make test) builds the
 # wheel too, installs it into a fresh venv and takes a lock with it.

@@ -89,10 +89,11 @@ intersphinx_mapping = {
 
 # -- HTML ---------------------------------------------------------------------
 
-html_theme = "alabaster"
+html_theme = "furo"
 html_title = f"celery-redislock {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["redislock.css"]
 html_theme_options = {
-    "description": "Crash-safe, fork-safe, fair Redis locks for Celery tasks",
-    "fixed_sidebar": True,
+    # The build runs offline: no fonts or icons fetched from the network.
+    "navigation_with_keys": True,
 }

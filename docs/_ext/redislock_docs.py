@@ -22,6 +22,13 @@ domain's ``setting`` type: ``{setting}`redislock_owner_ttl``` in Markdown,
 (``:setting:`task_acks_late```) and signals (``:signal:`beat_init```) resolve
 to Celery's documentation through intersphinx.
 
+The README inside the site
+--------------------------
+The README's links are absolute (they must work on the package index page
+too). Where a page includes part of it (``usage.md``), :func:`local_links`
+turns each link to a guide of ``docs/`` into a link to that page of the
+site, so a reader stays in the documentation they are reading.
+
 Internal links
 --------------
 After an HTML build, :func:`check_internal_links` reads every page of the
@@ -176,11 +183,24 @@ def check_internal_links(app: Sphinx, exc: Exception | None) -> None:
         )
 
 
+#: The prefix of the README's links to files of the repository's docs/.
+DOCS_URL = "https://github.com/celery-redislock/celery-redislock/blob/main/docs/"
+
+
+def local_links(
+    app: Sphinx, relative_path: Path, parent_docname: str, content: list[str]
+) -> None:
+    """``include-read``: an included README's links to ``docs/X.md`` become ``X.md``."""
+    if relative_path.name == "README.md":
+        content[0] = content[0].replace(f"]({DOCS_URL}", "](")
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_object_type("setting", "setting", objname="setting", indextemplate="pair: %s; setting")
     # Celery's signals, so that :signal:`worker_process_init` links to Celery's docs.
     app.add_crossref_type("signal", "signal", indextemplate="pair: %s; signal")
     app.add_directive("redislock-settings", SettingsDirective)
     app.connect("missing-reference", resolve_public_names)
+    app.connect("include-read", local_links)
     app.connect("build-finished", check_internal_links)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
