@@ -187,9 +187,7 @@ def check_internal_links(app: Sphinx, exc: Exception | None) -> None:
 DOCS_URL = "https://github.com/celery-redislock/celery-redislock/blob/main/docs/"
 
 
-def local_links(
-    app: Sphinx, relative_path: Path, parent_docname: str, content: list[str]
-) -> None:
+def local_links(app: Sphinx, relative_path: Path, parent_docname: str, content: list[str]) -> None:
     """``include-read``: an included README's links to ``docs/X.md`` become ``X.md``."""
     if relative_path.name == "README.md":
         content[0] = content[0].replace(f"]({DOCS_URL}", "](")
