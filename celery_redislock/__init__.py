@@ -30,7 +30,7 @@ from .inspect import Inspector
 from .keys import FORMAT_VERSION
 from .lease import Lease
 from .manager import Adoption, LockManager, TaskGrant
-from .reports import CleanupReport, ReconcileReport
+from .reports import CleanupReport, LockHolder, ReconcileReport
 from .task import TemplateError, current_lease, locked
 
 __version__ = "0.1.0"
@@ -56,6 +56,7 @@ __all__ = [
     "InvalidResource",
     "Lease",
     "LockError",
+    "LockHolder",
     "LockLost",
     "LockManager",
     "LockTimeout",

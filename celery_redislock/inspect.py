@@ -42,8 +42,11 @@ from .exceptions import ConfigurationError, RedisUnavailable, permission_denied
 from .identity import pid_of_tag
 from .keys import (
     FORMAT_VERSION,
+    MODE_NAMES,
     UNVERSIONED_FORMAT,
     holder_info_of,
+    owner_of_token,
+    parse_grant,
     registry_bucket,
     validate_node_name,
     validate_owner_id,
@@ -59,16 +62,6 @@ DEFAULT_BATCH_SIZE = 500
 #: Most waiters ``waiters()`` lists by default, and at most.
 DEFAULT_WAITER_LIMIT = 1000
 MAX_WAITER_LIMIT = 100_000
-
-_MODES = {"x": "exclusive", "s": "shared"}
-
-
-def _grant_value(value: str) -> tuple[str, int | None]:
-    """A lock hash value ``'<mode><fence>'`` (e.g. ``'x1764456000123456'``) as (mode, fence)."""
-    try:
-        return value[:1], int(value[1:])
-    except ValueError:
-        return value[:1], None
 
 
 _FIELD_RE = re.compile(r"(\w+)=(\S+)")
@@ -106,11 +99,6 @@ def _task_name(raw: str | None) -> str | None:
 
 def _opt_text(value: Any) -> str | None:
     return None if value is None else _text(value)
-
-
-def owner_of_token(token: str) -> str:
-    """The owner id of a holder token ``<owner>|<request id>``."""
-    return token.split("|", 1)[0]
 
 
 def describe_fields(description: str | None) -> dict[str, str]:
@@ -615,7 +603,7 @@ class Inspector:
         for key, h, _ in raw:
             if isinstance(h, dict):
                 for token, value in h.items():
-                    grants.append((key, _text(token), *_grant_value(_text(value))))
+                    grants.append((key, _text(token), *parse_grant(_text(value))))
         live = self.liveness(owner_of_token(t) for _, t, _, _ in grants)
         tasks = self._holder_infos([(self._resource(k), t) for k, t, _, _ in grants])
         holders: dict[str, list[Holder]] = {}
@@ -628,7 +616,7 @@ class Inspector:
                     resource=self._resource(key),
                     token=token,
                     owner_id=owner,
-                    mode=_MODES.get(mode, mode),
+                    mode=MODE_NAMES.get(mode, mode),
                     alive=lv.alive,
                     ttl=lv.ttl,
                     description=lv.description,
@@ -743,7 +731,7 @@ class Inspector:
                     position=pos,
                     token=token,
                     owner_id=owner,
-                    mode=_MODES.get(member[:1], member[:1]),
+                    mode=MODE_NAMES.get(member[:1], member[:1]),
                     alive=lv.alive,
                     ttl=lv.ttl,
                     description=lv.description,

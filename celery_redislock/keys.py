@@ -189,6 +189,24 @@ def task_token(owner_id: str, task_id: str) -> str:
     return f"{owner_id}|{TASK_OWNER_PREFIX}{task_id}"
 
 
+#: A grant's mode letter in a lock hash, by name.
+MODE_NAMES = {"x": "exclusive", "s": "shared"}
+
+
+def owner_of_token(token: str) -> str:
+    """The owner id of a holder token ``<owner>|<request id>``."""
+    return token.split("|", 1)[0]
+
+
+def parse_grant(value: str) -> tuple[str, int | None]:
+    """A lock hash value ``'<mode><fence>'`` (e.g. ``'x1764456000123456'``)
+    as (mode letter, fencing token or None)."""
+    try:
+        return value[:1], int(value[1:])
+    except ValueError:
+        return value[:1], None
+
+
 def task_id_of_token(token: str) -> str | None:
     """The task id a holder token was granted for; None for any other grant."""
     _, sep, rid = token.partition("|")

@@ -153,16 +153,21 @@ class Lease:
         if self.lost:
             raise LockLost(self.resources, self.owner_id, self.fencing_token, self.lost_cause)
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Release every lock of the lease (owner-checked, one round trip).
 
-        Idempotent. Only this lease's own token is deleted, so another lease
-        of the same owner on a shared resource is untouched. Called in a
-        forked child on a lease inherited from the parent, it does nothing.
+        Idempotent: returns True for the call that released the lease, False
+        for any later call (python-redis-lock raises ``NotAcquired`` there;
+        here a second release is harmless and only answers False). Only this
+        lease's own token is deleted, so another lease of the same owner on a
+        shared resource is untouched. Called in a forked child on a lease
+        inherited from the parent, it does nothing and returns False.
         A reentrant lease (or an outer lease a reentrant one still counts on)
         only drops its count: no round trip until the last one is released.
+        A lease that was lost meanwhile is still released (True): ``lost``
+        says whether it still held its locks.
         """
-        self._manager._release(self)
+        return self._manager._release(self)
 
     def contenders(self) -> int:
         """How many other requests wait for any of this lease's resources.

@@ -75,7 +75,7 @@ from .keys import (
 )
 from .lease import Lease
 from .metrics import MetricsHook
-from .reports import CleanupReport, ReconcileReport
+from .reports import CleanupReport, LockHolder, ReconcileReport
 from .scripts import Scripts
 
 log_acquire = logging.getLogger("celery_redislock.acquire")
@@ -1617,6 +1617,59 @@ class LockManager:
         finally:
             lease.release()
 
+    def try_acquire(
+        self,
+        exclusive: str | Iterable[str] | None = None,
+        shared: str | Iterable[str] | None = None,
+        *,
+        nested: bool | None = None,
+    ) -> Lease | None:
+        """Acquire every resource at once if they are free now; else None.
+
+        One attempt, without queueing (``acquire(..., timeout=0)``), that
+        answers ``None`` where :meth:`acquire` raises :class:`LockTimeout`:
+        the form of redis-py's and python-redis-lock's
+        ``acquire(blocking=False)``. Every other error (bad names, Redis out
+        of reach) is raised as :meth:`acquire` raises it.
+        """
+        try:
+            return self.acquire(exclusive, shared, timeout=0, nested=nested)
+        except LockTimeout:
+            return None
+
+    def holders(self, resource: str) -> list[LockHolder]:
+        """Who holds ``resource`` now: one :class:`LockHolder` per grant.
+
+        One round trip (the resource's lock hash), no liveness check: a grant
+        of an owner that died is listed until somebody reclaims it (the next
+        acquirer of the resource does). Exclusive first, then by owner.
+        :class:`~celery_redislock.Inspector` adds each owner's liveness and
+        the Celery task holding the grant. Raises :class:`InvalidResource`
+        for a bad name.
+        """
+        key = self.keys.lock(validate_resource(resource))
+        if self._format_pending:
+            self._check_format_once(None)
+        raw = self._command("HGETALL", key)
+        if not isinstance(raw, dict):
+            # RESP2 answers a flat list of field, value, ...
+            items = list(raw or ())
+            raw = dict(zip(items[0::2], items[1::2]))
+        out = [LockHolder.from_grant(resource, _text(t), _text(v)) for t, v in raw.items()]
+        return sorted(out, key=lambda h: (h.mode != "exclusive", h.owner_id))
+
+    def is_locked(self, resource: str) -> bool:
+        """Whether Redis records any grant on ``resource`` (one round trip).
+
+        Like :meth:`holders`, a grant of an owner that died counts until it
+        is reclaimed. A free answer is only a snapshot: use
+        :meth:`try_acquire` to take the lock if it is free.
+        """
+        key = self.keys.lock(validate_resource(resource))
+        if self._format_pending:
+            self._check_format_once(None)
+        return int(self._command("HLEN", key)) > 0
+
     # -- task owners: locks held by a task id, adopted by its process -----
 
     def acquire_for_task(
@@ -1910,36 +1963,38 @@ class LockManager:
             if not isinstance(exc, Exception):
                 raise
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: Lease) -> bool:
+        """Release ``lease``'s handle: True if this call did, False if an earlier one
+        did (or the lease was inherited across a fork: nothing of it is released)."""
         if lease._handle_released:
-            return
+            return False
         if lease.pid != os.getpid():
             log_release.warning(
                 "release.skipped token=%s reason=inherited-across-fork", lease.token
             )
             lease._handle_released = True
             lease._released = True
-            return
+            return False
         if lease._own and not lease._parents:
             # The usual lease: its own grant, nothing re-entered. One pass
             # under the lock (what _drop_hold does for the general case).
             with self._state_lock:
                 if lease._handle_released:
-                    return
+                    return False
                 lease._handle_released = True
                 lease._depth.count = max(0, lease._depth.count - 1)
                 lease._holds -= 1
                 if lease._holds > 0 or lease._released:
-                    return
+                    return True
                 lease._released = True
                 self._leases.pop(lease.token, None)
                 if lease in lease._depth.leases:
                     lease._depth.leases.remove(lease)
             self._release_grant(lease)
-            return
+            return True
         with self._state_lock:
             if lease._handle_released:
-                return
+                return False
             lease._handle_released = True
             lease._depth.count = max(0, lease._depth.count - 1)
         try:
@@ -1948,6 +2003,7 @@ class LockManager:
         finally:
             for parent in lease._parents:
                 self._drop_hold(parent)
+        return True
 
     def _drop_hold(self, lease: Lease, *, force: bool = False) -> None:
         """One fewer lease counts on ``lease``'s grant; at 0, release it in Redis."""

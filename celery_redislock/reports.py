@@ -1,8 +1,39 @@
-"""Reports returned by cleanup and reconcile: what was freed, kept, failed."""
+"""Reports returned by cleanup and reconcile (what was freed, kept, failed)
+and by :meth:`LockManager.holders` (who holds a resource)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .keys import MODE_NAMES, owner_of_token, parse_grant
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """One grant on a resource, as :meth:`LockManager.holders` reads it.
+
+    Attributes:
+        resource: the resource name.
+        owner_id: the process holding the grant (``<pid>-<random>``), or a
+            task owner (``task:<task id>``) for a task message that is not
+            running anywhere yet.
+        mode: ``"exclusive"`` or ``"shared"``.
+        fencing_token: the grant's fencing token (None for a grant written
+            without one).
+        token: the grant's holder token, ``<owner>|<request id>``.
+    """
+
+    resource: str
+    owner_id: str
+    mode: str
+    fencing_token: int | None
+    token: str
+
+    @classmethod
+    def from_grant(cls, resource: str, token: str, value: str) -> LockHolder:
+        """The holder of lock hash field ``token`` with value ``value``."""
+        mode, fence = parse_grant(value)
+        return cls(resource, owner_of_token(token), MODE_NAMES.get(mode, mode), fence, token)
 
 
 @dataclass(frozen=True)
