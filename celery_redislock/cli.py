@@ -314,7 +314,16 @@ def status(ctx: click.Context, url: str | None, namespace: str | None, as_json: 
                 "locks",
                 f"{st.registered_locks} registered ({st.dead_owner_locks} by dead owners)",
             ),
-            ("waiting", f"{st.waiting_requests} request(s) queued"),
+            (
+                "waiting",
+                f"{st.waiting_requests} request(s) queued"
+                + (
+                    f"; most for {st.busiest_resource} ({st.busiest_waiting}): "
+                    f"`redislock waiters {st.busiest_resource}`"
+                    if st.busiest_resource is not None
+                    else ""
+                ),
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
@@ -461,23 +470,35 @@ def owners(
 
 
 @redislock.command()
-@click.argument("resource")
-@click.option("--limit", type=click.IntRange(1, 100000), default=1000, show_default=True)
+@click.argument("resource", required=False)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100000),
+    default=None,
+    help="Most entries shown: queue entries of RESOURCE (default 1000), or "
+    "resources without one (default 100).",
+)
 @_command_options
 @click.pass_context
 def waiters(
     ctx: click.Context,
-    resource: str,
-    limit: int,
+    resource: str | None,
+    limit: int | None,
     url: str | None,
     namespace: str | None,
     as_json: bool,
 ) -> None:
-    """The wait queue of RESOURCE, in the order it will be served."""
+    """The wait queue of RESOURCE, in the order it will be served.
+
+    Without RESOURCE: every resource somebody waits for, longest queue first.
+    """
     insp = _inspector(ctx, url, namespace)
+    if resource is None:
+        _guard(lambda: _queue_lengths(insp, limit or 100, as_json))
+        return
 
     def run() -> None:
-        ws = insp.waiters(resource, limit=limit)
+        ws = insp.waiters(resource, limit=limit or 1000)
         if as_json:
             _emit_json([w.as_dict() for w in ws])
             return
@@ -501,6 +522,21 @@ def waiters(
         )
 
     _guard(run)
+
+
+def _queue_lengths(insp: Inspector, limit: int, as_json: bool) -> None:
+    """``waiters`` without a resource: the longest ``limit`` queues."""
+    queues = insp.queue_lengths()
+    shown = queues[:limit]
+    if as_json:
+        _emit_json([q.as_dict() for q in shown])
+        return
+    if not queues:
+        click.echo("nobody waits")
+        return
+    click.echo(_table(("RESOURCE", "WAITING"), [(q.resource, str(q.waiting)) for q in shown]))
+    if len(queues) > limit:
+        click.echo(f"... and {len(queues) - limit} more resource(s) with waiters (--limit)")
 
 
 # ---------------------------------------------------------------- release

@@ -177,9 +177,10 @@ class Waiter:
     #: (about to leave the queue); ``expired`` (its request record is gone:
     #: a stale entry the next script removes).
     state: str
-    #: The task id of a parked (deferred) task, else None.
+    #: Id of the Celery task that made the request (a parked deferred task,
+    #: or a task waiting in ``on_busy="wait"``, from its holder record), else None.
     task_id: str | None = None
-    #: The task name of a parked (deferred) task, else None.
+    #: Name of that task, else None.
     task_name: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -286,9 +287,38 @@ class Status:
     #: wait (queued requests); the rest are idle (registered, nothing yet).
     holding_owners: int = 0
     waiting_only_owners: int = 0
+    #: The resource with the most queued requests, and how many (None, 0
+    #: when nothing waits).
+    busiest_resource: str | None = None
+    busiest_waiting: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class QueueLength:
+    """How many requests wait for one resource (:meth:`Inspector.queue_lengths`)."""
+
+    resource: str
+    waiting: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _waited_names(value: Any) -> list[str]:
+    """The resource names of one waits-hash value ``modes\nname\nname...``."""
+    if value is None or isinstance(value, Exception):
+        return []
+    return [n for n in _text(value).split("\n")[1:] if n]
+
+
+def _by_length(counts: dict[str, int]) -> list[QueueLength]:
+    """Longest queue first, then by name."""
+    return [
+        QueueLength(name, n) for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
 
 
 @dataclass(frozen=True)
@@ -701,12 +731,22 @@ class Inspector:
         tokens = [m[1:] for m, _ in parsed]
         live = self.liveness(owner_of_token(t) for t in tokens)
         states: dict[str, str | None] = {}
+        # A request made by a Celery task carries its holder record.
+        tasks: dict[str, tuple[str | None, str | None]] = {}
         for batch in self._batches(tokens):
             pipe = self._pipe()
             for token in batch:
-                pipe.hget(self.keys.req(token), "state")
-            for token, st in zip(batch, self._run(pipe)):
-                states[token] = None if isinstance(st, Exception) else _opt_text(st)
+                pipe.hmget(self.keys.req(token), "state", "holder")
+            for token, got in zip(batch, self._run(pipe)):
+                if isinstance(got, Exception):
+                    states[token] = None
+                    continue
+                states[token] = _opt_text(got[0])
+                record = _opt_text(got[1])
+                info = holder_info_of(record, token) if record else None
+                if info is not None:
+                    name, task_id, _node = _holder_fields(info)
+                    tasks[token] = (name, task_id)
         parked: dict[str, str | None] = {}  # token -> task name (deferred tasks)
         deferred = [t for t in tokens if "|task:" in t]
         for batch in self._batches(deferred):
@@ -743,11 +783,35 @@ class Inspector:
                         if is_parked and st == "q"
                         else {"q": "queued", "g": "granted"}[st or "q"]
                     ),
-                    task_id=token.split("|task:", 1)[1] if is_parked else None,
-                    task_name=parked.get(token) if is_parked else None,
+                    task_id=(
+                        token.split("|task:", 1)[1]
+                        if is_parked
+                        else tasks.get(token, (None, None))[1]
+                    ),
+                    task_name=parked.get(token) if is_parked else tasks.get(token, (None,))[0],
                 )
             )
         return out
+
+    def queue_lengths(self) -> list[QueueLength]:
+        """Every resource somebody waits for, with its number of queued requests.
+
+        Longest queue first. Read from the owners' waits hashes (one pipeline
+        per batch of owners: HVALS each), never by scanning the keyspace: the
+        cost is O(owners + their queued requests).
+        """
+        counts: dict[str, int] = {}
+        for batch in self.owner_ids():
+            pipe = self._pipe()
+            for owner in batch:
+                pipe.hvals(self.keys.waits(owner))
+            for values in self._run(pipe):
+                if isinstance(values, Exception):
+                    continue
+                for value in values:
+                    for name in _waited_names(value):
+                        counts[name] = counts.get(name, 0) + 1
+        return _by_length(counts)
 
     # -- owners and locks --------------------------------------------------
 
@@ -898,8 +962,8 @@ class Inspector:
     def status(self, *, max_owners: int | None = None) -> Status:
         """Counts of owners, registered locks and queued requests, eviction policy, fence.
 
-        Per batch of owners one pipeline (EXISTS, HLEN of the registry and of the
-        waits hash, each). With
+        Per batch of owners one pipeline (EXISTS, HLEN of the registry, HVALS
+        of the waits hash, each). With
         ``max_owners``, stops after that many owners (``truncated``), which
         bounds the cost of a periodic caller (the metrics endpoint).
         """
@@ -912,6 +976,7 @@ class Inspector:
         version = server.get("redis_version") if isinstance(server, dict) else None
         owners = alive = dead = registered = dead_locks = waiting = 0
         holding = waiting_only = 0
+        per_resource: dict[str, int] = {}
         truncated = False
         for batch in self.owner_ids():
             if max_owners is not None and owners + len(batch) > max_owners:
@@ -921,15 +986,19 @@ class Inspector:
             for owner in batch:
                 pipe.exists(self.keys.alive(owner))
                 pipe.hlen(self.keys.held(owner))
-                pipe.hlen(self.keys.waits(owner))
+                pipe.hvals(self.keys.waits(owner))
                 pipe.hlen(self.keys.held_index(owner))
             replies = self._run(pipe) if batch else []
             for j in range(len(batch)):
-                is_alive, n, w, spilled = replies[4 * j : 4 * j + 4]
+                is_alive, n, queued, spilled = replies[4 * j : 4 * j + 4]
                 n = 0 if isinstance(n, Exception) else int(n)
                 if _is_spilled(spilled):
                     n = len(self.registry(batch[j]))
-                w = 0 if isinstance(w, Exception) else int(w)
+                queued = [] if isinstance(queued, Exception) else list(queued)
+                w = len(queued)
+                for value in queued:
+                    for name in _waited_names(value):
+                        per_resource[name] = per_resource.get(name, 0) + 1
                 waiting += w
                 holding += 1 if n else 0
                 waiting_only += 1 if w and not n else 0
@@ -942,6 +1011,7 @@ class Inspector:
                     dead_locks += n
             if truncated:
                 break
+        top = _by_length(per_resource)[:1]
         warnings: list[str] = []
         if ev.may_evict:
             warnings.append(ev.describe())
@@ -969,6 +1039,8 @@ class Inspector:
             truncated=truncated,
             holding_owners=holding,
             waiting_only_owners=waiting_only,
+            busiest_resource=top[0].resource if top else None,
+            busiest_waiting=top[0].waiting if top else 0,
         )
 
     # -- release planning ------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from click.testing import CliRunner, Result
 
 from celery_redislock import FORMAT_VERSION, LockManager, defer
 from celery_redislock.cli import redislock
+from engine_helpers import acquire_as_task, queue_requests
 from redis_server import RedisServer
 from test_inspect import (
     DEADLINE,
@@ -173,6 +175,76 @@ def test_waiters_lists_the_queue_in_serving_order(
     lease.release()
     t.join(DEADLINE)
     assert ok(cli("waiters", "q")).output.strip() == "nobody waits for q"
+
+
+def test_waiters_without_a_resource_lists_every_queue_longest_first(
+    cli: Callable[..., Result], managers: Callable[..., LockManager]
+) -> None:
+    holder = managers()
+    leases = [holder.acquire(exclusive=[name], timeout=5) for name in ("qa", "qb", "qc")]
+    queue_requests(managers(), 3, exclusive=["qb"])
+    queue_requests(managers(), 1, exclusive=["qa", "qc"])  # one request, two queues
+    queue_requests(managers(), 1, shared=["qc"])
+    lines = ok(cli("waiters")).output.splitlines()
+    assert [line.split() for line in lines] == [
+        ["RESOURCE", "WAITING"],
+        ["qb", "3"],
+        ["qc", "2"],
+        ["qa", "1"],
+    ]
+    lines = ok(cli("waiters", "--limit", "1")).output.splitlines()
+    assert [line.split() for line in lines[:2]] == [["RESOURCE", "WAITING"], ["qb", "3"]]
+    assert lines[2] == "... and 2 more resource(s) with waiters (--limit)"
+    assert json.loads(ok(cli("waiters", "--json")).stdout) == [
+        {"resource": "qb", "waiting": 3},
+        {"resource": "qc", "waiting": 2},
+        {"resource": "qa", "waiting": 1},
+    ]
+    out = [" ".join(line.split()) for line in ok(cli("status")).output.splitlines()]
+    assert "waiting 5 request(s) queued; most for qb (3): `redislock waiters qb`" in out
+    data = json.loads(ok(cli("status", "--json")).stdout)
+    assert (data["busiest_resource"], data["busiest_waiting"]) == ("qb", 3)
+    for lease in leases:
+        lease.release()
+
+
+def test_waiters_without_a_resource_says_so_when_nobody_waits(
+    cli: Callable[..., Result], managers: Callable[..., LockManager]
+) -> None:
+    managers().acquire(exclusive=["alone"], timeout=5)
+    assert ok(cli("waiters")).output.strip() == "nobody waits"
+    assert json.loads(ok(cli("waiters", "--json")).stdout) == []
+    out = [" ".join(line.split()) for line in ok(cli("status")).output.splitlines()]
+    assert "waiting 0 request(s) queued" in out
+
+
+def test_waiters_shows_the_task_of_a_request_waiting_in_wait_mode(
+    cli: Callable[..., Result], managers: Callable[..., LockManager]
+) -> None:
+    lease = managers().acquire(exclusive=["q"], timeout=5)
+    w = managers()
+    plain = queued_waiter(managers(), exclusive=["q"])
+    wait_until(lambda: json.loads(cli("waiters", "q", "--json").stdout), what="queued")
+    task = threading.Thread(
+        target=lambda: acquire_as_task(w, "proj.sync\ntid-7\ncelery@w1", ["q"]).release(),
+        daemon=True,
+    )
+    task.start()
+    data = wait_until(
+        lambda: (lambda d: d if len(d) == 2 else None)(
+            json.loads(cli("waiters", "q", "--json").stdout)
+        ),
+        what="both queued",
+    )
+    assert [(d["position"], d["state"], d["task_name"], d["task_id"]) for d in data] == [
+        (1, "queued", None, None),
+        (2, "queued", "proj.sync", "tid-7"),
+    ]
+    lines = ok(cli("waiters", "q")).output.splitlines()
+    assert lines[1].split()[5:7] == ["queued", "-"] and "proj.sync tid-7" in lines[2]
+    lease.release()
+    plain.join(DEADLINE)
+    task.join(DEADLINE)
 
 
 def test_waiters_shows_a_parked_task_with_its_name_and_id_in_its_place(

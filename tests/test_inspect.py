@@ -281,6 +281,7 @@ _READ_ONLY = {
     "sscan",
     "smembers",
     "hscan",
+    "hvals",
     "hlen",
     "pttl",
     "get",
@@ -288,6 +289,7 @@ _READ_ONLY = {
     "hgetall",
     "hget",
     "hexists",
+    "hmget",
     "zcard",
     "zrange",
     "type",
@@ -301,6 +303,7 @@ def _measure(insp: Inspector, r: redis.Redis) -> dict[str, int]:
     insp.status()
     insp.holders("k0")
     insp.waiters("k0")
+    insp.queue_lengths()
     return command_delta(before, commandstats(r))
 
 
