@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: Examples opted out with the no-run marker (README.md and docs/*.md).
-EXPECTED_NO_RUN = 0
+EXPECTED_NO_RUN = 1
 #: At least this many examples run (a guard against a broken extractor).
 MIN_EXAMPLES = 6
 
