@@ -524,3 +524,63 @@ def test_mark_done_by_an_owner_that_did_not_adopt_leaves_the_record_alone(
     leases[0].release()
     mark_done(child, "t1", child.owner_id)
     assert rs.hget(f"{P}defer:t1", "state") == "done"
+
+
+# -- through @locked's task path (Celery's in-process test worker) ----------
+
+
+@pytest.fixture
+def deferring(redis_url: str) -> Iterator[tuple[Any, Any]]:
+    """An app with a ``@locked(on_busy="defer")`` task on the namespace of
+    :data:`NS`; yields ``(task, locks)``. The tests run it in Celery's
+    in-process worker (threads pool, the RedisLock bootstep and its
+    dispatcher), which parks, dispatches and adopts as a prefork worker does."""
+    from celery_helpers import close_app, quick_app
+    from celery_redislock import RedisLock, current_lease, locked
+
+    app = quick_app(redis_url, "defer-engine", NS)
+    locks = RedisLock(app)
+
+    @app.task(bind=True, name="de.reenter", shared=False)
+    @locked("res:{tag}", on_busy="defer")
+    def reenter(self: Any, tag: str) -> dict[str, Any]:
+        outer = current_lease()
+        # timeout=0: a nested acquire re-enters at once; one that is not
+        # counted as held by this thread queues behind the task's own
+        # grant and is refused at once (LockTimeout), never by a time-out.
+        inner = locks.manager.acquire(f"res:{tag}", timeout=0)
+        try:
+            return {
+                "outer": outer.fencing_token if outer else None,
+                "inner": inner.fencing_token,
+                "inner_token": inner.token,
+                "outer_token": outer.token if outer else None,
+                "header": getattr(self.request, "redislock_defer", None),
+            }
+        finally:
+            inner.release()
+
+    try:
+        yield reenter, locks
+    finally:
+        close_app(app)
+
+
+def test_an_adopted_deferred_body_re_enters_its_own_lock_through_the_task_path(
+    deferring: tuple[Any, Any], managers: Managers, rs: redis.Redis
+) -> None:
+    from celery.contrib.testing.worker import start_worker
+
+    task, locks = deferring
+    holder = managers().acquire("res:x")
+    with start_worker(task.app, pool="threads", concurrency=1, perform_ping_check=False):
+        result = task.apply_async(("x",), task_id="d1")
+        wait_until(lambda: result.state == "DEFERRED", what="the task to park")
+        holder.release()  # handed to the parked request, dispatched, adopted
+        out = result.get(timeout=30)
+    fence = int(rs.hget(f"{P}defer:d1", "fence") or 0)
+    assert out["header"] == f"0:{fence}"  # the run was the adopting copy
+    assert out["outer"] == out["inner"] == fence
+    assert out["inner_token"] == out["outer_token"]  # the same grant, re-entered
+    assert rs.hget(f"{P}defer:d1", "state") == "done"
+    assert not rs.exists(f"{P}lock:res:x")
