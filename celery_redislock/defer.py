@@ -30,7 +30,7 @@ from kombu.utils import json as kjson
 from ._threads import real_sleep, start_os_thread
 from .connect import clone_client
 from .exceptions import LockError, RedisUnavailable
-from .keys import task_owner_id, task_token
+from .keys import task_owner_id
 from .lease import Lease
 from .manager import REDIS_DOWN_ERRORS, LockManager, _Request, _text
 
@@ -193,30 +193,24 @@ def adopt(
 ) -> tuple[str, list[Lease]]:
     """Take over the grant of life ``life`` of the deferred task ``task_id``.
 
-    The engine's :meth:`LockManager.adopt` moves every grant of that life's
-    task owner to this process's owner (same fence); then the park record
-    says who runs the task (``defer_adopted.lua``). Two round trips.
+    One atomic step (the engine's :meth:`LockManager.adopt` with the park
+    record): only while the park record is ``parked`` or ``granted`` and
+    names that life's task owner do its grants move to this process's owner
+    (same fence), and the record becomes ``adopted`` by it in the same
+    script. No upkeep can come in between and park the task again
+    (docs/defer.md, D8).
 
-    Returns ``("adopted", leases)``, or ``(why, [])`` when that task owner
-    has nothing to adopt (``expired``: its grant TTL ran out, or it was
-    withdrawn; ``tombstoned``; ``adopted-elsewhere``): the caller parks the
+    Returns ``("adopted", leases)``, or ``(why, [])`` when nothing was
+    adopted (``expired``: its grant TTL ran out, or it was withdrawn;
+    ``tombstoned``; ``adopted-elsewhere``; ``superseded``: the record is
+    another life's, or not waiting for this grant): the caller parks the
     message, and the park record decides whether it is a duplicate.
+    Raises :class:`ReplicationTimeout` (the grants released again) when
+    ``wait_replicas`` replicas did not acknowledge the adoption.
     """
-    adoption = mgr.adopt(task_id, life, holder=holder)
+    adoption = mgr.adopt(task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr))
     if not adoption.adopted:
         return adoption.status, []
-    owner = task_owner(task_id, life)
-    token = task_token(owner, task_id)
-    try:
-        mgr._call(
-            "defer_adopted",
-            [record_key(mgr, task_id), deferred_key(mgr)],
-            [task_id, token, adoption.by or "", _ms(_done_ttl(mgr))],
-        )
-    except BaseException:
-        for lease in adoption.leases:
-            lease.release()
-        raise
     log.info(
         "defer.adopted id=%s life=%d owner=%s grants=%d",
         task_id,

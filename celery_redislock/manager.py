@@ -369,7 +369,8 @@ class Adoption:
     Attributes:
         task_id: the task whose owner was adopted.
         status: ``"adopted"``, or why nothing was: ``"expired"``,
-            ``"tombstoned"`` or ``"adopted-elsewhere"``.
+            ``"tombstoned"``, ``"adopted-elsewhere"`` or ``"superseded"``
+            (a deferred task's park record names another life or state).
         leases: the adopted grants (empty unless ``"adopted"``).
         by: the owner id that adopted them (this process's, or another's).
     """
@@ -1713,12 +1714,19 @@ class LockManager:
         when refused the owner id (and task id, for a task owner) of a
         holder that blocked it (``None`` if it left meanwhile).
 
+        With ``wait_replicas``, ``WAIT`` goes last in the same pipeline; a
+        grant fewer replicas acknowledged is released (the task owner is
+        retired, as by :meth:`release_task`) and :class:`ReplicationTimeout`
+        raised, whatever the ``wait_policy`` (this call never waits).
+
         Raises:
             ValueError: an unusable task id (empty, longer than 512 bytes with
                 its prefix, or with ``|`` or control characters).
             InvalidResource, ConfigurationError: bad names or ``ttl``.
             LockError: the task owner was retired already (its locks were
                 adopted or cleaned up): a task id holds locks at most once.
+            ReplicationTimeout: granted, but fewer than ``wait_replicas``
+                replicas acknowledged it (released again).
             RedisUnavailable, PermissionDenied: as for :meth:`acquire`.
         """
         req = self._request(exclusive, shared)
@@ -1741,7 +1749,7 @@ class LockManager:
             self._check_format_once()
         for _ in range(3):
             try:
-                reply, holders, before = self._scripts.run_then_read(
+                reply, holders, before, acked = self._scripts.run_then_read(
                     "acquire",
                     keys,
                     args,
@@ -1752,6 +1760,7 @@ class LockManager:
                         "forget_idle",
                         [self.keys.held(owner), self.keys.waits(owner), self.keys.alive(owner)],
                     ),
+                    wait=(self.wait_replicas, self._wait_ms) if self.wait_replicas else None,
                 )
             except REDIS_DOWN_ERRORS as exc:
                 raise RedisUnavailable(self.url, exc) from exc
@@ -1762,6 +1771,8 @@ class LockManager:
                 raise denied from exc
             code = int(reply[0])
             if code == 1:
+                if acked is not None and acked < self.wait_replicas:
+                    self._task_grant_short(task_id, attempt, owner, req, acked)
                 return TaskGrant(task_id, True, int(reply[1]), token, None, before is not None)
             if code == -1:
                 raise LockError(
@@ -1781,6 +1792,31 @@ class LockManager:
                 continue  # the holder left between the script and the read
             return TaskGrant(task_id, False, None, None, blocker)
         return TaskGrant(task_id, False, None, None, None)
+
+    def _task_grant_short(
+        self, task_id: str, attempt: int, owner: str, req: _Request, acked: int
+    ) -> None:
+        """Too few replicas acknowledged a task owner's grant: free it, raise.
+
+        The call never waits, so both ``wait_policy`` values end here (as an
+        acquire with ``timeout=0`` does): the task owner is released and
+        retired (:meth:`release_task`), then :class:`ReplicationTimeout`.
+        """
+        log_acquire.warning(
+            "acquire.replication-short token=%s resources=%s wanted=%d acknowledged=%d "
+            "wait_timeout=%.3gs policy=%s: grant released",
+            task_token(owner, task_id),
+            ",".join(req.resources),
+            self.wait_replicas,
+            acked,
+            self.wait_timeout,
+            self.wait_policy,
+        )
+        try:
+            self.release_task(task_id, attempt)
+        except LockError as exc:  # its liveness (the task's ttl) frees it
+            log_acquire.error("acquire.release-error owner=%s error=%r", owner, exc)
+        raise ReplicationTimeout(req.resources, 0.0, self.wait_replicas, acked, self.wait_timeout)
 
     def release_task(self, task_id: str, attempt: int = 0) -> CleanupReport:
         """Free every lock task ``task_id``'s owner holds, and retire it.
@@ -1807,7 +1843,14 @@ class LockManager:
                 depth.leases.append(lease)
                 depth.count += 1
 
-    def adopt(self, task_id: str, attempt: int = 0, *, holder: str | None = None) -> Adoption:
+    def adopt(
+        self,
+        task_id: str,
+        attempt: int = 0,
+        *,
+        holder: str | None = None,
+        park_record_ttl: float | None = None,
+    ) -> Adoption:
         """Take over every lock task ``task_id``'s owner holds, in this process.
 
         Call it in the process that runs the task, before its body. One
@@ -1828,10 +1871,24 @@ class LockManager:
         was adopted: ``"expired"`` (the task owner's liveness ran out: its
         locks are anyone's to reclaim), ``"tombstoned"`` (it was cleaned up
         or released) or ``"adopted-elsewhere"`` (another owner, ``by``, took
-        it). The caller decides what to do then (``UniqueTask`` acquires the
-        resources afresh). ``attempt``: as for :meth:`acquire_for_task`.
-        ``holder``: the holder record of the adopted grants (task name, task
-        id and node, one per line); None keeps the task owner's.
+        it), or ``"superseded"`` (below). The caller decides what to do then
+        (``UniqueTask`` acquires the resources afresh). ``attempt``: as for
+        :meth:`acquire_for_task`. ``holder``: the holder record of the
+        adopted grants (task name, task id and node, one per line); None
+        keeps the task owner's.
+
+        ``park_record_ttl``: for a deferred task (``on_busy="defer"``,
+        docs/defer.md), the seconds its park record is kept once adopted.
+        The record is then checked and marked in the same script: only a
+        record that is ``parked`` or ``granted`` and names this attempt's
+        task owner lets the grants move, and it becomes ``adopted`` by this
+        process's owner; any other record (or none) answers
+        ``"superseded"`` with nothing moved.
+
+        With ``wait_replicas``, ``WAIT`` goes in the same round trip; when
+        fewer replicas acknowledge, the adopted grants are released and
+        :class:`ReplicationTimeout` is raised, whatever the ``wait_policy``
+        (adopting never waits). The adoption itself stays recorded.
         """
         owner = task_owner_id(task_id, attempt)
         if self._closed:
@@ -1841,10 +1898,14 @@ class LockManager:
             self._heartbeat.ensure_started()
         else:
             self._ensure_lost_watch()
+        record: tuple[str, str, float] | None = None
+        if park_record_ttl is not None:
+            record = (task_id, task_token(owner, task_id), park_record_ttl)
         reply: Any = None
+        acked: int | None = None
         for _ in range(3):
             started = time.monotonic()
-            reply = self._adopt_script(ident, owner, holder)
+            reply, acked = self._adopt_script(ident, owner, holder, record)
             if int(reply[0]) != -1:
                 break
             self._owner_lost(ident, "acquire")
@@ -1876,13 +1937,45 @@ class LockManager:
         if not current:
             for lease in leases:
                 lease._mark_lost()
+        if leases and acked is not None and acked < self.wait_replicas:
+            self._adoption_short(task_id, leases, acked)
         log_acquire.info(
             "acquire.adopted task=%s owner=%s grants=%d", task_id, ident.owner_id, len(leases)
         )
         return Adoption(task_id, "adopted", leases, ident.owner_id)
 
-    def _adopt_script(self, ident: OwnerIdentity, owner: str, holder: str | None = None) -> Any:
-        """One run of adopt.lua: ``ident`` adopts task owner ``owner``'s grants."""
+    def _adoption_short(self, task_id: str, leases: list[Lease], acked: int) -> None:
+        """Too few replicas acknowledged an adoption: release its grants, raise."""
+        names = [name for lease in leases for name in lease.resources]
+        log_acquire.warning(
+            "acquire.replication-short task=%s resources=%s wanted=%d acknowledged=%d "
+            "wait_timeout=%.3gs policy=%s: adopted grants released",
+            task_id,
+            ",".join(names),
+            self.wait_replicas,
+            acked,
+            self.wait_timeout,
+            self.wait_policy,
+        )
+        for lease in leases:
+            try:
+                lease.release()
+            except LockError as exc:  # retried as a deferred release
+                log_acquire.error("acquire.release-error token=%s error=%r", lease.token, exc)
+        raise ReplicationTimeout(names, 0.0, self.wait_replicas, acked, self.wait_timeout)
+
+    def _adopt_script(
+        self,
+        ident: OwnerIdentity,
+        owner: str,
+        holder: str | None = None,
+        record: tuple[str, str, float] | None = None,
+    ) -> tuple[Any, int | None]:
+        """One run of adopt.lua: ``ident`` adopts task owner ``owner``'s grants.
+
+        ``record``: ``(task id, token, TTL s)`` of a park record to check and
+        mark in the same step. Returns ``(reply, replicas that acknowledged)``,
+        the count None without ``wait_replicas``."""
         group = self._group() if (self._group is not None and not ident.registered) else None
         keys = [
             self.keys.held(owner),
@@ -1906,7 +1999,12 @@ class LockManager:
             self._limit_arg,
             holder or "",
         ]
-        return self._call("adopt", keys, args)
+        if record is not None:
+            args += [record[0], record[1], str(max(1, int(record[2] * 1000)))]
+        if self.wait_replicas:
+            reply, acked = self._call("adopt", keys, args, wait=self.wait_replicas)
+            return reply, int(acked)
+        return self._call("adopt", keys, args), None
 
     # -- release ----------------------------------------------------------
 

@@ -45,7 +45,6 @@ SCRIPT_NAMES = (
     "adopt",
     "forget_idle",
     "defer_park",
-    "defer_adopted",
     "defer_claim",
     "defer_granted",
     "defer_done",
@@ -210,7 +209,8 @@ class Scripts:
         hashes: list[str],
         probe: tuple[str, str] | None = None,
         then: tuple[str, list[str]] | None = None,
-    ) -> tuple[Any, list[Any], Any]:
+        wait: tuple[int, int] | None = None,
+    ) -> tuple[Any, list[Any], Any, int | None]:
         """Run script ``name`` and ``HGETALL`` each of ``hashes``: one round trip
         (on Redis Cluster, one per command: redis-py has no EVALSHA in a
         cluster pipeline).
@@ -220,8 +220,10 @@ class Scripts:
         ``(script, keys)``: a script (no ARGV) sent last; its reply is not
         returned. The reads go on the same connection as the script, not
         atomically with it: another client's command may run in between, so
-        callers treat what they read as a hint. Returns ``(script reply,
-        [hash contents], probed value or None)``. NOSCRIPT of the main script
+        callers treat what they read as a hint. ``wait`` = ``(replicas,
+        timeout_ms)``: ``WAIT`` sent last, on the same connection (not on
+        Redis Cluster). Returns ``(script reply, [hash contents], probed
+        value or None, replicas that acknowledged or None)``. NOSCRIPT of the main script
         loads it and sends the pipeline again; of ``then`` alone, runs that
         script again (loading it). A script error is raised as it is.
         """
@@ -234,7 +236,7 @@ class Scripts:
             read = [c.hgetall(key) for key in hashes]
             if then is not None:
                 self.run(then[0], then[1], [])
-            return reply, read, probed
+            return reply, read, probed, None
         for attempt in (1, 2):
             pipe = c.pipeline(transaction=False)
             if probe is not None:
@@ -244,8 +246,11 @@ class Scripts:
                 pipe.hgetall(key)
             if then is not None:
                 pipe.evalsha(self._sha[then[0]], len(then[1]), *then[1])
+            if wait is not None:
+                pipe.execute_command("WAIT", *wait)
             out = pipe.execute(raise_on_error=False)
             probed = out.pop(0) if probe is not None else None
+            acked = out.pop() if wait is not None else None
             last = out.pop() if then is not None else None
             reply, *read = out
             if isinstance(reply, NoScriptError) and attempt == 1:
@@ -255,10 +260,10 @@ class Scripts:
                 # The main script ran: only the last one is run again (the
                 # whole pipeline again would read its own grant as earlier).
                 last = self.run(then[0], then[1], [])
-            for item in (reply, *read, probed, last):
+            for item in (reply, *read, probed, last, acked):
                 if isinstance(item, Exception):
                     raise item
-            return reply, read, probed
+            return reply, read, probed, None if acked is None else int(acked)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def run_and_wait(

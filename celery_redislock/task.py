@@ -34,7 +34,14 @@ from typing import Any, TypeVar
 
 from . import _validate as _v
 from .app import RedisLock
-from .exceptions import ConfigurationError, LockError, LockLost, LockTimeout, ShuttingDown
+from .exceptions import (
+    ConfigurationError,
+    LockError,
+    LockLost,
+    LockTimeout,
+    ReplicationTimeout,
+    ShuttingDown,
+)
 from .lease import Lease
 from .settings import ON_BUSY_MODES, ON_LOST_MODES
 
@@ -634,10 +641,24 @@ def _run_deferred(
 
         return mark
 
+    def replication_short(exc: ReplicationTimeout) -> None:
+        # Adopted, then released again (too few replicas have it): the task
+        # ends with the error, as a wait-mode task's does; a stale copy of
+        # its message finds it done.
+        log.warning("defer.replication-short task=%s id=%s: %s", label, task_id, exc)
+        try:
+            defer.mark_done(mgr, task_id, mgr.owner_id)
+        except Exception as err:  # the record expires on its own
+            log.warning("defer.done-error id=%s error=%r", task_id, err)
+
     grant = _grant_header(request)
     if grant is not None:
         life, fence = grant
-        outcome, leases = defer.adopt(mgr, task_id, life, holder=holder)
+        try:
+            outcome, leases = defer.adopt(mgr, task_id, life, holder=holder)
+        except ReplicationTimeout as exc:
+            replication_short(exc)
+            raise
         if leases:
             return _run_adopted(leases, resources, run, fun, args, kwargs, done_marker(leases))
         log.info(
@@ -680,6 +701,9 @@ def _run_deferred(
             label=f"{task.name} {task_id}",
             holder=holder,
         )
+    except ReplicationTimeout as exc:  # granted at once, adopted, replicas short
+        replication_short(exc)
+        raise
     except (TypeError, ValueError) as exc:
         log.warning(
             "locked.defer-unserializable task=%s id=%s error=%r: waiting instead",

@@ -41,9 +41,16 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 
 from . import _validate as _v
-from .exceptions import ConfigurationError, DuplicateTask, LockError, LockTimeout
+from .exceptions import (
+    ConfigurationError,
+    DuplicateTask,
+    LockError,
+    LockTimeout,
+    ReplicationTimeout,
+)
 from .keys import TASK_OWNER_PREFIX
 from .lease import Lease
+from .manager import TaskGrant
 from .node import free_dead_member
 from .task import _check_fields, _find_locks, _format, _template_list, holder_info
 
@@ -233,9 +240,14 @@ class UniqueTask(Task):
             held = dict(_running.get()).get(task_id)
             if held is not None and not held.released:
                 held.release()
-        grant = mgr.acquire_for_task(
-            task_id, resource, ttl=ttl, attempt=attempt, holder=f"{self.name}\n{task_id}\n"
-        )
+        try:
+            grant = mgr.acquire_for_task(
+                task_id, resource, ttl=ttl, attempt=attempt, holder=f"{self.name}\n{task_id}\n"
+            )
+        except ReplicationTimeout:
+            if not attempt:
+                raise  # not sent: too few replicas have the key (released again)
+            grant = TaskGrant(task_id, False, None, None, None)  # a retry runs anyway
         if grant.repeated and explicit_id and not attempt:
             # This very task id holds the key already: it was sent before.
             # (Only for an id the caller chose: a fresh uuid cannot repeat,
@@ -338,6 +350,16 @@ class UniqueTask(Task):
             adoption = mgr.adopt(
                 task_id, attempt, holder=holder_info(self, self.name, locks.nodename)
             )
+        except ReplicationTimeout as exc:
+            # Adopted, then released again (too few replicas have it): the
+            # task runs without its key, as when another task holds it.
+            log.warning(
+                "unique.run-without-key task=%s id=%s adopt=replication-short: %s",
+                self.name,
+                task_id,
+                exc,
+            )
+            return None
         except BaseException:
             # Interrupted (a soft time limit, a kill) maybe after Redis moved
             # the key to this process: adopt again (idempotent: the same

@@ -97,7 +97,7 @@ def test_adopt_moves_the_grant_to_the_adopting_owner_with_its_fence_once(
     assert rs.hget(f"{P}defer:t1", "owner") == child.owner_id
     assert rs.zcard(f"{P}deferred") == 0
     # A second copy of the message: adopted already (by a live owner).
-    assert adopt(managers(), "t1", 0)[1] == []
+    assert adopt(managers(), "t1", 0) == ("adopted-elsewhere", [])
     assert _park(managers(), "t1", "a") == "duplicate"
 
     lease.release()
@@ -386,3 +386,201 @@ def test_a_body_running_adopted_grants_re_enters_them(managers: Managers, rs: re
     assert rs.hget(f"{P}lock:a", leases[0].token) is not None
     leases[0].release()
     assert not rs.exists(f"{P}lock:a")
+
+
+def _granted(mgr: LockManager, rs: redis.Redis, task_id: str = "t1", res: str = "a") -> int:
+    """Park ``task_id`` behind a holder and release: its grant is in transit."""
+    holder = mgr.acquire(res)
+    assert _park(mgr, task_id, res) == "parked"
+    holder.release()
+    assert rs.hget(f"{P}defer:{task_id}", "state") == "granted"
+    return int(rs.hget(f"{P}defer:{task_id}", "fence") or 0)
+
+
+def test_an_upkeep_landing_right_after_the_adoption_finds_the_task_adopted_not_due_again(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    # The adoption lands at the grant deadline: the upkeep looks at the task
+    # (due: its grant TTL ran out) right after the engine moved the grant,
+    # its task owner's liveness gone. The record must already say adopted,
+    # or the upkeep parks the task again and the body runs twice.
+    mgr, child = managers(), managers()
+    fence = _granted(mgr, rs)
+    dispatcher, sent = _dispatcher(mgr)
+    engine_adopt = child.adopt
+    looked: list[str | None] = []
+
+    def adopt_then_upkeep(*args: Any, **kwargs: Any) -> Any:
+        adoption = engine_adopt(*args, **kwargs)
+        assert not rs.exists(f"{P}alive:task:t1")  # the task owner is retired
+        dispatcher.due("t1")
+        looked.append(rs.hget(f"{P}defer:t1", "state"))
+        return adoption
+
+    child.adopt = adopt_then_upkeep  # type: ignore[method-assign]
+    outcome, leases = adopt(child, "t1", 0)
+    assert looked == ["adopted"]
+    # The body runs (a lease with the grant's fence) and nothing else of the
+    # task is in line: no second life, no second dispatch.
+    assert outcome == "adopted" and [x.fencing_token for x in leases] == [fence]
+    record = rs.hgetall(f"{P}defer:t1")
+    assert (record["state"], record["life"], record["owner"]) == ("adopted", "0", child.owner_id)
+    assert rs.zcard(f"{P}q:a") == 0 and rs.zscore(f"{P}deferred", "t1") is None
+    assert rs.hgetall(f"{P}lock:a") == {leases[0].token: f"x{fence}"}
+    leases[0].release()
+    mark_done(child, "t1", child.owner_id)
+    assert not rs.exists(f"{P}lock:a") and rs.hget(f"{P}defer:t1", "state") == "done"
+    # The dispatch list still has the id of the hand-off: nothing to publish.
+    dispatcher.step()
+    assert sent.sent == [] and rs.hget(f"{P}defer:t1", "state") == "done"
+
+
+def test_an_upkeep_before_the_adoption_parks_the_task_again_and_the_late_copy_is_a_duplicate(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    # The other order: the grant deadline passes first (the task owner's
+    # liveness ran out), the upkeep hands the lock on and parks the task
+    # again; the copy that arrives late adopts nothing and is dropped.
+    mgr, child = managers(), managers()
+    _granted(mgr, rs)
+    rs.pexpire(f"{P}alive:task:t1", 1)
+    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="the grant TTL to run out")
+    dispatcher, _ = _dispatcher(mgr)
+    dispatcher.due("t1")
+    assert rs.hget(f"{P}defer:t1", "life") == "1"
+    assert adopt(child, "t1", 0) == ("expired", [])
+    assert _park(child, "t1", "a") == "duplicate"
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"  # the new life has the lock
+    assert not rs.exists(f"{P}held:{child.owner_id}")
+
+
+def test_an_adoption_the_park_record_does_not_name_moves_nothing_and_runs_no_body(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, child = managers(), managers()
+    fence = _granted(mgr, rs)
+    token = "task:t1|task:t1"
+    # The record names another life's request: the grant stays in transit.
+    rs.hset(f"{P}defer:t1", "token", "task+1:t1|task:t1")
+    assert adopt(child, "t1", 0) == ("superseded", [])
+    assert rs.hgetall(f"{P}lock:a") == {token: f"x{fence}"}
+    assert rs.exists(f"{P}alive:task:t1") and not rs.exists(f"{P}adopted:task:t1")
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    assert not rs.exists(f"{P}held:{child.owner_id}")
+    # Nor one that is no longer waiting for a grant (done, or gone).
+    rs.hset(f"{P}defer:t1", mapping={"token": token, "state": "done"})
+    assert adopt(child, "t1", 0) == ("superseded", [])
+    rs.delete(f"{P}defer:t1")
+    assert adopt(child, "t1", 0) == ("superseded", [])
+    assert rs.hgetall(f"{P}lock:a") == {token: f"x{fence}"}
+    # The engine's adopt without a park record (a UniqueTask's key) is not
+    # held back by it.
+    adoption = child.adopt("t1", 0)
+    assert adoption.status == "adopted" and adoption.leases[0].fencing_token == fence
+    adoption.leases[0].release()
+
+
+def test_adopting_again_after_a_lost_reply_returns_the_same_grant(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, child = managers(), managers()
+    fence = _granted(mgr, rs)
+    outcome, leases = adopt(child, "t1", 0)
+    assert outcome == "adopted"
+    again = child.adopt("t1", 0, park_record_ttl=60.0)
+    assert again.status == "adopted"
+    assert [x.token for x in again.leases] == [leases[0].token]
+    assert again.leases[0].fencing_token == fence
+    assert rs.hget(f"{P}defer:t1", "state") == "adopted"
+    leases[0].release()
+
+
+def test_a_done_record_whose_adopter_exited_still_drops_a_stale_copy(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, child = managers(), managers()
+    _granted(mgr, rs)
+    _, leases = adopt(child, "t1", 0)
+    leases[0].release()
+    mark_done(child, "t1", child.owner_id)
+    owner = child.owner_id
+    child.close()
+    assert not rs.exists(f"{P}alive:{owner}")  # the adopter has exited
+    # A stale copy of the message (a broker redelivery): never granted again.
+    assert _park(managers(), "t1", "a") == "duplicate"
+    assert rs.hget(f"{P}defer:t1", "state") == "done"
+    assert rs.zcard(f"{P}q:a") == 0 and not rs.exists(f"{P}lock:a")
+
+
+def test_mark_done_by_an_owner_that_did_not_adopt_leaves_the_record_alone(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, child = managers(), managers()
+    _granted(mgr, rs)
+    _, leases = adopt(child, "t1", 0)
+    before = rs.hgetall(f"{P}defer:t1")
+    mark_done(mgr, "t1", mgr.owner_id)
+    assert rs.hgetall(f"{P}defer:t1") == before and before["state"] == "adopted"
+    leases[0].release()
+    mark_done(child, "t1", child.owner_id)
+    assert rs.hget(f"{P}defer:t1", "state") == "done"
+
+
+# -- through @locked's task path (Celery's in-process test worker) ----------
+
+
+@pytest.fixture
+def deferring(redis_url: str) -> Iterator[tuple[Any, Any]]:
+    """An app with a ``@locked(on_busy="defer")`` task on the namespace of
+    :data:`NS`; yields ``(task, locks)``. The tests run it in Celery's
+    in-process worker (threads pool, the RedisLock bootstep and its
+    dispatcher), which parks, dispatches and adopts as a prefork worker does."""
+    from celery_helpers import close_app, quick_app
+    from celery_redislock import RedisLock, current_lease, locked
+
+    app = quick_app(redis_url, "defer-engine", NS)
+    locks = RedisLock(app)
+
+    @app.task(bind=True, name="de.reenter", shared=False)
+    @locked("res:{tag}", on_busy="defer")
+    def reenter(self: Any, tag: str) -> dict[str, Any]:
+        outer = current_lease()
+        # timeout=0: a nested acquire re-enters at once; one that is not
+        # counted as held by this thread queues behind the task's own
+        # grant and is refused at once (LockTimeout), never by a time-out.
+        inner = locks.manager.acquire(f"res:{tag}", timeout=0)
+        try:
+            return {
+                "outer": outer.fencing_token if outer else None,
+                "inner": inner.fencing_token,
+                "inner_token": inner.token,
+                "outer_token": outer.token if outer else None,
+                "header": getattr(self.request, "redislock_defer", None),
+            }
+        finally:
+            inner.release()
+
+    try:
+        yield reenter, locks
+    finally:
+        close_app(app)
+
+
+def test_an_adopted_deferred_body_re_enters_its_own_lock_through_the_task_path(
+    deferring: tuple[Any, Any], managers: Managers, rs: redis.Redis
+) -> None:
+    from celery.contrib.testing.worker import start_worker
+
+    task, locks = deferring
+    holder = managers().acquire("res:x")
+    with start_worker(task.app, pool="threads", concurrency=1, perform_ping_check=False):
+        result = task.apply_async(("x",), task_id="d1")
+        wait_until(lambda: result.state == "DEFERRED", what="the task to park")
+        holder.release()  # handed to the parked request, dispatched, adopted
+        out = result.get(timeout=30)
+    fence = int(rs.hget(f"{P}defer:d1", "fence") or 0)
+    assert out["header"] == f"0:{fence}"  # the run was the adopting copy
+    assert out["outer"] == out["inner"] == fence
+    assert out["inner_token"] == out["outer_token"]  # the same grant, re-entered
+    assert rs.hget(f"{P}defer:d1", "state") == "done"
+    assert not rs.exists(f"{P}lock:res:x")

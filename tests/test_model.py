@@ -681,7 +681,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         oid = data.draw(st.sampled_from(self.usable()), label="adopter")
         task, owner, ident = self.model.owners[towner], self.model.owners[oid], self.idents[oid]
         self.attempt_group = group_key(PREFIX, owner.group) if owner.group else None
-        reply = self.mgr._adopt_script(ident, towner)
+        reply, _ = self.mgr._adopt_script(ident, towner)
         code = int(reply[0])
         by = self.adopted.get(towner)
         if ident.registered and owner.state == "dead":

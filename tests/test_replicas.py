@@ -375,3 +375,156 @@ def test_a_wait_timeout_above_the_socket_timeout_is_refused_under_the_settings_n
         _ = locks.manager
     assert err.value.setting == "redislock_wait_timeout"
     assert "below the client's socket timeout" in str(err.value)
+
+
+# -- grants a task acts on: a task owner's, an adopted one, a deferred task's --
+
+
+def test_a_task_owners_grant_is_on_the_replica_or_refused_with_nothing_held(
+    fresh: Pair, managers: Managers
+) -> None:
+    mgr = managers(wait_replicas=1, wait_timeout=0.2)
+    grant = mgr.acquire_for_task("t1", "res", ttl=30)
+    assert grant.granted and grant.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
+    mgr.release_task("t1")
+    fresh.pause_replica()
+    # Both policies: acquire_for_task never waits, so nothing to retry within.
+    for policy in ("fail", "retry"):
+        short = managers(wait_replicas=1, wait_timeout=0.2, wait_policy=policy)
+        with pytest.raises(ReplicationTimeout) as err:
+            short.acquire_for_task(f"t2-{policy}", "res", ttl=30)
+        assert (err.value.wanted, err.value.acknowledged) == (1, 0)
+        assert_nothing_held(fresh)
+        assert not fresh.m.exists(f"{{t}}:alive:task:t2-{policy}")
+
+
+def test_an_adoption_too_few_replicas_acknowledge_is_released_and_raises(
+    fresh: Pair, managers: Managers
+) -> None:
+    sender = managers()
+    assert sender.acquire_for_task("t1", "res", ttl=30).granted
+    runner = managers(wait_replicas=1, wait_timeout=0.2)
+    fresh.pause_replica()
+    with pytest.raises(ReplicationTimeout) as err:
+        runner.adopt("t1")
+    assert err.value.resources == ("res",) and err.value.acknowledged == 0
+    assert_nothing_held(fresh)
+    assert runner._leases == {}
+    fresh.resume_replica()
+    wait_until(fresh.in_sync, what="the replica to come back")
+    assert sender.acquire_for_task("t2", "res", ttl=30).granted
+    adoption = runner.adopt("t2")
+    assert adoption.adopted
+    assert adoption.leases[0].token in {k.decode() for k in fresh.r.hgetall(LOCK)}
+    adoption.leases[0].release()
+
+
+def test_a_deferred_task_handed_the_lock_fails_without_running_when_the_replica_is_behind(
+    fresh: Pair, managers: Managers
+) -> None:
+    from celery.contrib.testing.worker import start_worker
+
+    from celery_helpers import close_app, quick_app
+    from celery_redislock import locked
+
+    app = quick_app(
+        fresh.master.url,
+        "replicas-defer",
+        NS,
+        redislock_wait_replicas=1,
+        redislock_wait_timeout=0.2,
+    )
+    RedisLock(app)
+    ran: list[str] = []
+
+    @app.task(bind=True, name="rd.write", shared=False)
+    @locked("res", on_busy="defer")
+    def write(self: Any) -> None:
+        ran.append(self.request.id)
+
+    holder = managers().acquire("res")
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            result = write.apply_async(task_id="d1")
+            wait_until(lambda: result.state == "DEFERRED", what="the task to park")
+            fresh.pause_replica()
+            holder.release()  # handed to the parked task, dispatched, adopted
+            with pytest.raises(ReplicationTimeout):
+                result.get(timeout=30)
+        assert ran == []
+        assert fresh.m.hget("{t}:defer:d1", "state") == b"done"  # a stale copy is dropped
+        assert_nothing_held(fresh)
+    finally:
+        close_app(app)
+
+
+def test_unique_delay_is_refused_when_the_replica_does_not_acknowledge_the_key(
+    fresh: Pair,
+) -> None:
+    from celery_helpers import close_app, quick_app
+    from celery_redislock import UniqueTask
+
+    app = quick_app(
+        fresh.master.url,
+        "replicas-unique",
+        NS,
+        redislock_wait_replicas=1,
+        redislock_wait_timeout=0.2,
+    )
+    RedisLock(app)
+    try:
+
+        @app.task(base=UniqueTask, unique_key="k", name="ru.send", shared=False)
+        def send() -> None:
+            pass
+
+        queue = app.conf.task_default_queue
+        fresh.pause_replica()
+        with pytest.raises(ReplicationTimeout):
+            send.delay()
+        assert fresh.m.llen(queue) == 0  # not sent
+        assert_nothing_held(fresh)
+        fresh.resume_replica()
+        wait_until(fresh.in_sync, what="the replica to come back")
+        sent = send.delay()
+        assert fresh.m.llen(queue) == 1
+        holders = {k.decode() for k in fresh.r.hgetall("{t}:lock:unique:k")}
+        assert holders == {f"task:{sent.id}|task:{sent.id}"}
+    finally:
+        close_app(app)
+
+
+def test_unique_retry_and_run_without_the_replica_go_on_without_the_key(fresh: Pair) -> None:
+    from celery_helpers import close_app, quick_app
+    from celery_redislock import UniqueTask
+
+    app = quick_app(
+        fresh.master.url,
+        "replicas-unique-run",
+        NS,
+        redislock_wait_replicas=1,
+        redislock_wait_timeout=0.2,
+    )
+    RedisLock(app)
+    ran: list[str] = []
+    try:
+
+        @app.task(base=UniqueTask, unique_key="k", name="ru.run", shared=False, bind=True)
+        def run(self: Any) -> None:
+            ran.append(self.request.id)
+
+        queue = app.conf.task_default_queue
+        sent = run.delay()  # the key is on the replica
+        fresh.pause_replica()
+        # The worker runs it: adopting the key is not acknowledged, so the
+        # key is released and the body runs without it (it was sent).
+        run.apply(task_id=sent.id)
+        assert ran == [sent.id]
+        assert_nothing_held(fresh)
+        # A retry (attempt 1) whose key is not acknowledged is still sent.
+        before = fresh.m.llen(queue)
+        run.apply_async(task_id=sent.id, retries=1)
+        assert fresh.m.llen(queue) == before + 1
+        assert_nothing_held(fresh)
+    finally:
+        close_app(app)

@@ -16,7 +16,8 @@
 --   8 (optional) {ns}:group:<id> the adopting owner's group hash, written on
 --                                registration as acquire.lua does
 -- Lock keys come from the task owner's registry; the request state, wake
--- lists, queues and {ns}:waits:<task owner> are built from ARGV[3].
+-- lists, queues and {ns}:waits:<task owner> are built from ARGV[3], as are
+-- a deferred task's park record {ns}:defer:<ARGV[10]> and {ns}:deferred.
 --
 -- ARGV:
 --   1 task owner id 'task:<task id>'
@@ -32,6 +33,12 @@
 --     adopted grants (their holder record in the adopter's registry, after
 --     the request id); '' or absent: the task owner's record, if any, moves
 --     with the grant
+--  10 (optional) a deferred task's id (docs/defer.md): its park record
+--     decides whether this task owner's grants may be adopted; '' or
+--     absent: no park record (a UniqueTask's key, a plain task owner)
+--  11 (with 10) the token the park record must name (the task owner's
+--     request, '<task owner>|task:<task id>')
+--  12 (with 10) TTL in ms of the park record once adopted
 --
 -- Atomic steps:
 --   1. The adopting owner's liveness, exactly as acquire.lua step 1
@@ -43,6 +50,9 @@
 --   3. The task owner must be alive (its liveness key exists); otherwise
 --      reply why not ('expired': no key; 'tombstoned': cleaned up). Its
 --      locks are left to the usual reclaim (acquire, cleanup, reconcile).
+--      With a park record (ARGV[10]): it must be 'parked' or 'granted' and
+--      name token ARGV[11]; otherwise nothing is adopted ('superseded':
+--      the task was withdrawn and parked again, or another copy runs it).
 --   4. Move: for each resource of the task owner's registry (a hash of
 --      resource names, see _common.lua), every field of the task owner is
 --      rewritten to '<owner>|<same request id>' with the same value (mode
@@ -56,13 +66,18 @@
 --   5. Retire the task owner: DEL its registry, liveness and waits hash,
 --      SREM it from the owners set, tombstone it (KEYS[7], PX ARGV[7]: a
 --      late acquire for it is refused), write the adoption record (PX
---      ARGV[7]), SADD the adopter to the owners set.
+--      ARGV[7]), SADD the adopter to the owners set. With a park record:
+--      it becomes 'adopted' by the adopter (message dropped, PEXPIRE
+--      ARGV[12]) and the task leaves {ns}:deferred, in this same step, so
+--      the upkeep never finds a grant whose task owner is gone in a record
+--      still 'granted' (docs/defer.md, D8).
 --
 -- Reply:
 --   {1, {token, fence, modes, res 1, ...}, ...}  adopted (or adopted earlier
 --                by this owner): one entry per grant, fence a decimal string
 --   {0, why, by} nothing adopted: why = 'expired' | 'tombstoned' |
---                'adopted' (by = the owner that adopted it, else '')
+--                'adopted' | 'superseded' (by = the owner that adopted
+--                it, else '')
 --   {-1}         the adopting owner's liveness is gone, or it is tombstoned
 
 local task_owner, owner, prefix = ARGV[1], ARGV[2], ARGV[3]
@@ -118,6 +133,15 @@ end
 if redis.call('EXISTS', KEYS[2]) == 0 then
   if redis.call('EXISTS', KEYS[7]) == 1 then return {0, 'tombstoned', ''} end
   return {0, 'expired', ''}
+end
+local tid = ARGV[10]
+local rec = nil
+if tid and tid ~= '' then
+  rec = prefix .. 'defer:' .. tid
+  local st = redis.call('HMGET', rec, 'state', 'token')
+  if (st[1] ~= 'parked' and st[1] ~= 'granted') or st[2] ~= ARGV[11] then
+    return {0, 'superseded', ''}
+  end
 end
 
 -- 4. move
@@ -195,4 +219,10 @@ for _, new in ipairs(order) do
 end
 redis.call('PEXPIRE', KEYS[6], tomb_ttl)
 if #order > 0 then redis.call('SADD', KEYS[3], owner) end
+if rec then
+  redis.call('HDEL', rec, 'msg')
+  redis.call('HSET', rec, 'state', 'adopted', 'owner', owner)
+  redis.call('PEXPIRE', rec, ARGV[12])
+  redis.call('ZREM', prefix .. 'deferred', tid)
+end
 return out

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -41,7 +42,7 @@ import billiard
 import redis
 from celery import Celery, signals
 
-from celery_redislock import LockLost, LockTimeout, RedisLock, current_lease, locked
+from celery_redislock import LockLost, LockManager, LockTimeout, RedisLock, current_lease, locked
 
 from . import unique_tasks
 
@@ -450,6 +451,24 @@ def _kill_before_adopt(sender: Any = None, task_id: str | None = None, **_: Any)
 
 
 signals.task_prerun.connect(_kill_before_adopt, weak=False)
+
+_engine_adopt = LockManager.adopt
+
+
+def _adopt_then_maybe_stall(self: LockManager, task_id: str, *args: Any, **kwargs: Any) -> Any:
+    """:meth:`LockManager.adopt`, then, for a task id the test marked
+    (``e2e:stall-after-adopt:<id>``), a stall: the process writes its pid to
+    ``e2e:stalled:<id>`` and stops itself (SIGSTOP) right after the engine's
+    adoption returned, before anything else of the task runs; the test
+    resumes it (SIGCONT). One shot: the marker is deleted first."""
+    adoption = _engine_adopt(self, task_id, *args, **kwargs)
+    if adoption.adopted and data().getdel(f"e2e:stall-after-adopt:{task_id}"):
+        data().set(f"e2e:stalled:{task_id}", os.getpid())
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return adoption
+
+
+LockManager.adopt = _adopt_then_maybe_stall  # type: ignore[method-assign]
 
 
 # -- the head-of-line benchmark (benchmarks/defer.py) -------------------------

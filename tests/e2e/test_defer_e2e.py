@@ -9,19 +9,24 @@ docs/defer.md gives the algorithm and its races (D1-D11). Pinned here:
 - revoking a parked task takes it out of the queue (REVOKED, never runs);
 - SIGKILL of the whole worker while a task is parked (D4): another worker
   runs it once the dead holder's liveness ran out;
+- an adopting child stalled (SIGSTOP) right after its adoption until past
+  the grant deadline and an upkeep (D8: the adoption and the park record's
+  ``adopted`` are one step, so the upkeep does not park the task again):
+  it runs once;
 - SIGKILL of the adopting child before it adopts (D7: the message comes
   back, the copy adopts) and of the whole worker while the grant is in
   transit (D6: the grant TTL runs out, the task is parked again and another
   worker runs it); each runs exactly once;
 - the threads, solo and gevent pools dispatch from their main process too.
 
-The first two share one worker (module fixture); the SIGKILL tests start
+The first two share one worker (module fixture); the stall and SIGKILL tests start
 their own.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -172,6 +177,60 @@ def test_parked_task_outlives_its_sigkilled_worker_and_runs_once_on_another(
     parked.get(timeout=90)
     assert _runs(c, "pk-d") == 1
     assert c.data.lrange("e2e:order:pk", 0, -1) == ["pk-d"]
+
+
+def _upkeeps(c: Cluster, count: int) -> None:
+    """Wait until the dispatcher's upkeep ran ``count`` times from now: each
+    run refreshes its liveness key (its PTTL goes up)."""
+    [key] = c.namespace_keys("dispatcher")
+    seen = {"n": 0, "last": int(c.lock_redis.pttl(key))}
+
+    def ran() -> bool:
+        now = int(c.lock_redis.pttl(key))
+        if now > seen["last"]:
+            seen["n"] += 1
+        seen["last"] = now
+        return seen["n"] >= count
+
+    wait_for(ran, 60, f"{count} upkeeps", interval=0.01, on_timeout=c.report)
+
+
+def _redis_ms(c: Cluster) -> int:
+    sec, usec = c.lock_redis.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def test_an_adopting_child_stalled_past_the_grant_deadline_runs_the_task_once(
+    cluster: Callable[..., Cluster],
+) -> None:
+    # D8: the adopting child stalls (SIGSTOP) right after its adoption until
+    # the grant deadline has passed and the upkeep has looked at the task;
+    # shorter than the owner TTL, so the child keeps its lease.
+    grant_ttl = 3
+    c = cluster(owner_ttl=15, heartbeat=0.5, defer_grant_ttl=grant_ttl)
+    w = c.start_worker("stall-w", concurrency=2)
+    c.send("dhold", "ts", "ts-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:ts-h"), 60, "holder", on_timeout=c.report)
+    stalled = c.send("dwrite", "ts", "ts-d")
+    wait_for(lambda: _deferred(c, stalled), 60, "parked", on_timeout=c.report)
+    c.data.set(f"e2e:stall-after-adopt:{stalled.id}", "1")
+    c.go("ts-h")
+    pid = int(wait_for(lambda: c.data.get(f"e2e:stalled:{stalled.id}"), 60, "the stall"))
+    wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().split()[2] == "T", 30, "SIGSTOP")
+    # The hand-off came before the stall: its deadline is within grant_ttl.
+    deadline = _redis_ms(c) + grant_ttl * 1000
+    wait_for(lambda: _redis_ms(c) > deadline, grant_ttl + 30, "the grant deadline")
+    _upkeeps(c, 2)  # the first one after the deadline has handled its due ids
+    record = c.lock_redis.hgetall(c.key("defer", stalled.id))
+    assert (record.get("state"), record.get("life")) == ("adopted", "0"), record
+    assert _queue(c, "res:ts") == []  # not parked again behind its own grant
+    os.kill(pid, signal.SIGCONT)
+    stalled.get(timeout=60)
+    wait_for(lambda: not c.namespace_keys("lock"), 30, "locks released", on_timeout=c.report)
+    assert c.lock_redis.hget(c.key("defer", stalled.id), "state") == "done"
+    assert c.lock_redis.zscore(c.key("deferred"), stalled.id) is None
+    assert _queue(c, "res:ts") == [] and _runs(c, "ts-d") == 1
+    assert not w.log_lines("defer.regrant", stalled.id), w.tail()
 
 
 def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs_once(
