@@ -6,11 +6,17 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.dev-install.stamp
 PYTEST_ARGS ?=
-# make chaos: seconds of load, seed to replay (empty: random), fault kinds.
+# make chaos: seconds of load, seed to replay (empty: random), fault kinds;
+# CELERY=1 (default) also runs the Celery participants (real prefork workers)
+# after the engine run, each getting half of DURATION; CELERY=0 the engine run
+# only, CELERY=only the Celery run only; PARTICIPANTS: which Celery participants.
 DURATION ?= 120
 SEED     ?=
 FAULTS   ?= all
 END      ?= term
+CELERY   ?= 1
+PARTICIPANTS ?= all
+CELERY_MODE = $(if $(filter 0,$(CELERY)),no,$(if $(filter only,$(CELERY)),only,also))
 
 .DEFAULT_GOAL := help
 .PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs docs-shots dist ci demo bench bench-celery bench-server chaos clean
@@ -29,7 +35,7 @@ help:
 	@echo "make bench      benchmarks"
 	@echo "make bench-celery  real prefork workers: lock waits, stalls, exact counts; the cost of @locked (~5 min)"
 	@echo "make bench-server  redis-server's instructions per lock cycle under callgrind, every library (needs valgrind)"
-	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all END=term|kill), see docs/chaos.md"
+	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all END=term|kill CELERY=1|0|only PARTICIPANTS=all), see docs/chaos.md"
 	@echo "make clean      remove the venv and caches"
 
 # Create the venv and install the package with its dev extras. Re-runs only
@@ -153,7 +159,8 @@ bench-server: venv
 # sequences instead of the default run's 75.
 MODEL_EXAMPLES ?= 1000
 chaos: venv
-	PYTHONPATH=.:tests $(BIN)/python -m chaos --duration $(DURATION) --faults $(FAULTS) --end $(END) $(if $(SEED),--seed $(SEED))
+	PYTHONPATH=.:tests $(BIN)/python -m chaos --duration $(DURATION) --faults $(FAULTS) --end $(END) $(if $(SEED),--seed $(SEED)) \
+		--celery $(CELERY_MODE) --participants $(PARTICIPANTS)
 	REDISLOCK_MODEL_EXAMPLES=$(MODEL_EXAMPLES) $(BIN)/python -m pytest -q -p no:randomly tests/test_model.py
 
 clean:

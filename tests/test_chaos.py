@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from chaos import checker
+from chaos import participants as celery_participants
 from chaos.faults import ALL_FAULTS, KNOWN_TO_FAIL, SHORT_RUN_FAULTS, parse_faults, short_run_faults
 from chaos.runner import Config, Runner
 from chaos.store import ANOMALIES, Store
@@ -379,3 +380,325 @@ def test_redis_client_of_the_store_is_separate_from_the_lock_namespace(redis_url
     finally:
         store.close()
     redis.Redis.from_url(redis_url).flushall()
+
+
+# -- the Celery participants' checks (chaos.celery_runner) ------------------------
+
+CELERY_CONFIG = {
+    "seed": 1,
+    "duration": 30,
+    "participants": ["defer"],
+    "owner_ttl": 2.0,
+    "heartbeat": 0.25,
+    "grant_ttl": 3.0,
+    "visibility": 10.0,
+    "concurrency": 2,
+    "drain": 30.0,
+    "idle_bound": 1.0,
+}
+
+
+class CeleryHistory:
+    """Writes a Celery run's folder by hand: sends, faults, bodies' stamps, final states."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.sent: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []
+        self.stamps: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        self.states: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        self.end = 100.0
+        self.fence = 1000
+        # two workers of two slots, up from t=1
+        for node in ("cw0@e2e", "cw1@e2e"):
+            self.faults.append(
+                {"kind": "worker_up", "t0": 1.0, "t1": 1.0, "node": node, "slots": 2}
+            )
+
+    def send(self, tid: str, t: float, *, res: str = "r0", mode: str = "x", kind: str = "defer",
+             key: str | None = None, dup_of: str | None = None, state: str = "SUCCESS") -> None:  # fmt: skip
+        rec: dict[str, Any] = {"id": tid, "kind": kind, "res": res, "mode": mode, "t0": t,
+                               "t1": t + 0.01, "dup_of": dup_of}  # fmt: skip
+        if key:
+            rec["key"] = key
+        self.sent.append(rec)
+        if not dup_of:
+            self.states[tid] = state
+
+    def stamp(self, pid: int, ev: str, t: float, **fields: Any) -> None:
+        self.stamps[pid].append({"ev": ev, "pid": pid, "t": t, "w": t, **fields})
+
+    def body(self, tid: str, t0: float, t1: float | None, *, pid: int = 11, res: str = "r0",
+             mode: str = "x", attempt: int = 0, lost: bool = False, retrying: bool = False,
+             node: str = "cw0@e2e", kind: str = "defer", fence: int | None = None) -> None:  # fmt: skip
+        """A pool child takes the message at t0 - 0.01, runs the body [t0, t1]."""
+        if fence is None:
+            self.fence += 1
+            fence = self.fence
+        task = f"chaos.{kind}_{mode}"
+        base = {"id": tid, "retries": attempt, "kind": kind, "mode": mode, "res": res,
+                "node": node, "fence": fence}  # fmt: skip
+        self.stamp(pid, "prerun", t0 - 0.01, id=tid, task=task, retries=attempt, node=node,
+                   res=res, redispatch=False)  # fmt: skip
+        self.stamp(pid, "begin", t0, **base)
+        if t1 is not None:
+            self.stamp(pid, "end", t1, **base, lost=lost, retrying=retrying)
+            self.stamp(pid, "postrun", t1 + 0.01, id=tid, state="SUCCESS")
+
+    def fault(self, kind: str, t0: float, t1: float | None = None, **fields: Any) -> None:
+        self.faults.append({"kind": kind, "t0": t0, "t1": t0 if t1 is None else t1, **fields})
+
+    def check(self) -> list[checker.Violation]:
+        f = self.folder
+        (f / "bodies").mkdir(exist_ok=True)
+        meta = {"config": CELERY_CONFIG, "t0": 0.0, "celery": True}
+        (f / "run.json").write_text(json.dumps(meta))
+        (f / "sent.jsonl").write_text("".join(json.dumps(s) + "\n" for s in self.sent))
+        (f / "faults.jsonl").write_text("".join(json.dumps(x) + "\n" for x in self.faults))
+        for pid, evs in self.stamps.items():
+            lines = sorted(evs, key=lambda e: e["t"])
+            (f / "bodies" / f"{pid}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+        final = {"states": self.states, "errors": self.errors, "drained": True, "drain_s": 2.0,
+                 "t_end": self.end}  # fmt: skip
+        (f / "final.json").write_text(json.dumps(final))
+        return checker.check(f).violations
+
+
+@pytest.fixture
+def ch(tmp_path: Path) -> CeleryHistory:
+    return CeleryHistory(tmp_path)
+
+
+def test_celery_a_clean_history_has_no_violation(ch: CeleryHistory) -> None:
+    ch.send("a", 10.0)
+    ch.body("a", 10.05, 10.3)
+    ch.send("b", 10.1)  # parked behind a, runs right after it
+    ch.body("b", 10.5, 10.7, pid=12)
+    ch.send("c", 10.2, mode="s", res="r1")
+    ch.send("d", 10.2, mode="s", res="r1")
+    ch.body("c", 10.25, 10.6, mode="s", res="r1", pid=21, node="cw1@e2e")
+    ch.body("d", 10.3, 10.5, mode="s", res="r1", pid=22, node="cw1@e2e")
+    assert ch.check() == []
+
+
+def test_celery_a_sent_task_whose_body_never_ran_is_flagged_and_left_pending(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("a", 10.0, state="DEFERRED")
+    found = ch.check()
+    assert sorted(v.kind for v in found) == ["left_pending", "never_ran", "resource_idle"]
+    assert "a (defer on r0) attempt 0: the body never ran" in found[0].summary
+
+
+def test_celery_a_task_failed_by_a_lock_server_outage_is_counted_not_reported(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("a", 10.0, state="FAILURE")
+    ch.errors["a"] = "RedisUnavailable"
+    ch.fault("lock_restart", 10.02, 10.2)
+    ch.end = 12.0
+    assert ch.check() == []
+    assert checker.check_celery(ch.folder).stats["failed_lock_down"] == 1
+    ch.faults.pop()  # no outage: the task should have run
+    assert kinds(ch.check()) == ["never_ran", "resource_idle"]
+
+
+def test_celery_a_task_that_retries_must_run_its_second_attempt(ch: CeleryHistory) -> None:
+    ch.send("a", 10.0, kind="retry", state="RETRY")
+    ch.body("a", 10.05, 10.3, retrying=True)
+    found = ch.check()
+    assert "never_ran" in kinds(found) and "left_pending" in kinds(found)
+    assert any("attempt 1" in v.summary for v in found if v.kind == "never_ran")
+    ch.states["a"] = "SUCCESS"
+    ch.body("a", 10.5, 10.6, attempt=1, pid=12)
+    assert ch.check() == []
+
+
+def test_celery_a_body_run_twice_is_flagged_unless_a_kill_explains_it(ch: CeleryHistory) -> None:
+    ch.send("a", 10.0)
+    ch.body("a", 10.05, 10.3)
+    ch.body("a", 10.5, 10.7, pid=12)
+    found = ch.check()
+    assert kinds(found) == ["ran_twice"]
+    assert "2 not explained by a kill" in found[0].summary
+    # The first run's child SIGKILLed mid-body (acks_late redelivers): the
+    # at-least-once corner, counted and not reported.
+    ch.stamps[11] = [e for e in ch.stamps[11] if e["ev"] != "end"]
+    ch.fault("kill_child", 10.2, pid=11, node="cw0@e2e")
+    ch.end = 30.0
+    assert ch.check() == []
+    assert checker.check_celery(ch.folder).stats["at_least_once"] == 1
+    # A kill of another child explains nothing.
+    ch.faults[-1]["pid"] = 99
+    assert "ran_twice" in kinds(ch.check())
+
+
+def test_celery_a_kill_of_the_main_process_after_the_body_explains_a_rerun(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("a", 10.0)
+    ch.body("a", 10.05, 10.3)  # ended, but its ack went with the main process
+    ch.fault("kill_main", 10.5, 11.0, node="cw0@e2e", pid=5)
+    ch.body("a", 25.0, 25.2, pid=21, node="cw1@e2e")  # restored after the visibility timeout
+    assert ch.check() == []
+    ch.faults[-1]["t0"] = 12.0  # long after the ack: no excuse
+    assert kinds(ch.check()) == ["ran_twice"]
+
+
+def test_celery_bodies_of_tasks_never_sent_or_attempts_never_made_are_unexpected(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("a", 10.0)
+    ch.body("a", 10.05, 10.3)
+    ch.body("a", 10.5, 10.6, attempt=1, pid=12)
+    ch.body("ghost", 11.0, 11.1, res="r2", pid=13)
+    assert kinds(ch.check()) == ["unexpected_run", "unexpected_run"]
+
+
+def test_celery_incompatible_bodies_overlapping_are_flagged(ch: CeleryHistory) -> None:
+    ch.send("a", 10.0)
+    ch.send("b", 10.0, mode="s")
+    ch.body("a", 10.05, 10.5)
+    ch.body("b", 10.3, 10.6, mode="s", pid=21, node="cw1@e2e")
+    found = ch.check()
+    assert kinds(found) == ["body_overlap"]
+    assert "a (x) and b (s) ran bodies on r0 at once" in found[0].summary
+
+
+def test_celery_an_overlap_is_excused_by_a_lost_lease_or_a_lock_server_restart(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("a", 10.0)
+    ch.send("b", 10.0)
+    ch.body("a", 10.05, 10.5, lost=True)
+    ch.body("b", 10.3, 10.6, pid=21, node="cw1@e2e")
+    assert ch.check() == []
+    ch.stamps[11][2]["lost"] = False
+    assert kinds(ch.check()) == ["body_overlap"]
+    ch.fault("lock_restart", 9.0, 9.2)  # 0.85 s before: within owner_ttl (2 s)
+    assert ch.check() == []
+
+
+def test_celery_a_lower_fence_running_after_a_higher_one_is_flagged(ch: CeleryHistory) -> None:
+    ch.send("a", 10.0)
+    ch.send("b", 10.0)
+    ch.body("a", 10.05, 10.3, fence=600)
+    ch.body("b", 10.4, 10.6, pid=21, node="cw1@e2e", fence=500)
+    found = ch.check()
+    assert kinds(found) == ["fence_order"]
+    assert "b (fence 500) ran on r0 after a (fence 600)" in found[0].summary
+
+
+def test_celery_a_resource_idle_while_a_task_waits_and_a_slot_is_free_is_flagged(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("h", 10.0)
+    ch.body("h", 10.05, 10.5)
+    ch.send("d", 10.1)  # parked behind h; its grant sat in transit until 13.5
+    ch.body("d", 13.5, 13.6, pid=12)
+    found = ch.check()
+    assert kinds(found) == ["resource_idle"]
+    assert "r0 ran no body for 3.00s" in found[0].summary and found[0].ops == ("d",)
+    assert any(line.startswith("last body before: body h") for line in found[0].trace)
+
+
+def test_celery_an_idle_resource_is_excused_while_every_slot_works_elsewhere(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("h", 10.0)
+    ch.body("h", 10.05, 10.5)
+    ch.send("d", 10.1)
+    ch.body("d", 13.5, 13.6, pid=12)
+    for i, pid in enumerate((31, 32, 33)):  # three slots run bodies on r1, r2
+        ch.send(f"o{i}", 10.0, res=f"r{1 + i % 2}", mode="s")
+        ch.body(f"o{i}", 10.4, 13.6, res=f"r{1 + i % 2}", mode="s", pid=pid)
+    assert "resource_idle" in kinds(ch.check())  # one slot is still free
+    ch.stamp(
+        34, "prerun", 10.45, id="w", task="chaos.wait_x", node="cw1@e2e", res="r2", retries=0
+    )  # fmt: skip  the fourth waits in its slot for r2
+    ch.send("w", 10.4, res="r2", kind="wait")
+    ch.body("w", 13.7, 13.8, res="r2", pid=34, kind="wait")
+    assert "resource_idle" not in kinds(ch.check())
+
+
+def test_celery_an_idle_resource_is_excused_while_a_fault_settles_or_an_adoption_stalls(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("h", 10.0)
+    ch.body("h", 10.05, 10.5)
+    ch.send("d", 10.1)
+    ch.body("d", 13.5, 13.6, pid=12)
+    ch.fault("kill_child", 10.4, pid=11, node="cw0@e2e")  # settles for 5.5 s
+    assert ch.check() == []
+    ch.faults.pop()
+    ch.stamp(12, "stall", 10.6, id="d", res="r0", where="pre", until=13.0)
+    assert ch.check() == []  # stalled to 13.0 (+ 2 heartbeats): 0.0 s left idle
+    ch.stamps[12][-1]["until"] = 11.0
+    assert kinds(ch.check()) == ["resource_idle"]
+
+
+def test_celery_a_second_unique_send_while_the_first_has_not_ended_is_flagged(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("a", 10.0, kind="unique", key="k1")
+    ch.send("a", 10.2, kind="unique", key="k1", dup_of="a")  # the duplicate got a's handle
+    ch.send("b", 10.4, kind="unique", key="k1")  # a new task: a was still parked
+    ch.body("a", 10.8, 11.0)
+    ch.body("b", 11.1, 11.2, pid=12)
+    found = ch.check()
+    assert kinds(found) == ["unique_duplicate"]
+    assert "sent b although a" in found[0].summary
+    ch.fault("lock_restart", 10.1, 10.15)  # the key went with the lock server's data
+    assert "unique_duplicate" not in kinds(ch.check())
+
+
+def test_celery_participants_parse_and_the_short_run_leaves_out_known_failures() -> None:
+    p = celery_participants
+    assert p.parse_participants("all") == p.ALL_PARTICIPANTS
+    assert p.parse_participants("none") == ()
+    assert p.parse_participants("defer, kill_child") == ("defer", "kill_child")
+    with pytest.raises(ValueError, match="unknown participants"):
+        p.parse_participants("defer,meteor")
+    assert set(p.KNOWN_TO_FAIL) <= set(p.ALL_PARTICIPANTS)
+    assert not set(p.SHORT_RUN_PARTICIPANTS) & set(p.KNOWN_TO_FAIL)
+    assert "defer" in p.SHORT_RUN_PARTICIPANTS
+
+
+CELERY_SHORT_SEED = int(os.environ.get("CHAOS_CELERY_SHORT_SEED", "20261201"))
+CELERY_SHORT_DURATION = float(os.environ.get("CHAOS_CELERY_SHORT_DURATION", "20"))
+
+
+@pytest.mark.chaos_short
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_short_seeded_celery_chaos_run_finds_no_violation(tmp_path: Path) -> None:
+    """~20 s of @locked tasks on two real prefork workers under the short run's
+    participants (every one not in participants.KNOWN_TO_FAIL), then every check.
+
+    Replay a failure with ``make chaos CELERY=only SEED=<seed> DURATION=20
+    PARTICIPANTS=<participants>`` (the message gives it);
+    ``CHAOS_CELERY_SHORT=all`` runs every participant here.
+    """
+    from chaos.celery_runner import CeleryConfig, CeleryRunner
+
+    chosen = celery_participants.short_run_participants()
+    cfg = CeleryConfig(
+        seed=CELERY_SHORT_SEED,
+        duration=CELERY_SHORT_DURATION,
+        participants=chosen,
+        out=str(tmp_path / "celery"),
+        verbose=False,
+    )
+    outcome = CeleryRunner(cfg).run()
+    stats = outcome.stats
+    assert stats["bodies"] > 30, stats  # the run did run tasks
+    faulty = set(chosen) & set(celery_participants.FAULT_PARTICIPANTS)
+    assert sum(stats["faults"].values()) >= 2 or not faulty, stats
+    assert outcome.ok, (
+        f"seed={CELERY_SHORT_SEED} participants={','.join(chosen)}; replay: make chaos "
+        f"CELERY=only SEED={CELERY_SHORT_SEED} DURATION={CELERY_SHORT_DURATION:g} "
+        f"PARTICIPANTS={','.join(chosen) or 'none'}\n"
+        + checker.render(checker.Report(stats, outcome.violations))
+    )

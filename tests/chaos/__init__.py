@@ -10,6 +10,9 @@ the run :mod:`chaos.checker` reads them and reports invariant violations
 with a short trace. ``python -m chaos --help`` lists the options;
 docs/chaos.md explains what is checked and why each check is sound.
 
-This package imports celery_redislock only in the worker processes and in
-the fault injector, never Celery.
+The engine run imports celery_redislock only in the worker processes and in
+the fault injector, never Celery. The Celery participants
+(:mod:`chaos.celery_runner`, app :mod:`chaos.celery_app`) run real prefork
+workers through :mod:`e2e.harness`; :mod:`chaos.checker` reads their
+stamps too (``check_celery``).
 """

@@ -10,9 +10,12 @@ import argparse
 import json
 import random
 import sys
+from pathlib import Path
 
 from . import checker
 from .faults import FAULTS, KNOWN_TO_FAIL, parse_faults
+from .participants import KNOWN_TO_FAIL as CELERY_KNOWN
+from .participants import PARTICIPANTS, parse_participants
 from .runner import Config, run
 
 
@@ -37,6 +40,19 @@ def main(argv: list[str] | None = None) -> int:
         help="end the workers with SIGTERM (default) or SIGKILL them mid-flight",
     )
     ap.add_argument("--out", default="", help="folder for timelines and logs (default: a temp dir)")
+    ap.add_argument(
+        "--celery",
+        choices=("no", "also", "only"),
+        default="no",
+        help="the Celery participants (real prefork workers): 'also' runs them after the "
+        "engine run, splitting --duration in two halves; 'only' runs them alone",
+    )
+    ap.add_argument(
+        "--participants",
+        default="all",
+        help="Celery participants, comma-separated, 'all' or 'none' "
+        f"(known: {', '.join(PARTICIPANTS)})",
+    )
     ap.add_argument("--check-only", metavar="FOLDER", help="re-run the checker on a finished run")
     args = ap.parse_args(argv)
     if args.check_only:
@@ -46,19 +62,61 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if report.violations else 0
     try:
         faults = parse_faults(args.faults)
+        participants = parse_participants(args.participants)
     except ValueError as exc:
         ap.error(str(exc))
     seed = args.seed if args.seed is not None else random.randrange(1, 10**9)
+    if args.celery == "no":
+        return engine_run(args, faults, seed, args.duration)
+    half = args.duration / 2 if args.celery == "also" else args.duration
+    code = engine_run(args, faults, seed, half) if args.celery == "also" else 0
+    return max(code, celery_run(args, participants, seed, half))
+
+
+def celery_run(
+    args: argparse.Namespace, participants: tuple[str, ...], seed: int, duration: float
+) -> int:
+    """The Celery participants' run (:mod:`chaos.celery_runner`)."""
+    from .celery_runner import CeleryConfig
+    from .celery_runner import run as run_celery
+
+    out = str(Path(args.out) / "celery") if args.out else ""
+    cfg = CeleryConfig(seed=seed, duration=duration, participants=participants, out=out)
+    outcome = run_celery(cfg)
+    print(json.dumps(outcome.stats, indent=1))
+    if outcome.violations:
+        print(checker.render(checker.Report(outcome.stats, outcome.violations)))
+        known = [p for p in participants if p in CELERY_KNOWN]
+        if known:
+            print("participants that expose known holes (tests/chaos/participants.py "
+                  "KNOWN_TO_FAIL):")  # fmt: skip
+            for p in known:
+                print(f"  {p}: {CELERY_KNOWN[p]}")
+    verdict = f"{len(outcome.violations)} violation(s)" if outcome.violations else "no violation"
+    print(
+        f"chaos (celery): {verdict}; seed={seed}; replay: make chaos CELERY=only SEED={seed} "
+        f"DURATION={duration:g}"
+        + ("" if args.participants == "all" else f" PARTICIPANTS={args.participants}")
+        + f"; output in {cfg.out}"
+    )
+    return 1 if outcome.violations else 0
+
+
+def engine_run(
+    args: argparse.Namespace, faults: tuple[str, ...], seed: int, duration: float
+) -> int:
+    """The engine-level run (:mod:`chaos.runner`)."""
+    out = str(Path(args.out) / "engine") if args.out and args.celery == "also" else args.out
     cfg = Config(
         seed=seed,
-        duration=args.duration,
+        duration=duration,
         processes=args.processes,
         threads=args.threads,
         resources=args.resources,
         owner_ttl=args.owner_ttl,
         faults=faults,
         long_timeout=(max(5.0, 3.3 * args.owner_ttl), max(8.0, 5.3 * args.owner_ttl)),
-        out=args.out,
+        out=out,
         end=args.end,
     )
     outcome = run(cfg)
@@ -73,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {k}: {KNOWN_TO_FAIL[k]}")
     verdict = f"{len(outcome.violations)} violation(s)" if outcome.violations else "no violation"
     print(
-        f"chaos: {verdict}; seed={seed}; replay: make chaos SEED={seed} DURATION={args.duration:g}"
+        f"chaos: {verdict}; seed={seed}; replay: make chaos CELERY=0 SEED={seed} "
+        f"DURATION={duration:g}"
         + ("" if args.faults == "all" else f" FAULTS={args.faults}")
         + ("" if args.end == "term" else f" END={args.end}")
         + f"; output in {cfg.out}"

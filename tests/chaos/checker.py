@@ -576,6 +576,9 @@ def stats_of(run: Run, violations: list[Violation]) -> dict[str, Any]:
 
 
 def check(folder: str | Path) -> Report:
+    """Every check of a finished run (an engine run, or a Celery one: ``check_celery``)."""
+    if json.loads((Path(folder) / "run.json").read_text()).get("celery"):
+        return check_celery(folder)
     run = load(Path(folder))
     violations: list[Violation] = []
     for fn in CHECKS:
@@ -600,3 +603,607 @@ def render(report: Report, limit: int = MAX_TRACES) -> str:
         if n > limit:
             lines.append(f"... {n - limit} more {kind} violation(s) (summary.json lists all)")
     return "\n".join(lines)
+
+
+# -- the Celery participants (chaos.celery_runner) ------------------------------
+#
+# Inputs: ``run.json`` (with ``"celery": true``), ``sent.jsonl`` (the
+# producer), ``faults.jsonl`` (faults, worker starts and deaths),
+# ``bodies/*.jsonl`` (every pool child's stamps, chaos.celery_app) and
+# ``final.json`` (every sent task's state after the drain).
+#
+# ``never_ran``
+#     A sent task's body (each attempt: a task that retries once has two)
+#     never ran, or every run of it was cut short by a kill of its process.
+# ``ran_twice``
+#     A body ran more than once, beyond the at-least-once corner: a run
+#     that a SIGKILL of its pool child, its worker's main process or its
+#     whole worker hit while it ran or within ACK_SLACK after it ended
+#     (acks_late redelivers that message) is counted (``at_least_once`` in
+#     the numbers), not reported.
+#     A task that failed with RedisUnavailable without running, while the
+#     lock server restarted after its send, is counted (``failed_lock_down``):
+#     the documented outcome of a task that starts while the lock Redis is
+#     unreachable.
+# ``unexpected_run``
+#     A body ran for a task that was never sent, or an attempt the task
+#     never makes (a retry of a task that does not retry).
+# ``left_pending``
+#     After the drain (bounded), a sent task is not SUCCESS, FAILURE or
+#     REVOKED (PENDING, DEFERRED, RETRY, STARTED...).
+# ``body_overlap`` / ``fence_order``
+#     Two bodies on one resource, at least one exclusive, both ended with
+#     their lease not lost: they overlapped in time, or the one with the
+#     lower fence ran wholly after the other (it held its grant meanwhile).
+#     Excused when a restart of the lock server happened during them or
+#     within owner_ttl before (state lost that way is seen at the next
+#     heartbeat).
+# ``resource_idle``
+#     A resource had no body running for longer than the idle bound (one
+#     dispatch round trip plus slack: ``idle_bound``) while a task that
+#     needs it waited (from its send, or its retry's countdown, to its
+#     body's start), at least one pool slot was free or waiting for that
+#     resource (not every live slot was busy with a body or a wait on
+#     another resource), and no fault was settling (each fault plus the
+#     time the documented recovery takes: see CELERY_SETTLE) and no
+#     adoption of it was being stalled on purpose.
+# ``unique_duplicate``
+#     ``delay()`` of a UniqueTask sent a new task although an earlier task of
+#     the same key was sent before the call and its body had not ended when
+#     the call returned (the key must stay held while queued, parked and
+#     running), with no fault since the earlier send.
+
+#: Seconds after a body's end in which a SIGKILL may still lose its ack.
+ACK_SLACK = 1.0
+#: Countdown of a retry=True task's retry (chaos.celery_app.RETRY_COUNTDOWN).
+RETRY_COUNTDOWN = 0.1
+CELERY_FINAL = ("SUCCESS", "FAILURE", "REVOKED")
+KILLS = ("kill_child", "kill_main", "kill_worker")
+
+
+@dataclass
+class Body:
+    """One run of a task body, from its pool child's stamps."""
+
+    id: str
+    retries: int
+    kind: str
+    mode: str
+    res: str
+    node: str
+    pid: int
+    fence: int | None
+    t0: float
+    t1: float | None = None
+    lost: bool | None = None
+    retrying: bool = False
+    #: When a kill hit this run (None: none did).
+    killed: float | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.t1 is not None and self.lost is False and self.killed is None
+
+
+@dataclass
+class Sent:
+    id: str
+    kind: str
+    res: str
+    mode: str
+    t0: float
+    t1: float
+    retry: bool = False
+    key: str | None = None
+
+
+@dataclass
+class SlotUse:
+    """A pool child busy with one message, from prerun to postrun."""
+
+    id: str
+    task: str
+    pid: int
+    node: str
+    res: str | None
+    t0: float
+    t1: float | None = None
+
+
+@dataclass
+class CeleryRun:
+    config: dict[str, Any]
+    t0: float
+    sent: dict[str, Sent]
+    delays: list[dict[str, Any]]
+    bodies: list[Body]
+    slots: list[SlotUse]
+    stalls: list[dict[str, Any]]
+    faults: list[dict[str, Any]]
+    workers: list[dict[str, Any]]
+    final: dict[str, Any]
+
+    @property
+    def t_end(self) -> float:
+        return float(self.final.get("t_end") or max([self.t0, *(b.t0 for b in self.bodies)]))
+
+    def rel(self, t: float | None) -> str:
+        return "?" if t is None else f"+{t - self.t0:.3f}"
+
+    def fmt_sent(self, s: Sent) -> str:
+        state = self.final.get("states", {}).get(s.id, "?")
+        extra = " retry" if s.retry else ""
+        extra += f" key={s.key}" if s.key else ""
+        return (f"{s.id} {s.kind}{extra} {s.mode} {s.res}: sent {self.rel(s.t0)}..{self.rel(s.t1)}"
+                f", final state {state}")  # fmt: skip
+
+    def fmt_body(self, b: Body) -> str:
+        end = (f"end {self.rel(b.t1)} lost={b.lost}" + (" retrying" if b.retrying else "")
+               if b.t1 is not None else "no end")  # fmt: skip
+        killed = f", killed {self.rel(b.killed)}" if b.killed is not None else ""
+        return (f"  body {b.id} attempt {b.retries} ({b.kind} {b.mode} {b.res}) pid {b.pid} "
+                f"{b.node} fence={b.fence}: begin {self.rel(b.t0)}, {end}{killed}")  # fmt: skip
+
+    def faults_between(self, lo: float, hi: float) -> list[str]:
+        out = []
+        for f in self.faults:
+            if f["t1"] >= lo and f["t0"] <= hi:
+                extra = {k: v for k, v in f.items() if k not in ("kind", "t0", "t1")}
+                span = "" if f["t1"] == f["t0"] else f"..{self.rel(f['t1'])}"
+                out.append(f"fault {self.rel(f['t0'])}{span} {f['kind']} {extra}")
+        return out
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by SIGKILL
+    return out
+
+
+def _kill_hits(faults: list[dict[str, Any]], b: Body) -> float | None:
+    end = (b.t1 if b.t1 is not None else float("inf")) + ACK_SLACK
+    for f in faults:
+        if f["kind"] not in KILLS or not b.t0 <= f["t0"] <= end:
+            continue
+        if (f["kind"] == "kill_child" and f.get("pid") == b.pid) or (
+            f["kind"] != "kill_child" and f.get("node") == b.node
+        ):
+            return float(f["t0"])
+    return None
+
+
+def load_celery(folder: Path) -> CeleryRun:
+    meta = json.loads((folder / "run.json").read_text())
+    sent: dict[str, Sent] = {}
+    delays = []
+    for e in _lines(folder / "sent.jsonl"):
+        delays.append(e)
+        if e.get("error") or e.get("dup_of") or not e.get("id"):
+            continue
+        sent[e["id"]] = Sent(e["id"], e["kind"], e["res"], e["mode"], e["t0"], e["t1"],
+                             e["kind"] == "retry", e.get("key"))  # fmt: skip
+    everything = [f for f in _lines(folder / "faults.jsonl")]
+    faults = sorted((f for f in everything if f["kind"] not in ("worker_up", "worker_down", "load")),
+                    key=lambda f: f["t0"])  # fmt: skip
+    workers = sorted((f for f in everything if f["kind"] in ("worker_up", "worker_down")),
+                     key=lambda f: f["t0"])  # fmt: skip
+    bodies: list[Body] = []
+    slots: list[SlotUse] = []
+    stalls: list[dict[str, Any]] = []
+    for path in sorted((folder / "bodies").glob("*.jsonl")):
+        open_bodies: dict[tuple[str, int], Body] = {}
+        open_slot: SlotUse | None = None
+        node = ""
+        for e in _lines(path):
+            ev = e["ev"]
+            if ev == "prerun":
+                node = e.get("node") or node
+                if open_slot is not None and open_slot.t1 is None:
+                    open_slot.t1 = e["t"]
+                open_slot = SlotUse(e["id"], e.get("task") or "", e["pid"], node, e.get("res"),
+                                    e["t"])  # fmt: skip
+                slots.append(open_slot)
+            elif ev == "postrun":
+                if open_slot is not None and open_slot.id == e["id"]:
+                    open_slot.t1 = e["t"]
+            elif ev == "begin":
+                b = Body(e["id"], e["retries"], e["kind"], e["mode"], e["res"], e["node"],
+                         e["pid"], e.get("fence"), e["t"])  # fmt: skip
+                bodies.append(b)
+                open_bodies[(b.id, b.retries)] = b
+            elif ev == "end":
+                ob = open_bodies.pop((e["id"], e["retries"]), None)
+                if ob is not None:
+                    ob.t1, ob.lost, ob.retrying = e["t"], e["lost"], bool(e.get("retrying"))
+            elif ev == "stall":
+                stalls.append(e)
+    for b in bodies:
+        b.killed = _kill_hits(faults, b)
+    final_path = folder / "final.json"
+    final = json.loads(final_path.read_text()) if final_path.exists() else {}
+    return CeleryRun(meta["config"], meta["t0"], sent, delays, bodies, slots, stalls, faults,
+                     workers, final)  # fmt: skip
+
+
+def _runs(run: CeleryRun) -> dict[tuple[str, int], list[Body]]:
+    runs: dict[tuple[str, int], list[Body]] = defaultdict(list)
+    for b in run.bodies:
+        runs[(b.id, b.retries)].append(b)
+    for lst in runs.values():
+        lst.sort(key=lambda b: b.t0)
+    return runs
+
+
+def _attempts(s: Sent) -> tuple[int, ...]:
+    return (0, 1) if s.retry else (0,)
+
+
+def _extra_runs(rs: list[Body]) -> tuple[list[Body], int]:
+    """The runs of one attempt that completed (an ``end`` stamp), and how many
+    runs (ended or not) no kill explains: a kill of the run's process while
+    it ran or within ACK_SLACK after it ended may make its message come back."""
+    done = [b for b in rs if b.t1 is not None]
+    return done, sum(b.killed is None for b in rs)
+
+
+def failed_lock_down(run: CeleryRun, s: Sent) -> bool:
+    """Whether ``s`` failed with RedisUnavailable, its body never run, while
+    the lock server restarted after its send: the documented outcome of a
+    task that starts while the lock Redis is unreachable (it ends in a
+    state that says why)."""
+    return (
+        run.final.get("states", {}).get(s.id) == "FAILURE"
+        and run.final.get("errors", {}).get(s.id) == "RedisUnavailable"
+        and not any(b.id == s.id for b in run.bodies)
+        and any(f["kind"] == "lock_restart" and f["t1"] >= s.t0 for f in run.faults)
+    )
+
+
+def check_exactly_once(run: CeleryRun) -> list[Violation]:
+    runs = _runs(run)
+    out = []
+    for s in run.sent.values():
+        if failed_lock_down(run, s):
+            continue
+        for a in _attempts(s):
+            rs = runs.get((s.id, a), [])
+            done, unexplained = _extra_runs(rs)
+            if not done:
+                what = "never ran" if not rs else f"started {len(rs)} time(s), never ended"
+                hi = max([s.t1, *(b.t0 for b in rs)]) + 1
+                out.append(Violation(
+                    "never_ran",
+                    f"{s.id} ({s.kind} on {s.res}) attempt {a}: the body {what}",
+                    [run.fmt_sent(s), *(run.fmt_body(b) for b in rs),
+                     *run.faults_between(s.t0 - 1, hi)[:8]],
+                    (s.id,),
+                ))  # fmt: skip
+            elif unexplained > 1:
+                lo, hi = rs[0].t0, max(b.t1 or b.t0 for b in rs)
+                out.append(Violation(
+                    "ran_twice",
+                    f"{s.id} ({s.kind} on {s.res}) attempt {a}: the body ran {len(rs)} times "
+                    f"({unexplained} not explained by a kill)",
+                    [run.fmt_sent(s), *(run.fmt_body(b) for b in rs),
+                     *run.faults_between(lo - 1, hi + 1)[:8]],
+                    (s.id,),
+                ))  # fmt: skip
+    for (tid, a), rs in sorted(runs.items()):
+        s = run.sent.get(tid)
+        if s is None or a not in _attempts(s):
+            out.append(Violation(
+                "unexpected_run",
+                f"a body ran for {tid} attempt {a}, which "
+                + ("was never sent" if s is None else "this task never makes"),
+                [*([run.fmt_sent(s)] if s else []), *(run.fmt_body(b) for b in rs)],
+                (tid,),
+            ))  # fmt: skip
+    return out
+
+
+def at_least_once_corners(run: CeleryRun) -> int:
+    """Attempts whose body started more than once, every extra start explained
+    by a kill (cut mid-body, or its ack lost): the at-least-once corner."""
+    n = 0
+    for (tid, a), rs in _runs(run).items():
+        s = run.sent.get(tid)
+        done, unexplained = _extra_runs(rs)
+        if s is not None and a in _attempts(s) and len(rs) > 1 and done and unexplained <= 1:
+            n += 1
+    return n
+
+
+def check_left_pending(run: CeleryRun) -> list[Violation]:
+    states = run.final.get("states", {})
+    bound = run.config.get("drain")
+    took = run.final.get("drain_s")
+    out = []
+    for s in run.sent.values():
+        state = states.get(s.id, "PENDING")
+        if state in CELERY_FINAL:
+            continue
+        out.append(Violation(
+            "left_pending",
+            f"{s.id} ({s.kind} on {s.res}) is {state} after the drain "
+            f"({took if took is None else round(took, 1)} s, bound {bound} s)",
+            [run.fmt_sent(s), *(run.fmt_body(b) for b in run.bodies if b.id == s.id)],
+            (s.id,),
+        ))  # fmt: skip
+    return out
+
+
+def _restart_excuse(run: CeleryRun, lo: float, hi: float) -> bool:
+    ttl = float(run.config["owner_ttl"])
+    return any(
+        f["kind"] == "lock_restart" and f["t0"] <= hi and f["t1"] + ttl >= lo for f in run.faults
+    )
+
+
+def check_exclusion(run: CeleryRun) -> list[Violation]:
+    by_res: dict[str, list[Body]] = defaultdict(list)
+    for b in run.bodies:
+        if b.clean:
+            by_res[b.res].append(b)
+    out = []
+    for res, bs in sorted(by_res.items()):
+        bs.sort(key=lambda b: b.t0)
+        for i, a in enumerate(bs):
+            for b in bs[i + 1 :]:
+                if a.mode != "x" and b.mode != "x":
+                    continue
+                assert a.t1 is not None and b.t1 is not None
+                lo, hi = min(a.t0, b.t0), max(a.t1, b.t1)
+                if b.t0 < a.t1:
+                    if _restart_excuse(run, lo, min(a.t1, b.t1)):
+                        continue
+                    out.append(Violation(
+                        "body_overlap",
+                        f"{a.id} ({a.mode}) and {b.id} ({b.mode}) ran bodies on {res} at once "
+                        f"from {run.rel(b.t0)} to {run.rel(min(a.t1, b.t1))}; neither lease lost",
+                        [run.fmt_body(a), run.fmt_body(b), *run.faults_between(lo - 1, hi)[:8]],
+                        (a.id, b.id),
+                    ))  # fmt: skip
+                elif (
+                    a.fence is not None
+                    and b.fence is not None
+                    and a.fence > b.fence
+                    and not _restart_excuse(run, lo, hi)
+                ):
+                    out.append(Violation(
+                        "fence_order",
+                        f"{b.id} (fence {b.fence}) ran on {res} after {a.id} (fence {a.fence}) "
+                        f"had run: {b.id} held its grant across {a.id}'s body; neither lease lost",
+                        [run.fmt_body(a), run.fmt_body(b), *run.faults_between(lo - 1, hi)[:8]],
+                        (a.id, b.id),
+                    ))  # fmt: skip
+    return out
+
+
+def celery_settle(run: CeleryRun, kind: str) -> float:
+    """Seconds after a fault in which the documented recovery may keep a
+    resource idle: the node frees a dead child's locks within a tick, a dead
+    owner's liveness runs out after owner_ttl, a grant in transit to a dead
+    or stopped process is handed on after the grant TTL, and a dead main
+    process's unacked messages come back after the visibility timeout."""
+    c = run.config
+    hb, ttl, g = float(c["heartbeat"]), float(c["owner_ttl"]), float(c["grant_ttl"])
+    ticks = 2 * hb
+    if kind in ("kill_main", "kill_worker"):
+        return max(float(c["visibility"]) + 1.0, g + ttl) + ticks
+    if kind in ("kill_child", "lock_restart"):
+        return g + ttl + ticks
+    if kind == "stop_child":
+        return g + ticks
+    return ticks
+
+
+IdleEvent = tuple[float, str, int, str]  # (time, what, +1/-1, tag)
+
+
+def _idle_events(
+    run: CeleryRun, res: str, runs: dict[tuple[str, int], list[Body]]
+) -> list[IdleEvent]:
+    """+1/-1 events of: tasks waiting for ``res`` (``wait``), bodies on it
+    (``busy``), pool slots busy with a body or a wait elsewhere
+    (``elsewhere``), live slots (``slots``), faults settling and stalled
+    adoptions (``blackout``)."""
+    c = run.config
+    end_of_run = run.t_end
+    ev: list[IdleEvent] = []
+
+    def add(lo: float, hi: float, what: str, tag: str) -> None:
+        if hi > lo:
+            ev.append((lo, what, 1, tag))
+            ev.append((hi, what, -1, tag))
+
+    for s in run.sent.values():
+        if s.res != res or failed_lock_down(run, s):
+            continue
+        for a in _attempts(s):
+            start = s.t1
+            if a == 1:
+                prev = [b.t1 for b in runs.get((s.id, 0), []) if b.retrying and b.t1 is not None]
+                if not prev:
+                    continue
+                start = min(prev) + RETRY_COUNTDOWN
+            began = runs.get((s.id, a))
+            add(start, began[0].t0 if began else end_of_run, "wait", s.id)
+    for b in run.bodies:
+        hi = b.t1 if b.t1 is not None else (b.killed if b.killed is not None else end_of_run)
+        add(b.t0, hi, "busy" if b.res == res else "elsewhere", b.id)
+    starts = defaultdict(list)
+    for b in run.bodies:
+        starts[(b.id, b.pid)].append(b.t0)
+    for u in run.slots:
+        if u.task.startswith("chaos.wait_") and u.res != res:
+            began = [t for t in starts[(u.id, u.pid)] if t >= u.t0]
+            add(u.t0, min(began) if began else (u.t1 or end_of_run), "elsewhere", u.id)
+    for f in run.faults:
+        add(f["t0"], f["t1"] + celery_settle(run, f["kind"]), "blackout", f["kind"])
+    for st in run.stalls:
+        if st.get("res") == res:
+            add(st["t"], st["until"] + 2 * float(c["heartbeat"]), "blackout", "stall")
+    for w in run.workers:
+        up = w["kind"] == "worker_up"
+        ev.append(
+            (w["t0"], "slots", int(w.get("slots") or c["concurrency"]) * (1 if up else -1), "")
+        )
+    ev.sort(key=lambda e: (e[0], e[2]))  # ends before starts at one instant
+    return ev
+
+
+def _is_idle(count: Counter[str]) -> bool:
+    return (
+        count["wait"] > 0
+        and count["busy"] == 0
+        and count["blackout"] == 0
+        and count["elsewhere"] < count["slots"]
+    )
+
+
+def _idle_stretches(ev: list[IdleEvent], end: float) -> list[tuple[float, float, set[str]]]:
+    """Maximal stretches in which ``_is_idle`` holds, with the tasks that waited."""
+    count: Counter[str] = Counter()
+    waiting: set[str] = set()
+    seen: set[str] = set()
+    at: float | None = None
+    out = []
+    for t, what, d, tag in ev:
+        was = _is_idle(count)
+        if what == "wait":
+            if d > 0:
+                waiting.add(tag)
+                seen.add(tag)
+            else:
+                waiting.discard(tag)
+        count[what] += d
+        now = _is_idle(count)
+        if now and not was:
+            at, seen = t, set(waiting)
+        elif was and not now and at is not None:
+            out.append((at, t, seen))
+            at = None
+    if at is not None:
+        out.append((at, end, seen))
+    return out
+
+
+def check_idle(run: CeleryRun) -> list[Violation]:
+    bound = float(run.config["idle_bound"])
+    runs = _runs(run)
+    out = []
+    for res in sorted({s.res for s in run.sent.values()}):
+        for lo, hi, waiting in _idle_stretches(_idle_events(run, res, runs), run.t_end):
+            if hi - lo > bound:
+                out.append(_idle_violation(run, res, lo, hi, bound, waiting))
+    return out
+
+
+def _idle_violation(
+    run: CeleryRun, res: str, lo: float, hi: float, bound: float, waiting: set[str]
+) -> Violation:
+    before = [b for b in run.bodies if b.res == res and b.t0 <= lo]
+    after = [b for b in run.bodies if b.res == res and b.t0 >= hi]
+    trace = [run.fmt_sent(run.sent[i]) for i in sorted(waiting)[:4] if i in run.sent]
+    if before:
+        trace.append("last body before:" + run.fmt_body(max(before, key=lambda b: b.t0))[1:])
+    if after:
+        trace.append("next body after:" + run.fmt_body(min(after, key=lambda b: b.t0))[1:])
+    trace += run.faults_between(lo - 5, hi)[:6]
+    return Violation(
+        "resource_idle",
+        f"{res} ran no body for {hi - lo:.2f}s (> {bound:.2f}s) from {run.rel(lo)} to "
+        f"{run.rel(hi)} while {len(waiting)} task(s) waited for it and a pool slot was free "
+        "or waiting for it",
+        trace,
+        tuple(sorted(waiting)),
+    )
+
+
+def _longest_idle(run: CeleryRun) -> float:
+    runs = _runs(run)
+    return max(
+        (
+            hi - lo
+            for res in {s.res for s in run.sent.values()}
+            for lo, hi, _ in _idle_stretches(_idle_events(run, res, runs), run.t_end)
+        ),
+        default=0.0,
+    )
+
+
+def check_unique_duplicate(run: CeleryRun) -> list[Violation]:
+    runs = _runs(run)
+    by_key: dict[str, list[Sent]] = defaultdict(list)
+    for s in run.sent.values():
+        if s.kind == "unique" and s.key:
+            by_key[s.key].append(s)
+    out = []
+    for key, ss in sorted(by_key.items()):
+        ss.sort(key=lambda s: s.t0)
+        for i, first in enumerate(ss):
+            ended = [b.t1 for b in runs.get((first.id, 0), []) if b.t1 is not None]
+            end1 = max(ended) if ended else run.t_end
+            for second in ss[i + 1 :]:
+                if not (first.t1 < second.t0 and second.t1 < end1):
+                    continue
+                if any(f["t0"] <= second.t1 and f["t1"] >= first.t0 for f in run.faults):
+                    continue
+                out.append(Violation(
+                    "unique_duplicate",
+                    f"delay() of key {key} at {run.rel(second.t0)} sent {second.id} although "
+                    f"{first.id} (sent {run.rel(first.t1)}) had not ended its body "
+                    f"({run.rel(end1) if ended else 'never'})",
+                    [run.fmt_sent(first), run.fmt_sent(second),
+                     *(run.fmt_body(b) for b in runs.get((first.id, 0), []))],
+                    (first.id, second.id),
+                ))  # fmt: skip
+    return out
+
+
+CELERY_CHECKS = (
+    check_exactly_once,
+    check_left_pending,
+    check_exclusion,
+    check_idle,
+    check_unique_duplicate,
+)
+
+
+def celery_stats(run: CeleryRun, violations: list[Violation]) -> dict[str, Any]:
+    states = run.final.get("states", {})
+    return {
+        "seed": run.config.get("seed"),
+        "duration_s": run.config.get("duration"),
+        "participants": list(run.config.get("participants", [])),
+        "sent": len(run.sent),
+        "sent_by_kind": dict(Counter(s.kind for s in run.sent.values())),
+        "unique_duplicate_delays": sum(bool(d.get("dup_of")) for d in run.delays),
+        "send_errors": sum(bool(d.get("error")) for d in run.delays),
+        "bodies": len(run.bodies),
+        "bodies_killed": sum(b.killed is not None for b in run.bodies),
+        "bodies_lost": sum(bool(b.lost) for b in run.bodies),
+        "at_least_once": at_least_once_corners(run),
+        "failed_lock_down": sum(failed_lock_down(run, s) for s in run.sent.values()),
+        "states": dict(Counter(states.get(i, "PENDING") for i in run.sent)),
+        "drained": run.final.get("drained"),
+        "drain_s": round(float(run.final.get("drain_s") or 0.0), 1),
+        "faults": dict(Counter(f["kind"] for f in run.faults)),
+        "stalls": len(run.stalls),
+        "idle_longest_s": round(_longest_idle(run), 2),
+        "violations": dict(Counter(v.kind for v in violations)),
+    }
+
+
+def check_celery(folder: str | Path) -> Report:
+    run = load_celery(Path(folder))
+    violations: list[Violation] = []
+    for fn in CELERY_CHECKS:
+        violations += fn(run)
+    return Report(celery_stats(run, violations), violations)

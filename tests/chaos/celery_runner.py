@@ -1,0 +1,486 @@
+"""The chaos run's Celery participants: real prefork workers, ``@locked`` tasks, faults.
+
+Phases:
+
+1. Start two redis-servers (no persistence): the *lock server* (the
+   engine's only Redis, hit by ``lock_restart``) and the *broker server*
+   (broker and result backend, never touched).
+2. Start ``workers`` ``celery worker -P prefork -c <concurrency>``
+   processes (:class:`e2e.harness.Cluster`, app :mod:`chaos.celery_app`);
+   every one runs a dispatcher.
+3. For ``duration`` seconds a producer thread sends tasks (seeded: kind,
+   resource, mode, hold) while a fault thread injects the enabled faults.
+4. Drain: wait until every sent task is SUCCESS, FAILURE or REVOKED, at
+   most ``drain`` seconds (a bound, not a pause), then a short linger for
+   late copies; read every task's final state.
+5. Stop the workers and run :func:`chaos.checker.check` on the folder.
+
+The participants (:data:`PARTICIPANTS`) are switched on one by one: each is
+a kind of task (``defer``, ``retry``, ``unique``, ``mixed``), a way to make
+adoptions land near the grant deadline (``adopt_deadline``) or a fault.
+Files of a run: ``run.json``, ``sent.jsonl`` (the producer), ``faults.jsonl``
+(the fault thread: faults and worker starts), ``bodies/<pid>.jsonl`` (every
+pool child's stamps), ``final.json`` (task states after the drain),
+``logs/`` (the workers' logs), ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+
+from e2e.harness import Cluster, Worker
+from redis_server import RedisServer
+
+from . import checker
+from .participants import ALL_PARTICIPANTS
+
+
+@dataclass
+class CeleryConfig:
+    seed: int
+    duration: float = 60.0
+    participants: tuple[str, ...] = ALL_PARTICIPANTS
+    workers: int = 2
+    concurrency: int = 2
+    resources: int = 3
+    owner_ttl: float = 2.0
+    heartbeat: float = 0.25
+    #: redislock_defer_grant_ttl: short, so that adoptions can be made to land near it.
+    grant_ttl: float = 3.0
+    #: The broker's visibility timeout (0: 20 s with wait-mode tasks, else 10 s).
+    visibility: float = 0.0
+    #: Seconds between two sends, and between two faults.
+    send_gap: tuple[float, float] = (0.05, 0.35)
+    fault_gap: tuple[float, float] = (2.0, 5.0)
+    #: Longest drain (0: derived from the TTLs and the visibility timeout).
+    drain: float = 0.0
+    #: A resource idle longer than this while a task waits for it is a violation
+    #: (0: two heartbeat intervals plus 0.5 s for one dispatch round trip).
+    idle_bound: float = 0.0
+    namespace: str = "chaosc"
+    out: str = ""
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.visibility:
+            self.visibility = 20.0 if "mixed" in self.participants else 10.0
+        if not self.drain:
+            self.drain = self.visibility + 2 * self.grant_ttl + 2 * self.owner_ttl + 10.0
+        if not self.idle_bound:
+            self.idle_bound = 2 * self.heartbeat + 0.5
+
+
+@dataclass
+class CeleryOutcome:
+    config: CeleryConfig
+    stats: dict[str, Any] = field(default_factory=dict)
+    violations: list[checker.Violation] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
+
+
+class CeleryRunner:
+    def __init__(self, cfg: CeleryConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out or tempfile.mkdtemp(prefix="redislock-chaos-celery-"))
+        cfg.out = str(self.out)
+        (self.out / "bodies").mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+        self.lock_srv = RedisServer(workdir=self.out / "lock-redis")
+        self.broker_srv = RedisServer(workdir=self.out / "broker-redis")
+        self.fault_rng = random.Random(f"celery-faults:{cfg.seed}")
+        self.send_rng = random.Random(f"celery-sends:{cfg.seed}")
+        self.t0 = time.monotonic()
+        self.stop = threading.Event()
+        self.faults_over = threading.Event()
+        self.finished = threading.Event()
+        self.fault_thread: threading.Thread | None = None
+        self.io_lock = threading.Lock()
+        self.sent_file = open(self.out / "sent.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.fault_file = open(self.out / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.workers: dict[str, Worker] = {}
+        self.sent_ids: list[str] = []
+        self.key_ids: dict[str, set[str]] = {}
+        self.last_stall = 0.0
+        self.cluster: Cluster | None = None
+        self.fault_error: BaseException | None = None
+
+    # -- helpers ------------------------------------------------------------
+
+    def say(self, msg: str) -> None:
+        if self.cfg.verbose:
+            print(f"chaos-celery: +{time.monotonic() - self.t0:7.2f}s {msg}", flush=True)
+
+    def record(self, kind: str, t0: float, t1: float | None = None, **fields: Any) -> None:
+        rec = {"kind": kind, "t0": t0, "t1": t0 if t1 is None else t1, **fields}
+        with self.io_lock:
+            self.fault_file.write(json.dumps(rec) + "\n")
+
+    def has(self, name: str) -> bool:
+        return name in self.cfg.participants
+
+    # -- workers --------------------------------------------------------------
+
+    def start_worker(self, name: str, wait: bool = True) -> Worker:
+        assert self.cluster is not None
+        worker = self.cluster.start_worker(name, concurrency=self.cfg.concurrency, wait=False)
+        if wait:
+            self.up(name, worker)
+        return worker
+
+    def up(self, name: str, worker: Worker) -> None:
+        assert self.cluster is not None
+        self.cluster.wait_ready(worker)
+        self.workers[name] = worker
+        self.record("worker_up", time.monotonic(), node=worker.nodename, pid=worker.pid,
+                    slots=self.cfg.concurrency)  # fmt: skip
+        self.say(f"worker {worker.nodename} up (pid {worker.pid})")
+
+    def children(self, worker: Worker) -> list[int]:
+        return sorted(p for p in worker.group_pids() if p != worker.pid)
+
+    def _gone(self, worker: Worker, how: str, t: float) -> None:
+        self.record("worker_down", t, node=worker.nodename, pid=worker.pid, how=how)
+
+    # -- faults ---------------------------------------------------------------
+
+    def fault_kill_child(self) -> None:
+        name = self.fault_rng.choice(sorted(self.workers))
+        worker = self.workers[name]
+        kids = self.children(worker)
+        if not kids:
+            return
+        pid = self.fault_rng.choice(kids)
+        t = time.monotonic()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.record("kill_child", t, node=worker.nodename, pid=pid)
+        self.say(f"kill_child {pid} of {worker.nodename}")
+
+    def _restart(self, name: str, kind: str) -> None:
+        worker = self.workers[name]
+        t = time.monotonic()
+        if kind == "kill_main":
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.wait(15)
+            # The orphaned pool children exit once they see their parent gone;
+            # any still there after a few seconds are killed with the group.
+            deadline = time.monotonic() + 5
+            while self.children(worker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        worker.destroy()
+        self.record(kind, t, time.monotonic(), node=worker.nodename, pid=worker.pid)
+        self._gone(worker, kind, t)
+        self.say(f"{kind} {worker.nodename}")
+        self.start_worker(name)
+
+    def fault_kill_main(self) -> None:
+        self._restart(self.fault_rng.choice(sorted(self.workers)), "kill_main")
+
+    def fault_kill_worker(self) -> None:
+        self._restart(self.fault_rng.choice(sorted(self.workers)), "kill_worker")
+
+    def fault_lock_restart(self) -> None:
+        t = time.monotonic()
+        self.lock_srv.restart()
+        self.record("lock_restart", t, time.monotonic())
+        self.say("lock_restart")
+
+    def fault_stop_child(self) -> None:
+        name = self.fault_rng.choice(sorted(self.workers))
+        worker = self.workers[name]
+        kids = self.children(worker)
+        if not kids:
+            return
+        pid = self.fault_rng.choice(kids)
+        pause = self.cfg.grant_ttl * self.fault_rng.uniform(0.5, 1.3)
+        t = time.monotonic()
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(pause)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.record("stop_child", t, time.monotonic(), node=worker.nodename, pid=pid)
+        self.say(f"stop_child {pid} of {worker.nodename} for {pause:.2f}s")
+
+    def fault_kinds(self) -> list[str]:
+        kinds = [
+            k for k in ("lock_restart", "kill_child", "kill_main", "kill_worker") if self.has(k)
+        ]
+        if self.has("adopt_deadline"):
+            kinds.append("stop_child")
+        return kinds
+
+    def fault_loop(self, end: float) -> None:
+        kinds = self.fault_kinds()
+        try:
+            while kinds:
+                gap = self.fault_rng.uniform(*self.cfg.fault_gap)
+                if time.monotonic() + gap >= end - 1.0 or self.stop.wait(gap):
+                    break
+                getattr(self, f"fault_{self.fault_rng.choice(kinds)}")()
+        except BaseException as exc:  # the run ends; the error is reported
+            self.fault_error = exc
+            self.say(f"fault thread failed: {exc!r}")
+        finally:
+            self.faults_over.set()
+        # A worker started from this thread gets SIGKILL when the thread ends
+        # (PR_SET_PDEATHSIG follows the thread that forked it): stay until the
+        # run has stopped every worker.
+        self.finished.wait()
+
+    # -- load -----------------------------------------------------------------
+
+    def producer(self) -> tuple[Celery, Any]:
+        from celery_redislock import RedisLock
+
+        from .celery_app import define_unique
+
+        app = Celery("chaosc-producer")
+        assert self.cluster is not None
+        app.conf.update(
+            broker_url=self.broker_srv.url,
+            result_backend=self.broker_srv.url,
+            task_default_queue=self.cluster.queue,
+            result_expires=3600,
+            redislock_namespace=self.cfg.namespace,
+            redislock_url=self.lock_srv.url,
+            redislock_owner_ttl=self.cfg.owner_ttl,
+            redislock_unique_ttl=600,
+        )
+        RedisLock(app)
+        return app, define_unique(app)
+
+    def kinds(self) -> list[tuple[str, float]]:
+        out = []
+        if self.has("defer"):
+            out.append(("defer", 3.0))
+        if self.has("retry"):
+            out.append(("retry", 1.0))
+        if self.has("unique"):
+            out.append(("unique", 1.5))
+        if self.has("mixed"):
+            out.append(("wait", 2.0))
+        if self.has("adopt_deadline"):
+            out.append(("stall", 2.0))
+        return out
+
+    def send_one(
+        self, app: Celery, unique: Any, recent: list[tuple[str, str, float]], res: str = ""
+    ) -> None:
+        rng = self.send_rng
+        kinds = self.kinds()
+        kind = rng.choices([k for k, _ in kinds], [w for _, w in kinds])[0]
+        n = self.cfg.resources
+        res = res or f"r{rng.choices(range(n), [1 / (i + 1) for i in range(n)])[0]}"
+        if kind == "stall":
+            # One stalled task at a time: each holds its resource idle for
+            # about the grant TTL, more would starve the rest of the load.
+            if time.monotonic() - self.last_stall < 2 * self.cfg.grant_ttl:
+                kind = "defer"
+            else:
+                self.last_stall = time.monotonic()
+        mode = "x" if kind == "unique" or rng.random() < 0.7 else "s"
+        hold = round(rng.uniform(0.05, 0.4), 3)
+        rec: dict[str, Any] = {"kind": kind, "res": res, "mode": mode, "hold": hold}
+        kwargs: dict[str, Any] = {"res": res, "hold": hold}
+        if kind == "retry":
+            kwargs["retry"] = True
+        elif kind == "stall":
+            g = self.cfg.grant_ttl
+            # Land the adoption near the grant deadline, and stall between its
+            # two steps for a while (sometimes across the deadline).
+            kwargs["stall_pre"] = round(g * rng.uniform(0.6, 1.0), 3)
+            kwargs["stall_mid"] = round(g * rng.uniform(0.0, 0.6), 3)
+        t0 = time.monotonic()
+        try:
+            if kind == "unique":
+                now = time.monotonic()
+                live = [r for r in recent if now - r[2] < 3.0]
+                if live and rng.random() < 0.3:
+                    key = rng.choice(live)[0]
+                    rec["dup_attempt"] = True
+                else:
+                    key = f"k{len(self.sent_ids)}"
+                rec["key"] = key
+                result = unique.apply_async(kwargs={"key": key, **kwargs})
+            else:
+                name = f"chaos.{'wait' if kind == 'wait' else 'defer'}_{mode}"
+                result = app.send_task(name, kwargs=kwargs)
+        except Exception as exc:
+            rec.update(t0=t0, t1=time.monotonic(), error=repr(exc))
+            with self.io_lock:
+                self.sent_file.write(json.dumps(rec) + "\n")
+            return
+        rec.update(id=result.id, t0=t0, t1=time.monotonic(), args=kwargs)
+        if kind == "unique":
+            ids = self.key_ids.setdefault(rec["key"], set())
+            rec["dup_of"] = result.id if result.id in ids else None
+            if result.id not in ids:
+                ids.add(result.id)
+                recent.append((rec["key"], result.id, rec["t1"]))
+                del recent[:-50]
+        if not rec.get("dup_of"):
+            self.sent_ids.append(result.id)
+        with self.io_lock:
+            self.sent_file.write(json.dumps(rec) + "\n")
+
+    def produce(self, end: float) -> None:
+        app, unique = self.producer()
+        recent: list[tuple[str, str, float]] = []
+        try:
+            while time.monotonic() < end and not self.stop.is_set():
+                if self.send_rng.random() < 0.12:
+                    # A burst on one resource: more tasks than pool slots queue for it.
+                    res = f"r{self.send_rng.randrange(self.cfg.resources)}"
+                    for _ in range(self.send_rng.randint(4, 8)):
+                        self.send_one(app, unique, recent, res)
+                else:
+                    self.send_one(app, unique, recent)
+                self.stop.wait(self.send_rng.uniform(*self.cfg.send_gap))
+        finally:
+            app.close()
+
+    # -- drain ----------------------------------------------------------------
+
+    def states(self, client: redis.Redis, errors: dict[str, str] | None = None) -> dict[str, str]:
+        """Every sent task's state (and, into ``errors``, a failure's exception type)."""
+        out: dict[str, str] = {}
+        ids = list(self.sent_ids)
+        for i in range(0, len(ids), 200):
+            chunk = ids[i : i + 200]
+            for tid, raw in zip(chunk, client.mget([f"celery-task-meta-{t}" for t in chunk])):
+                meta = json.loads(raw) if raw else {"status": "PENDING"}
+                out[tid] = meta["status"]
+                result = meta.get("result")
+                if errors is not None and meta["status"] == "FAILURE" and isinstance(result, dict):
+                    errors[tid] = str(result.get("exc_type"))
+        return out
+
+    def drain(self) -> dict[str, Any]:
+        client = redis.Redis.from_url(self.broker_srv.url, decode_responses=True)
+        t = time.monotonic()
+        deadline = t + self.cfg.drain
+        try:
+            while True:
+                states = self.states(client)
+                left = [i for i, s in states.items() if s not in FINAL_STATES]
+                if not left or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            drained = not left
+            # Late copies (a redelivery, a second publish) show up within a
+            # dispatch round trip or two.
+            time.sleep(2 * self.cfg.heartbeat + 1.0)
+            errors: dict[str, str] = {}
+            states = self.states(client, errors)
+        finally:
+            client.close()
+        took = time.monotonic() - t
+        self.say(f"drain: {'done' if drained else 'NOT done'} in {took:.1f}s")
+        return {"states": states, "errors": errors, "drained": drained, "drain_s": took,
+                "t_end": time.monotonic()}  # fmt: skip
+
+    # -- phases ---------------------------------------------------------------
+
+    def run(self) -> CeleryOutcome:
+        self.lock_srv.start()
+        self.broker_srv.start()
+        try:
+            return self._run()
+        finally:
+            self.stop.set()
+            if self.cluster is not None:
+                self.cluster.close()
+            self.finished.set()
+            if self.fault_thread is not None:
+                self.fault_thread.join()
+            self.sent_file.close()
+            self.fault_file.close()
+            self.lock_srv.stop()
+            self.broker_srv.stop()
+
+    def _run(self) -> CeleryOutcome:
+        c = self.cfg
+        self.cluster = Cluster(
+            self.broker_srv.url,
+            self.out / "logs",
+            namespace=c.namespace,
+            lock_url=self.lock_srv.url,
+            app_module="chaos.celery_app",
+            owner_ttl=c.owner_ttl,
+            heartbeat=c.heartbeat,
+            defer_grant_ttl=c.grant_ttl,
+            defer_ttl=600,
+            unique_ttl=600,
+            visibility=c.visibility,
+            wait_timeout_s=max(5.0, c.visibility - 5.0),
+            bodies=str(self.out / "bodies"),
+        )
+        self.t0 = time.monotonic()
+        (self.out / "run.json").write_text(
+            json.dumps(
+                {"config": asdict(c), "t0": self.t0, "w0": time.time(), "celery": True}, indent=1
+            )  # fmt: skip
+        )
+        self.say(
+            f"seed={c.seed} duration={c.duration}s workers={c.workers}x{c.concurrency} "
+            f"participants={','.join(c.participants) or 'none'} out={self.out}"
+        )
+        # Start them all, then wait for each (they start side by side).
+        started = [(f"cw{i}", self.start_worker(f"cw{i}", wait=False)) for i in range(c.workers)]
+        for name, worker in started:
+            self.up(name, worker)
+        t_load = time.monotonic()
+        self.record("load", t_load, t_load + c.duration)
+        end = t_load + c.duration
+        self.fault_thread = threading.Thread(target=self.fault_loop, args=(end,), name="faults")
+        self.fault_thread.start()
+        try:
+            self.produce(end)
+        finally:
+            self.stop.set()
+            self.faults_over.wait()
+        if self.fault_error is not None:
+            raise self.fault_error
+        self.say(f"load done: {len(self.sent_ids)} tasks sent")
+        final = self.drain()
+        (self.out / "final.json").write_text(json.dumps(final, indent=1))
+        report = checker.check(self.out)
+        (self.out / "summary.json").write_text(
+            json.dumps(
+                {
+                    "config": asdict(c),
+                    "stats": report.stats,
+                    "violations": [v.as_dict() for v in report.violations],
+                },
+                indent=1,
+            )
+        )
+        return CeleryOutcome(c, report.stats, report.violations)
+
+
+def run(cfg: CeleryConfig) -> CeleryOutcome:
+    return CeleryRunner(cfg).run()
