@@ -17,8 +17,8 @@ run injects, the lock Redis's restarts included):
 ``end``     the body ended: the same, plus lost (the lease was lost or
             ``check()`` failed) and retrying (the body calls ``self.retry()``)
 ``stall``   a deliberate stall of an adoption: id, res, where (``pre``:
-            before the adoption, ``mid``: between the engine's adopt and the
-            park record's update), until
+            before the adoption, ``mid``: right after the engine's adopt (which
+            updates the park record in the same script), until
 ==========  ================================================================
 
 Tasks (``res`` names the resource, ``hold`` the seconds in the body):
@@ -277,12 +277,13 @@ _engine_adopt = LockManager.adopt
 
 
 def _adopt_then_stall(
-    self: LockManager, task_id: str, attempt: int = 0, *, holder: str | None = None
+    self: LockManager, task_id: str, attempt: int = 0, **options: Any
 ) -> Adoption:
     """``LockManager.adopt``, then (for a task whose prerun asked) a stall before
-    the caller goes on: a deferred task's adoption is then stopped between the
-    engine's adopt and the park record's update, as a paused child would be."""
-    adoption = _engine_adopt(self, task_id, attempt, holder=holder)
+    the caller goes on: a deferred task's adoption is then stopped right after
+    the engine's adopt (which updates the park record in the same script), as
+    a paused child would be."""
+    adoption = _engine_adopt(self, task_id, attempt, **options)
     stall = _mid_stalls.pop(task_id, 0.0)
     if stall and adoption.adopted:
         res = next((r[2:] for x in adoption.leases for r in x.resources if r.startswith("c:")), "")

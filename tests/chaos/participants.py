@@ -38,8 +38,6 @@ KNOWN_TO_FAIL: dict[str, str] = {
     "is parked, and the re-dispatched copy is dropped (the lock idles for the grant TTL)",
     "mixed": "resource_idle/never_ran: waiting tasks in every pool slot leave a deferred "
     "grant idle for the grant TTL",
-    "adopt_deadline": "ran_twice: an adoption that lands at the grant deadline runs the "
-    "body while the re-parked copy is published again",
     "lock_restart": "never_ran/left_pending: parked tasks vanish with the lock Redis's data",
     "kill_child": "left_pending: a child killed after a re-dispatched task's body ended and "
     "before its result was stored leaves it DEFERRED (the redelivered copy finds the park "
