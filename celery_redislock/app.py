@@ -141,6 +141,9 @@ class RedisLock:
         _connect_signals()
         app.steps["worker"].add(RedisLockNode)
         self._register_reconcile_task(app)
+        from . import guard
+
+        guard.register(app, self)  # parked deferred tasks' guards (docs/defer.md, D12)
         if getattr(app, "configured", False):
             self._merge_beat_schedule_or_report(app.conf)
         else:

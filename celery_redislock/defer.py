@@ -79,6 +79,8 @@ class ParkResult:
     outcome: str
     leases: list[Lease] = field(default_factory=list)
     state: str = ""
+    #: The record's life (``parked``/``granted``; -1 for a duplicate).
+    life: int = -1
 
 
 def _attempt_as_task(
@@ -171,12 +173,12 @@ def park(
                 [record_key(mgr, task_id)],
                 [task_id, mgr.keys.prefix, _text(got[1])],
             )
-            return ParkResult("granted")
+            return ParkResult("granted", life=life)
         if code == 1:
             outcome, leases = adopt(mgr, task_id, life, holder=holder or None)
             if not leases:
                 raise LockError(f"deferred task {task_id}: immediate grant not adopted ({outcome})")
-            return ParkResult("granted", leases=leases)
+            return ParkResult("granted", leases=leases, life=life)
         if code == -1:
             raise LockError(f"deferred task {task_id}: its task owner is tombstoned")
     except BaseException:
@@ -185,7 +187,7 @@ def park(
         except Exception as exc:  # its park TTL ends it
             log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
         raise
-    return ParkResult("parked")
+    return ParkResult("parked", life=life)
 
 
 def adopt(

@@ -50,6 +50,7 @@ SCRIPT_NAMES = (
     "defer_done",
     "defer_withdraw",
     "defer_tick",
+    "defer_guard",
 )
 
 

@@ -42,6 +42,8 @@ ON_LOST_MODES = ("fail", "terminate", "ignore")
 #: Bounds of ``redislock_defer_ttl`` and ``redislock_defer_grant_ttl`` (seconds).
 MIN_DEFER_TTL = 1.0
 MAX_DEFER_TTL = 30 * 86400.0
+#: Marks a setting left unset (where None is a value of its own).
+_UNSET: Any = object()
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,16 @@ SETTINGS: tuple[Setting, ...] = (
         "How long a lock handed to a deferred task waits for a worker to adopt it "
         "(broker transit and queueing); past it the lock is handed on and the task "
         "published again. 1..2592000.",
+    ),
+    Setting(
+        "redislock_defer_guard_interval",
+        "float (seconds) | None",
+        "300.0 when redislock_url is set, else None",
+        "How often a parked deferred task's guard message (a copy in the broker) checks "
+        "that the lock Redis still holds it, and re-publishes the task if that Redis "
+        "lost it (docs/defer.md, D12). Keep it below the broker's visibility_timeout. "
+        "None or 0: no guards (the default when the lock Redis is the broker's, whose "
+        "loss takes the queues with it). 1..2592000.",
     ),
     Setting(
         "redislock_fast_restart_cleanup",
@@ -275,6 +287,8 @@ class Config:
     default_on_busy: str = "wait"
     defer_ttl: float = 86400.0
     defer_grant_ttl: float = 300.0
+    #: Seconds between a parked task's guard checks; None: no guards.
+    defer_guard_interval: float | None = None
 
 
 def _number(
@@ -367,6 +381,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
     get: Callable[[str, Any], Any] = conf.get
 
     url = reveal(get("redislock_url", None))
+    own_url = url is not None  # the lock Redis is not (by default) the broker's
     if url is None:
         broker = get("broker_url", None)
         url = default_url(broker, get("broker_transport_options", None))
@@ -479,6 +494,21 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         )
         assert value is not None
         defer_ttls.append(value)
+    # Guards protect parked tasks from a loss of the lock Redis's data; with
+    # the broker's own Redis (the default) such a loss takes the broker's
+    # queues, guards included, with it: no guards unless asked for.
+    raw_guard = get("redislock_defer_guard_interval", _UNSET)
+    if raw_guard is _UNSET:
+        guard: float | None = 300.0 if own_url else None
+    elif raw_guard is None or (raw_guard == 0 and not isinstance(raw_guard, bool)):
+        guard = None
+    else:
+        guard = _number(
+            "redislock_defer_guard_interval",
+            raw_guard,
+            minimum=MIN_DEFER_TTL,
+            maximum=MAX_DEFER_TTL,
+        )
 
     return Config(
         url=url,
@@ -499,6 +529,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         default_on_busy=on_busy,
         defer_ttl=defer_ttls[0],
         defer_grant_ttl=defer_ttls[1],
+        defer_guard_interval=guard,
     )
 
 

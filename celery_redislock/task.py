@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import _validate as _v
+from . import guard
 from .app import RedisLock
 from .exceptions import (
     ConfigurationError,
@@ -555,6 +556,35 @@ def _grant_header(request: Any) -> tuple[int, int] | None:
     return parse_header(value)
 
 
+def _header_value(request: Any) -> Any:
+    """The raw ``redislock_defer`` header of ``request`` (None if absent)."""
+    from .defer import HEADER
+
+    value = getattr(request, HEADER, None)
+    if value is None:
+        headers = getattr(request, "headers", None) or {}
+        value = headers.get(HEADER) if isinstance(headers, dict) else None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _send_guard(
+    locks: RedisLock, task_id: str, message: dict[str, Any], life: int, guarded: bool
+) -> None:
+    """Publish the guard of a parked task (docs/defer.md, D12), if guards are on."""
+    interval = locks.config.defer_guard_interval
+    if not guarded or not interval:
+        return
+    try:
+        guard.send_guard(locks.app, task_id, message, interval, life=life)
+    except Exception as exc:  # still parked; only unprotected against a lock-Redis loss
+        log.error(
+            "defer.guard-error id=%s error=%r: no guard was sent; this parked task is "
+            "lost if the lock Redis loses its data",
+            task_id,
+            exc,
+        )
+
+
 def _run_adopted(
     leases: list[Lease],
     resources: list[str],
@@ -651,6 +681,13 @@ def _run_deferred(
         except Exception as err:  # the record expires on its own
             log.warning("defer.done-error id=%s error=%r", task_id, err)
 
+    # Guards of parked tasks against a loss of the lock Redis's data (D12).
+    guarded = guard.enabled(locks.app, cfg.defer_guard_interval)
+
+    def adopted(life: int) -> None:
+        if guarded:  # a guard that later finds no record must not recover a started task
+            guard.mark_adopted(locks.app, task_id, life)
+
     grant = _grant_header(request)
     if grant is not None:
         life, fence = grant
@@ -660,6 +697,7 @@ def _run_deferred(
             replication_short(exc)
             raise
         if leases:
+            adopted(life)
             return _run_adopted(leases, resources, run, fun, args, kwargs, done_marker(leases))
         log.info(
             "defer.not-adopted task=%s id=%s life=%d fence=%d why=%s: parking this copy "
@@ -671,6 +709,11 @@ def _run_deferred(
             outcome,
         )
         lease = None  # a copy of a dispatched message never tries once: park decides
+    elif _header_value(request) == guard.RECOVER:
+        # A guard's recovery copy (D12): the park record decides, as for a
+        # stale grant's copy: none makes it a new arrival, any a duplicate.
+        log.info("defer.recovery-copy task=%s id=%s: parking this copy", label, task_id)
+        lease = None
     else:
         # A new arrival: try once, as on_busy="raise" does.
         try:
@@ -724,6 +767,7 @@ def _run_deferred(
             mgr._local.halt_ok = False
         return _run_body(lease, run, fun, args, kwargs)
     if result.outcome == "granted" and result.leases:
+        adopted(result.life)
         return _run_adopted(
             result.leases, resources, run, fun, args, kwargs, done_marker(result.leases)
         )
@@ -735,8 +779,25 @@ def _run_deferred(
             task_id,
             result.state,
         )
+        if guarded and result.state in ("parked", "granted"):
+            # The parking child may have died before it sent the guard (D2,
+            # D3): a spare guard ends at its first check if another watches.
+            _store_deferred(task, task_id, resources)
+            _send_guard(locks, task_id, message, 0, guarded)
         raise Ignore()
     log.info("locked.deferred task=%s id=%s resources=%s", label, task_id, ",".join(resources))
+    _store_deferred(task, task_id, resources)
+    # After DEFERRED (a guard finding no record and no result knows the
+    # result backend lost it too) and before the message is acked (Ignore):
+    # from now on the guard is the task's copy outside the lock Redis.
+    _send_guard(locks, task_id, message, result.life, guarded)
+    raise Ignore()
+
+
+def _store_deferred(task: Any, task_id: str, resources: list[str]) -> None:
+    """Store state ``DEFERRED`` in the result backend (best effort)."""
+    from . import defer
+
     try:
         task.update_state(
             task_id=task_id,
@@ -745,7 +806,6 @@ def _run_deferred(
         )
     except Exception as exc:  # the task stays parked; only the visible state is missing
         log.warning("defer.state-error id=%s error=%r", task_id, exc)
-    raise Ignore()
 
 
 def locked(

@@ -21,6 +21,7 @@ test (each test gets its own broker queue, lock namespace and TTLs):
 ``E2E_WAIT_REPLICAS``   ``redislock_wait_replicas``; ``E2E_WAIT_TIMEOUT``: ``_wait_timeout``
 ``E2E_METRICS_PORT``    ``redislock_metrics_port`` (the worker's Prometheus endpoint)
 ``E2E_DEFER_TTL``       ``redislock_defer_ttl``; ``E2E_DEFER_GRANT_TTL``: ``_defer_grant_ttl``
+``E2E_DEFER_GUARD``     ``redislock_defer_guard_interval`` (seconds)
 ======================  =========================================================
 
 Every key the tasks write for the test lives under ``e2e:`` (outside the lock
@@ -76,6 +77,7 @@ def _build() -> Celery:
         ("E2E_UNIQUE_TTL", "redislock_unique_ttl"),
         ("E2E_DEFER_TTL", "redislock_defer_ttl"),
         ("E2E_DEFER_GRANT_TTL", "redislock_defer_grant_ttl"),
+        ("E2E_DEFER_GUARD", "redislock_defer_guard_interval"),
     ):
         value = _env_float(env)
         if value is not None:

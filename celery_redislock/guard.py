@@ -1,0 +1,273 @@
+"""Guards of parked deferred tasks: survive the loss of the lock Redis's data.
+
+A parked task's message was acked when it parked (Celery's ``Ignore``): its
+park record in the lock Redis is then its only copy. A Redis restart without
+persistence, or a failover that lost writes, would make it vanish. So when a
+task parks, a *guard* is published to the broker: a small task
+(:data:`GUARD_TASK`) carrying the task's message, sent with a countdown of
+``redislock_defer_guard_interval`` on the parked task's own routing. When it
+comes due, a worker looks at the park record (``defer_guard.lua``):
+
+* parked or granted: the guard claims the record (one guard message per
+  record goes on: a sequence number and the guard's id, compare-and-set in
+  the record) and is sent again for the next interval;
+* adopted or done, or watched by another live guard: the guard ends;
+* no record: the result backend says why. A ready state (SUCCESS, FAILURE,
+  REVOKED: the task ran, or was withdrawn) or an adoption marker of this
+  life or a later one (the body started) ends the guard. ``DEFERRED``
+  (written at the park, before the guard was sent): the guard looks once
+  more one interval later (a record is briefly absent while the dispatcher
+  parks a task again) and then *recovers* the task: it publishes the
+  task's message again with the header ``redislock_defer: recover`` and
+  goes on guarding. The recovery copy goes straight to the park step, where
+  the record decides: none (the lock Redis lost it) makes it a new arrival,
+  any record makes it a duplicate. ``PENDING`` at both looks: the result
+  backend lost the task too, nothing tells whether it ran; it fails with
+  ``LockLost`` (cause "Redis lost the lock") instead of running twice.
+
+The adoption marker is a result-backend entry of its own
+(:func:`marker_id`), written by the child that adopts a deferred task's
+grant: the body is running or ran, and its own message is in charge.
+docs/defer.md (D12) gives the races.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+log = logging.getLogger("celery_redislock.defer")
+
+#: The registered name of the guard task.
+GUARD_TASK = "celery_redislock.defer_guard"
+#: Value of the ``redislock_defer`` header of a recovery copy: no grant to
+#: adopt, the park step decides (duplicate if any record holds the task).
+RECOVER = "recover"
+#: State of the adoption marker's result-backend entry (:func:`marker_id`).
+ADOPTED = "ADOPTED"
+#: Result states after which a task is never recovered.
+_FINAL = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
+
+
+def marker_id(task_id: str) -> str:
+    """The result-backend id of the adoption marker of deferred task ``task_id``."""
+    return f"redislock-adopted:{task_id}"
+
+
+def enabled(app: Any, interval: float | None) -> bool:
+    """Whether guards are sent: an interval, and a result backend that stores
+    results (the guard reads it to tell a lost task from a finished one)."""
+    if not interval:
+        return False
+    from celery.backends.base import DisabledBackend
+    from celery.backends.rpc import RPCBackend
+
+    try:
+        backend = app.backend
+    except Exception:
+        return False
+    # rpc:// sends results to the caller: a worker cannot read them back.
+    if not isinstance(backend, (DisabledBackend, RPCBackend)):
+        return True
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning(
+            "defer.unguarded backend=%s: guards need a result backend a worker can read; "
+            "parked tasks are lost if the lock Redis loses its data (docs/defer.md, D12)",
+            type(backend).__name__,
+        )
+    return False
+
+
+_warned = False
+
+
+def _routing(message: dict[str, Any]) -> dict[str, Any]:
+    opts = message.get("options") or {}
+    return {k: opts[k] for k in ("exchange", "routing_key", "queue") if opts.get(k)}
+
+
+def send_guard(
+    app: Any,
+    task_id: str,
+    message: dict[str, Any],
+    interval: float,
+    *,
+    life: int,
+    gid: str | None = None,
+    seq: int = 0,
+    suspect: bool = False,
+) -> str:
+    """Publish a guard for ``task_id`` due in ``interval`` seconds; its id."""
+    gid = gid or uuid.uuid4().hex
+    app.send_task(
+        GUARD_TASK,
+        args=[task_id, message, gid, seq, life, suspect, interval],
+        countdown=interval,
+        add_to_parent=False,
+        ignore_result=True,  # no result, and no result subscription here
+        **_routing(message),
+    )
+    return gid
+
+
+def send_recovery(app: Any, task_id: str, message: dict[str, Any]) -> None:
+    """Publish the task's message again, as a recovery copy (same id)."""
+    from .defer import HEADER
+
+    app.send_task(
+        message["name"],
+        args=message.get("args") or [],
+        kwargs=message.get("kwargs") or {},
+        task_id=task_id,
+        headers={HEADER: RECOVER},
+        add_to_parent=False,
+        **dict(message.get("options") or {}),
+    )
+
+
+def mark_adopted(app: Any, task_id: str, life: int) -> None:
+    """Record in the result backend that life ``life`` of ``task_id`` was
+    adopted (its body runs): a guard that finds no record then ends."""
+    try:
+        # A state of its own: a backend never overwrites a SUCCESS result, and
+        # a later life's adoption must overwrite the marker.
+        app.backend.store_result(marker_id(task_id), {"life": life, "at": time.time()}, ADOPTED)
+    except Exception as exc:  # only a guard's decision after a data loss needs it
+        log.warning("defer.marker-error id=%s error=%r", task_id, exc)
+
+
+def _adopted_life(app: Any, task_id: str) -> int | None:
+    meta = app.backend.get_task_meta(marker_id(task_id), cache=False)
+    result = meta.get("result") if meta.get("status") == ADOPTED else None
+    if isinstance(result, dict) and isinstance(result.get("life"), int):
+        return int(result["life"])
+    return None
+
+
+def _look(
+    locks: Any, task_id: str, gid: str, seq: int, life: int, interval: float
+) -> tuple[str, int, str | None]:
+    """``(what, record's life, result state)``: ``rearm`` (claimed), an
+    ending (``adopted``, ``done``, ``other``, ``stale``, a ready state), or
+    ``none`` (no record, and the task neither ended nor started)."""
+    from .defer import record_key
+
+    mgr = locks.manager
+    claim_ms = str(max(1, int(3 * interval * 1000)))
+    reply = mgr._call("defer_guard", [record_key(mgr, task_id)], [gid, str(seq), claim_ms])
+    what = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    if what == "rearm":
+        raw = reply[1]
+        return what, int(raw.decode() if isinstance(raw, bytes) else raw), None
+    if what != "none":
+        return what, life, None
+    state = locks.app.backend.get_task_meta(task_id).get("status")
+    if state in _FINAL:
+        return str(state), life, state
+    adopted = _adopted_life(locks.app, task_id)
+    if adopted is not None and adopted >= life:
+        return "adopted", life, state
+    return "none", life, state
+
+
+def check(
+    locks: Any,
+    task_id: str,
+    message: dict[str, Any],
+    gid: str,
+    seq: int,
+    life: int,
+    suspect: bool,
+    interval: float,
+) -> str:
+    """One guard check (the body of :data:`GUARD_TASK`); returns what it did:
+    ``rearm``, ``ended:<why>``, ``wait:<state>``, ``suspect``, ``recovered``
+    or ``retry`` (the
+    lock Redis or the result backend did not answer: the same guard message
+    is sent again for the next interval, so the guard is never lost to an
+    outage, such as the restart it is there for)."""
+    app = locks.app
+    try:
+        what, record_life, state = _look(locks, task_id, gid, seq, life, interval)
+    except Exception as exc:
+        log.warning("defer.guard-retry id=%s error=%r: looking again later", task_id, exc)
+        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=suspect)
+        return "retry"
+    if what == "rearm":
+        send_guard(app, task_id, message, interval, life=record_life, gid=gid, seq=seq + 1)
+        return "rearm"
+    if what != "none":
+        return f"ended:{what}"
+    if state not in ("DEFERRED", "PENDING"):
+        # STARTED (task_track_started: a copy arrived and is about to park
+        # or adopt), or a state of the task's own: look again later.
+        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq)
+        return f"wait:{state}"
+    if not suspect:
+        # A record is briefly absent while a dispatcher parks a task again,
+        # and a marker is written just after the adoption: look once more.
+        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=True)
+        return "suspect"
+    if state == "PENDING":
+        # The park wrote DEFERRED before it sent this guard: the result
+        # backend lost it too (one Redis for both?), and nothing tells
+        # whether the task ran. Never run it twice: end it, saying why.
+        from .exceptions import CAUSE_REDIS_LOST, LockLost
+        from .keys import task_owner_id
+
+        log.error(
+            "defer.lost id=%s task=%s: neither the lock Redis nor the result backend holds "
+            "this parked task any more (both lost their data); it may have run, so it is "
+            "not published again: failing it with LockLost",
+            task_id,
+            message.get("name", "?"),
+        )
+        owner = task_owner_id(task_id, life)
+        lost = LockLost(list(message.get("resources") or ()), owner, 0, CAUSE_REDIS_LOST)
+        app.backend.mark_as_failure(task_id, lost)
+        return "ended:lost"
+    log.error(
+        "defer.recovered id=%s task=%s state=%s: the lock Redis holds no record of this "
+        "parked task (it lost its data: a restart without persistence, or a failover "
+        "that lost writes); publishing it again as a new arrival (its place in line "
+        "is lost)",
+        task_id,
+        message.get("name", "?"),
+        state,
+    )
+    send_recovery(app, task_id, message)
+    send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq)
+    return "recovered"
+
+
+def register(app: Any, locks: Any) -> None:
+    """Register :data:`GUARD_TASK` on ``app`` (done by ``RedisLock(app)``)."""
+
+    @app.task(name=GUARD_TASK, shared=False, ignore_result=True)
+    def defer_guard(
+        task_id: str,
+        message: dict[str, Any],
+        gid: str,
+        seq: int,
+        life: int,
+        suspect: bool = False,
+        interval: float = 300.0,
+    ) -> str:
+        """Check that a parked deferred task is still held (docs/defer.md, D12)."""
+        try:
+            return check(locks, task_id, message, gid, int(seq), int(life), bool(suspect), interval)
+        except Exception as exc:  # the broker refused the next message
+            log.error(
+                "defer.guard-error id=%s error=%r: the guard could not be sent again; "
+                "this parked task is lost if the lock Redis loses its data",
+                task_id,
+                exc,
+            )
+            raise
+
+
+__all__ = ["GUARD_TASK", "RECOVER", "check", "mark_adopted", "marker_id", "send_guard"]

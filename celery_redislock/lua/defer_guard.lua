@@ -1,0 +1,42 @@
+-- defer_guard.lua: a deferred task's guard message came due (docs/defer.md,
+-- "Guards"): say whether the park record still holds the task and, if so,
+-- let exactly one guard message per record go on watching it.
+--
+-- KEYS (all in {ns}):
+--   1 {ns}:defer:<task id>   the park record
+--
+-- ARGV:
+--   1 the guard's id (made when its task parked)
+--   2 the guard message's sequence number (a decimal string)
+--   3 how long the claim stands without a check, ms (a guard whose claimant
+--     has not checked in for that long may take the record over)
+--
+-- Atomic steps: read the record's state, life and guard claim ('guard' id,
+-- 'gseq' the sequence number it expects next, 'gdue' its deadline, ms
+-- Redis TIME). A record that is not 'parked' or 'granted' is left alone.
+-- A record claimed by another guard whose deadline has not passed is left
+-- alone. A record claimed by this guard whose expected sequence number is
+-- not ARGV[2] is left alone (a second delivery of a guard message already
+-- handled: a broker redelivery). Otherwise the claim becomes this guard's:
+-- 'guard' = ARGV[1], 'gseq' = ARGV[2] + 1, 'gdue' = now + ARGV[3].
+--
+-- Reply:
+--   {'rearm', life}   claimed: send the next guard message (sequence ARGV[2] + 1)
+--   {'other', life}   another guard watches the record: this one ends
+--   {'stale', life}   this guard message was handled already: it ends
+--   {state}           'adopted' or 'done': the task left the park; it ends
+--   {'none'}          no record: the caller asks the result backend why
+
+local st = redis.call('HMGET', KEYS[1], 'state', 'life', 'guard', 'gseq', 'gdue')
+if not st[1] then return {'none'} end
+if st[1] ~= 'parked' and st[1] ~= 'granted' then return {st[1]} end
+local life = st[2] or '0'
+local now = tonumber(time_ms_plus('0'))
+if st[3] and st[3] ~= ARGV[1] then
+  if tonumber(st[5] or '0') > now then return {'other', life} end
+elseif st[3] and st[4] ~= ARGV[2] then
+  return {'stale', life}
+end
+redis.call('HSET', KEYS[1], 'guard', ARGV[1], 'gseq', int(tonumber(ARGV[2]) + 1),
+  'gdue', int(now + tonumber(ARGV[3])))
+return {'rearm', life}
