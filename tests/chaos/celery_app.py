@@ -98,6 +98,7 @@ def settings() -> dict[str, Any]:
         ("E2E_UNIQUE_TTL", "redislock_unique_ttl"),
         ("E2E_DEFER_TTL", "redislock_defer_ttl"),
         ("E2E_DEFER_GRANT_TTL", "redislock_defer_grant_ttl"),
+        ("E2E_DEFER_GUARD", "redislock_defer_guard_interval"),
     ):
         value = _env_float(env)
         if value is not None:

@@ -59,6 +59,9 @@ class CeleryConfig:
     heartbeat: float = 0.25
     #: redislock_defer_grant_ttl: short, so that adoptions can be made to land near it.
     grant_ttl: float = 3.0
+    #: redislock_defer_guard_interval: short, so that parked tasks the lock
+    #: Redis lost are recovered within the drain.
+    guard_interval: float = 2.0
     #: The broker's visibility timeout (0: 20 s with wait-mode tasks, else 10 s).
     visibility: float = 0.0
     #: Seconds between two sends, and between two faults.
@@ -77,7 +80,13 @@ class CeleryConfig:
         if not self.visibility:
             self.visibility = 20.0 if "mixed" in self.participants else 10.0
         if not self.drain:
-            self.drain = self.visibility + 2 * self.grant_ttl + 2 * self.owner_ttl + 10.0
+            self.drain = (
+                self.visibility
+                + 2 * self.grant_ttl
+                + 2 * self.owner_ttl
+                + 3 * self.guard_interval
+                + 10.0
+            )
         if not self.idle_bound:
             self.idle_bound = 2 * self.heartbeat + 0.5
 
@@ -433,6 +442,7 @@ class CeleryRunner:
             owner_ttl=c.owner_ttl,
             heartbeat=c.heartbeat,
             defer_grant_ttl=c.grant_ttl,
+            defer_guard=c.guard_interval,
             defer_ttl=600,
             unique_ttl=600,
             visibility=c.visibility,

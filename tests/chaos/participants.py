@@ -38,7 +38,6 @@ KNOWN_TO_FAIL: dict[str, str] = {
     "is parked, and the re-dispatched copy is dropped (the lock idles for the grant TTL)",
     "mixed": "resource_idle/never_ran: waiting tasks in every pool slot leave a deferred "
     "grant idle for the grant TTL",
-    "lock_restart": "never_ran/left_pending: parked tasks vanish with the lock Redis's data",
     "kill_child": "left_pending: a child killed after a re-dispatched task's body ended and "
     "before its result was stored leaves it DEFERRED (the redelivered copy finds the park "
     "record done and is dropped)",
