@@ -74,10 +74,12 @@ class _Publisher:
         self._conn: Any = None
 
     def __call__(self, task_id: str, message: dict[str, Any], header: str | None) -> None:
-        from .defer import HEADER
+        from .defer import HEADER, PARKED_AT_HEADER
 
         opts = dict(message.get("options") or {})
         headers = {HEADER: header} if header is not None else {}
+        if header is not None and message.get("parked_at") is not None:
+            headers[PARKED_AT_HEADER] = str(message["parked_at"])  # the grant's wait (metrics)
         if self._conn is None:
             self._conn = self.app.connection_for_write()
         try:

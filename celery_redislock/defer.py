@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import threading
 import time
@@ -38,6 +39,9 @@ log = logging.getLogger("celery_redislock.defer")
 
 #: Message header carrying the fence of the grant a re-dispatched task adopts.
 HEADER = "redislock_defer"
+#: Message header carrying when the task parked (``time.time()`` of the
+#: parking process): the adopted grant's wait is measured from it (metrics).
+PARKED_AT_HEADER = "redislock_parked_at"
 #: State stored in the result backend while a task is parked.
 DEFERRED = "DEFERRED"
 #: Errors that mean Redis is out of reach (the dispatcher retries).
@@ -136,13 +140,18 @@ def park(
     any error after the record was written, the task is withdrawn again.
     ``holder``: the task's holder record (default: the message's
     ``holder``); it is kept in the message, so a dispatcher re-attempting
-    or parking the task again records it too.
+    or parking the task again records it too. So is ``parked_at`` (when
+    it first parked, unless the message has it already), from which the
+    adopted grant's wait is measured (metrics). A task parked by a pool
+    child (``adopt_now``) counts as one park for the metrics hook.
     """
     task_owner(task_id)  # validates the id before anything is written
     if holder is None:
         holder = str(message.get("holder") or "")
     elif holder:
         message = {**message, "holder": holder}
+    if message.get("parked_at") is None:
+        message = {**message, "parked_at": time.time()}
     msg = kjson.dumps(message)
     reply = mgr._call(
         "defer_park",
@@ -175,7 +184,9 @@ def park(
             )
             return ParkResult("granted", life=life)
         if code == 1:
-            outcome, leases = adopt(mgr, task_id, life, holder=holder or None)
+            outcome, leases = adopt(
+                mgr, task_id, life, holder=holder or None, parked_at=message["parked_at"]
+            )
             if not leases:
                 raise LockError(f"deferred task {task_id}: immediate grant not adopted ({outcome})")
             return ParkResult("granted", leases=leases, life=life)
@@ -187,11 +198,18 @@ def park(
         except Exception as exc:  # its park TTL ends it
             log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
         raise
+    if adopt_now:
+        mgr._note_parked()
     return ParkResult("parked", life=life)
 
 
 def adopt(
-    mgr: LockManager, task_id: str, life: int, *, holder: str | None = None
+    mgr: LockManager,
+    task_id: str,
+    life: int,
+    *,
+    holder: str | None = None,
+    parked_at: float | None = None,
 ) -> tuple[str, list[Lease]]:
     """Take over the grant of life ``life`` of the deferred task ``task_id``.
 
@@ -209,10 +227,15 @@ def adopt(
     message, and the park record decides whether it is a duplicate.
     Raises :class:`ReplicationTimeout` (the grants released again) when
     ``wait_replicas`` replicas did not acknowledge the adoption.
+
+    An adoption is the deferred task's grant for the metrics hook:
+    ``acquired(wait, "granted")``, the wait measured from ``parked_at``
+    (``time.time()`` when the task parked; 0 when unknown).
     """
     adoption = mgr.adopt(task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr))
     if not adoption.adopted:
         return adoption.status, []
+    mgr._note_acquired(0.0 if parked_at is None else time.time() - parked_at, "granted")
     log.info(
         "defer.adopted id=%s life=%d owner=%s grants=%d",
         task_id,
@@ -358,6 +381,9 @@ class Dispatcher:
             queue_scan_limit=manager.queue_scan_limit,
             heartbeat=False,
             eviction_check="ignore",
+            # The worker's hook (metrics): the reclaims of its attempts, and
+            # the parked tasks whose time ran out (timeouts).
+            metrics=manager._metrics,
         )
         self.manager._defer_done_ttl = _done_ttl(manager)  # type: ignore[attr-defined]
         self.incarnation = incarnation
@@ -612,6 +638,10 @@ class Dispatcher:
     def _withdrawn(self, task_id: str, why: str, raw: str) -> None:
         message = _loads(raw) or {}
         log.warning("defer.%s id=%s task=%s", why, task_id, message.get("name", "?"))
+        if why == "expired":  # its park TTL (timeout=) ran out: it fails with LockTimeout
+            parked_at = parse_parked_at(message.get("parked_at"))
+            waited = message.get("park_ttl") if parked_at is None else time.time() - parked_at
+            self.manager._note_acquired(float(waited or 0.0), "timeout")
         try:
             self._on_withdrawn(task_id, why, message)
         except Exception:
@@ -629,6 +659,20 @@ def parse_header(value: Any) -> tuple[int, int] | None:
     return int(life), int(fence)
 
 
+def parse_parked_at(value: Any) -> float | None:
+    """The park time (``time.time()``) a :data:`PARKED_AT_HEADER` value or a
+    message's ``parked_at`` gives, else None."""
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    try:
+        got = float(value)
+    except ValueError:
+        return None
+    return got if math.isfinite(got) else None
+
+
 def _loads(raw: str) -> dict[str, Any] | None:
     try:
         value = kjson.loads(raw)
@@ -641,7 +685,9 @@ def _loads(raw: str) -> dict[str, Any] | None:
 __all__ = [
     "DEFERRED",
     "HEADER",
+    "PARKED_AT_HEADER",
     "parse_header",
+    "parse_parked_at",
     "Dispatcher",
     "ParkResult",
     "adopt",

@@ -1192,7 +1192,10 @@ class LockManager:
             self._end_request(ident.owner_id, token, req, quiet=not answered)
             if self._metrics is not None and isinstance(exc, Exception):
                 outcome = "timeout" if isinstance(exc, LockTimeout) else "error"
-                self._metrics.acquired(time.monotonic() - began, outcome)
+                # A deferred task's first try (``_local.parking``): busy is
+                # not a timeout; the park that follows tells its outcome.
+                if outcome != "timeout" or not getattr(self._local, "parking", False):
+                    self._metrics.acquired(time.monotonic() - began, outcome)
             if self._closed and isinstance(exc, Exception) and not isinstance(exc, LockError):
                 # close() shut the connection under a waiting thread
                 raise LockError(f"this LockManager ({self.url}) was closed") from exc
@@ -1432,6 +1435,19 @@ class LockManager:
         at = 2 if code == 1 else 3 if code == 0 else None
         if self._metrics is not None and at is not None and len(reply) > at and int(reply[at]):
             self._metrics.cleaned("reclaim", int(reply[at]))
+
+    def _note_acquired(self, seconds: float, outcome: str) -> None:
+        """An acquire made outside :meth:`acquire` ended (metrics only): a
+        deferred task's adopted grant, or its park running out of time."""
+        if self._metrics is not None:
+            self._metrics.acquired(max(0.0, seconds), outcome)
+
+    def _note_parked(self) -> None:
+        """A deferred task was parked (metrics only; a hook without
+        ``parked``, written for an earlier release, is skipped)."""
+        parked = getattr(self._metrics, "parked", None)
+        if parked is not None:
+            parked()
 
     def _heartbeat_failed(self) -> None:
         """A heartbeat of this process failed (metrics only)."""

@@ -10,6 +10,13 @@ here imports a metrics library. :mod:`celery_redislock.prometheus` (the
 
 Hook methods must be fast, thread-safe and must not raise (a failing hook
 would fail an acquire or a heartbeat: the engine calls it unguarded).
+
+A deferred task (``on_busy="defer"``, docs/defer.md) is one acquire told in
+parts: its first try finding the resources busy is a park (``parked``), not
+a timeout; the grant its run adopts later is ``acquired(wait, "granted")``,
+the wait measured from the park; a park that runs out of time (its
+``timeout=``) is ``acquired(wait, "timeout")``, told by the worker's main
+process.
 """
 
 from __future__ import annotations
@@ -53,3 +60,10 @@ class MetricsHook(Protocol):
 
     def heartbeat_failed(self) -> None:
         """A heartbeat (the manager's, a pool child's watcher, or the node's) failed."""
+
+    def parked(self, count: int = 1) -> None:
+        """``count`` deferred tasks were parked (their resources were busy).
+
+        Optional: the engine skips a hook that has no ``parked`` method (a
+        hook written for a release before deferred tasks were counted).
+        """

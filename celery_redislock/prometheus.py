@@ -41,6 +41,7 @@ from prometheus_client.registry import Collector
 from .connect import clone_client
 from .inspect import Inspector
 from .manager import LockManager
+from .metrics import CLEANUP_PATHS, LOST_CAUSE_LABELS, OUTCOMES
 
 log = logging.getLogger("celery_redislock.metrics")
 
@@ -97,6 +98,20 @@ class PrometheusMetrics:
         self.heartbeat_failures = Counter(
             "redislock_heartbeat_failures", "Heartbeats that failed (Redis unreachable...).", **kw
         )
+        self.parks = Counter(
+            "redislock_parks",
+            "Deferred tasks parked (on_busy='defer' found their resources busy).",
+            **kw,
+        )
+        # Every known label value is exported from the start (at 0): a
+        # series that appears only with its first event hides it from rate()
+        # and increase(), and an alert on it cannot tell 0 from missing.
+        for outcome in OUTCOMES:
+            self.wait.labels(outcome)
+        for cause in (*LOST_CAUSE_LABELS.values(), "unknown"):
+            self.lost.labels(cause)
+        for path in CLEANUP_PATHS:
+            self.cleanups.labels(path)
 
     def acquired(self, wait_seconds: float, outcome: str) -> None:
         self.wait.labels(outcome).observe(max(0.0, wait_seconds))
@@ -116,6 +131,9 @@ class PrometheusMetrics:
 
     def heartbeat_failed(self) -> None:
         self.heartbeat_failures.inc()
+
+    def parked(self, count: int = 1) -> None:
+        self.parks.inc(count)
 
 
 class NamespaceCollector(Collector):

@@ -585,6 +585,17 @@ def _send_guard(
         )
 
 
+def _parked_at(request: Any) -> float | None:
+    """When a re-dispatched deferred task parked (its header), or None."""
+    from .defer import PARKED_AT_HEADER, parse_parked_at
+
+    value = getattr(request, PARKED_AT_HEADER, None)
+    if value is None:
+        headers = getattr(request, "headers", None) or {}
+        value = headers.get(PARKED_AT_HEADER) if isinstance(headers, dict) else None
+    return parse_parked_at(value)
+
+
 def _run_adopted(
     leases: list[Lease],
     resources: list[str],
@@ -692,7 +703,9 @@ def _run_deferred(
     if grant is not None:
         life, fence = grant
         try:
-            outcome, leases = defer.adopt(mgr, task_id, life, holder=holder)
+            outcome, leases = defer.adopt(
+                mgr, task_id, life, holder=holder, parked_at=_parked_at(request)
+            )
         except ReplicationTimeout as exc:
             replication_short(exc)
             raise
@@ -715,11 +728,15 @@ def _run_deferred(
         log.info("defer.recovery-copy task=%s id=%s: parking this copy", label, task_id)
         lease = None
     else:
-        # A new arrival: try once, as on_busy="raise" does.
+        # A new arrival: try once, as on_busy="raise" does (busy is no
+        # timeout for the metrics: the park says what happened).
+        mgr._local.parking = True
         try:
             lease = acquire(0)
         except LockTimeout:
             lease = None
+        finally:
+            mgr._local.parking = False
         if lease is not None:
             return _run_body(lease, run, fun, args, kwargs)
     try:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from celery_redislock import ConfigurationError, LockManager, LockTimeout
+from celery_redislock import ConfigurationError, LockManager, LockTimeout, RedisUnavailable
 from celery_redislock.prometheus import NamespaceCollector, PrometheusMetrics
 from celery_redislock.settings import load_config
 from engine_helpers import Managers, wait_until
@@ -38,8 +40,42 @@ def managers(redis_url: str, registry: CollectorRegistry) -> Iterator[Managers]:
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The sample ``name{labels}``; fails when there is none (a misspelled
+    name or label, or a series the hook does not export), never 0."""
     got = registry.get_sample_value(name, labels)
-    return 0.0 if got is None else got
+    if got is None:
+        known = sorted(
+            f"{s.name}{s.labels or ''}" for fam in registry.collect() for s in fam.samples
+        )
+        raise AssertionError(f"no sample {name}{labels or ''}; the registry has {known}")
+    return got
+
+
+def test_the_sample_reader_fails_on_a_sample_that_does_not_exist(
+    registry: CollectorRegistry,
+) -> None:
+    PrometheusMetrics(registry)
+    assert value(registry, "redislock_grants_total") == 0
+    for name, labels in [
+        ("redislock_grant_total", {}),  # misspelled
+        ("redislock_acquire_wait_seconds_count", {"outcome": "timed-out"}),
+        ("redislock_acquire_wait_seconds_count", {}),  # a label missing
+    ]:
+        with pytest.raises(AssertionError, match="no sample"):
+            value(registry, name, **labels)
+
+
+def test_every_label_value_is_exported_at_zero_before_its_first_event(
+    registry: CollectorRegistry,
+) -> None:
+    PrometheusMetrics(registry)
+    for outcome in ("granted", "timeout", "error"):
+        assert value(registry, "redislock_acquire_wait_seconds_count", outcome=outcome) == 0
+    for cause in ("expired", "redis_lost", "declared_dead", "operator", "unknown"):
+        assert value(registry, "redislock_leases_lost_total", cause=cause) == 0
+    for path in ("child", "startup", "reconcile", "reclaim"):
+        assert value(registry, "redislock_cleanups_total", path=path) == 0
+    assert value(registry, "redislock_parks_total") == 0
 
 
 def test_acquires_releases_and_timeouts_are_counted_with_their_wait_and_hold(
@@ -60,6 +96,25 @@ def test_acquires_releases_and_timeouts_are_counted_with_their_wait_and_hold(
     assert value(registry, "redislock_acquire_wait_seconds_sum", outcome="timeout") >= 0.05
     assert value(registry, "redislock_hold_seconds_count") == 2
     assert value(registry, "redislock_acquire_wait_seconds_count", outcome="error") == 0
+    assert value(registry, "redislock_parks_total") == 0
+
+
+def test_an_acquire_that_fails_because_redis_is_unavailable_counts_as_an_error(
+    registry: CollectorRegistry, tmp_path: Path
+) -> None:
+    with RedisServer(workdir=tmp_path) as server:
+        mgr = LockManager(server.url, NS, owner_ttl=1.0, metrics=PrometheusMetrics(registry))
+        try:
+            mgr.acquire("a", timeout=5).release()
+            server.stop()  # Redis out of reach: the acquire rides it out, then gives up
+            with pytest.raises(RedisUnavailable):
+                mgr.acquire("b", timeout=0.5)
+        finally:
+            mgr.close()
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="error") == 1
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="timeout") == 0
+    assert value(registry, "redislock_timeouts_total") == 0
+    assert value(registry, "redislock_grants_total") == 1
 
 
 def test_reclaims_and_reconcile_are_counted_by_path(
@@ -205,3 +260,74 @@ def test_a_parked_task_s_acquire_counts_the_dead_grants_it_reclaims(
     assert value(registry, "redislock_cleanups_total", path="reclaim") == 2
     for lease in got.leases:
         lease.release()
+
+
+def _message(**extra: object) -> dict[str, object]:
+    return {"name": "t.task", "args": [], "kwargs": {}, "options": {}, **extra}
+
+
+def test_a_parked_task_counts_one_park_and_its_adopted_grant_waited_since_it_parked(
+    managers: Managers, registry: CollectorRegistry
+) -> None:
+    from celery_redislock.defer import adopt, park
+
+    holder, child, adopter = managers(), managers(), managers()
+    lease = holder.acquire("p", timeout=5)
+    req = child._request(["p"], [])
+    parked_at = time.time() - 100  # it parked 100 s before its grant is adopted
+    message = _message(parked_at=parked_at)
+    assert park(child, "t1", req, message, park_ttl=600, grant_ttl=60).outcome == "parked"
+    assert value(registry, "redislock_parks_total") == 1
+    assert value(registry, "redislock_timeouts_total") == 0  # a park is no timeout
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="timeout") == 0
+    lease.release()  # handed to the parked request
+    outcome, leases = adopt(adopter, "t1", 0, parked_at=parked_at)
+    assert outcome == "adopted" and len(leases) == 1
+    # Two grants made (the holder's, the adopted one), two counted, each with its wait.
+    assert value(registry, "redislock_grants_total") == 2
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="granted") == 2
+    bucket = "redislock_acquire_wait_seconds_bucket"
+    assert value(registry, bucket, outcome="granted", le="60.0") == 1  # the holder's
+    assert value(registry, bucket, outcome="granted", le="300.0") == 2  # + 100 s parked
+    assert value(registry, "redislock_acquire_wait_seconds_sum", outcome="granted") >= 100
+    leases[0].release()
+
+    # Free when it parks: granted and adopted at once, no park.
+    got = park(child, "t2", req, _message(), park_ttl=600, grant_ttl=60)
+    assert got.outcome == "granted" and len(got.leases) == 1
+    assert value(registry, "redislock_parks_total") == 1
+    assert value(registry, "redislock_grants_total") == 3
+    assert value(registry, bucket, outcome="granted", le="60.0") == 2
+    got.leases[0].release()
+
+
+def test_a_parked_task_whose_time_runs_out_counts_as_a_timeout(
+    managers: Managers, registry: CollectorRegistry, redis_url: str
+) -> None:
+    from celery_redislock.defer import Dispatcher, park
+
+    holder, child = managers(), managers()
+    lease = holder.acquire("p", timeout=5)
+    req = child._request(["p"], [])
+    parked = park(child, "t1", req, _message(park_ttl=0.3), park_ttl=0.3, grant_ttl=60)
+    assert parked.outcome == "parked"
+    withdrawn: list[str] = []
+    dispatcher = Dispatcher(
+        child,  # the worker's manager: the dispatcher reports to its hook
+        "inc1",
+        publish=lambda *a: None,
+        on_withdrawn=lambda tid, why, msg: withdrawn.append(why),
+    )
+    probe = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: not probe.exists(f"{{{NS}}}:alive:task:t1"), what="park TTL ran out")
+        wait_until(lambda: dispatcher.upkeep() or withdrawn, what="the upkeep to withdraw it")
+    finally:
+        probe.close()
+        dispatcher.manager.close()
+    assert withdrawn == ["expired"]
+    assert value(registry, "redislock_timeouts_total") == 1
+    assert value(registry, "redislock_acquire_wait_seconds_count", outcome="timeout") == 1
+    assert value(registry, "redislock_parks_total") == 1
+    assert value(registry, "redislock_grants_total") == 1  # the holder's only
+    lease.release()
