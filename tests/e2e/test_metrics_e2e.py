@@ -47,7 +47,10 @@ def scrape(port: int) -> Samples:
 
 
 def get(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sample ``name{labels}``; fails when the endpoint has none (never 0)."""
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, f"no sample {name}{labels or ''} in the scrape: {sorted(samples)}"
+    return samples[key]
 
 
 def test_one_endpoint_counts_what_every_pool_process_did_and_reads_the_namespace(
@@ -98,5 +101,38 @@ def test_one_endpoint_counts_what_every_pool_process_did_and_reads_the_namespace
     # every pool process wrote its own file: the killed child's counts are kept
     assert len(list(directory.glob("histogram_*.db"))) >= 2
     assert w.log_lines("metrics.serving", str(port)), w.tail()
+
+    # Deferred tasks: a park is no timeout; the grant a parked task adopts
+    # is a grant; a park whose time runs out (timeout=1) is a timeout.
+    assert get(after, "redislock_parks_total") == 0
+    blocker = c.send("hold", "d", "m2")
+    c.wait_held("m2")
+    deferred = c.send("dwrite", "d", "m3")
+    short = c.send("dshort", "d", "m4")
+    wait_for(lambda: short.state == "FAILURE", 60, "the short park to run out", on_timeout=w.tail)
+    assert deferred.state == "DEFERRED" and not c.data.get("e2e:runs:m4")
+    parked = scrape(port)
+    assert get(parked, "redislock_parks_total") == 2
+    assert get(parked, "redislock_timeouts_total") == 2  # try_take, and the short park
+    assert get(parked, "redislock_acquire_wait_seconds_count", outcome="timeout") == 2
+    c.go("m2")
+    assert blocker.get(timeout=60)["attempt"] == 1
+    assert deferred.get(timeout=60)["owner"]
+
+    def drained() -> Samples | None:
+        s = scrape(port)
+        return s if get(s, "redislock_hold_seconds_count") >= 9 else None
+
+    end = wait_for(drained, 60, "the deferred task's release to be counted", on_timeout=w.tail)
+    # 8 before, the blocker and the adopted grant of the deferred task
+    assert get(end, "redislock_grants_total") == 10, end
+    assert get(end, "redislock_acquire_wait_seconds_count", outcome="granted") == 10
+    assert get(end, "redislock_timeouts_total") == 2
+    assert get(end, "redislock_parks_total") == 2
+    assert get(end, "redislock_acquire_wait_seconds_count", outcome="error") == 0
+    # The adopted grant's wait runs from its park, which came before the short
+    # task parked and ran out of its 1 s: at least that much was added.
+    wait_sum = "redislock_acquire_wait_seconds_sum"
+    assert get(end, wait_sum, outcome="granted") - get(after, wait_sum, outcome="granted") >= 1
     w.send_signal(signal.SIGTERM)
     assert w.wait(60) == 0, w.tail()
