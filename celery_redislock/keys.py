@@ -40,6 +40,9 @@ key                            type    holds
 ``{ns}:dispatcher:<inc>``      string  that dispatcher's liveness (TTL)
 ``{ns}:dispatchers``           set     incarnations that dispatch
 ``{ns}:fence``                 string  last fencing token
+``{ns}:born``                  string  the first fencing token of this data
+                                       set (written with the fence: a Redis
+                                       that lost its data has a later one)
 ``{ns}:seq``                   string  last arrival sequence number
 ``{ns}:format``                string  data-format version of the namespace
                                        (:data:`FORMAT_VERSION`)
@@ -263,6 +266,7 @@ class Keyspace:
         self.prefix = "{" + namespace + "}:"
         self.owners = self.prefix + "owners"
         self.fence = self.prefix + "fence"
+        self.born = self.prefix + "born"
         self.seq = self.prefix + "seq"
         self.format = self.prefix + "format"
 

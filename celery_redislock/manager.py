@@ -2206,27 +2206,35 @@ class LockManager:
     def _cause_text(self, code: str | None) -> str | None:
         return cause_text(code)
 
-    def _loss_reason(self, owner_id: str) -> str:
+    def _loss_reason(self, owner_id: str, fence: int | None = None) -> str:
         """Why ``owner_id``'s liveness key is gone: a loss code (one round trip).
 
         Read only on the loss path: the owner's tombstone names the cleanup
         that declared it dead (an operator's ``release``, or a worker,
-        reconcile or node eviction); without one, a missing fencing counter
-        (never deleted once written) means Redis lost its data; otherwise
-        the liveness expired (a pause or partition longer than owner_ttl,
-        or the key was evicted).
+        reconcile or node eviction). Without one, Redis lost its data when
+        the fencing counter (never deleted once written) is missing, or
+        when the data set began (``{ns}:born``, written with the counter)
+        after ``fence``, the owner's latest grant: whoever created the
+        counter again since (another process's acquire), the answer is the
+        same. Otherwise the liveness expired (a pause or partition longer
+        than owner_ttl, or the key alone was evicted); so it reads, too,
+        when the owner holds no grant to compare with and the counter
+        exists, or the data set predates ``{ns}:born``.
         """
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.get(self.keys.dead(owner_id))
             pipe.exists(self.keys.fence)
-            tomb, fence = pipe.execute()
+            pipe.get(self.keys.born)
+            tomb, counter, born = pipe.execute()
         except Exception as exc:  # the cause is a courtesy: never fail the loss on it
             log_heartbeat.debug("heartbeat.lost-reason-error owner=%s error=%r", owner_id, exc)
             return "expired"
         if tomb is not None:
             return "operator" if _text(tomb) == "operator" else "declared-dead"
-        if not int(fence):
+        if not int(counter):
+            return "redis-lost"
+        if fence is not None and born is not None and int(born) > fence:
             return "redis-lost"
         return "expired"
 
@@ -2249,7 +2257,13 @@ class LockManager:
             return
         if cause is None:
             if where in ("heartbeat", "acquire", "watch", "node-heartbeat"):
-                cause = self._loss_reason(ident.owner_id)
+                with self._state_lock:
+                    fences = [
+                        x.fencing_token
+                        for x in self._leases.values()
+                        if x.owner_id == ident.owner_id
+                    ]
+                cause = self._loss_reason(ident.owner_id, max(fences, default=None))
             else:
                 cause = where
         with self._state_lock:

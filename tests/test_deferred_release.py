@@ -84,7 +84,7 @@ def test_release_refused_by_an_acl_is_reported_once_then_retried_quietly(
     keys = (
         " ".join(
             f"~{PREFIX}{kind}"
-            for kind in ("fence", "format", "seq", "owners", "held:*", "alive:*", "req:*")
+            for kind in ("fence", "born", "format", "seq", "owners", "held:*", "alive:*", "req:*")
         )
         + " "
         + " ".join(f"~{PREFIX}{kind}" for kind in ("wake:*", "lock:*", "q:*", "lost:*", "dead:*"))

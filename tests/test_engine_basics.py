@@ -79,7 +79,13 @@ def test_lock_context_manager_grants_then_releases_everything(
         lease.check()  # not lost: no exception
     assert lease.released and not lease.lost
     assert lock_holders(r) == {} and registries(r) == {}
-    assert {k.split(":", 2)[1] for k in namespace_keys(r)} <= {"fence", "format", "owners", "alive"}
+    assert {k.split(":", 2)[1] for k in namespace_keys(r)} <= {
+        "fence",
+        "born",
+        "format",
+        "owners",
+        "alive",
+    }
 
 
 def test_holder_tokens_are_the_owner_id_and_a_short_request_number_never_reused(

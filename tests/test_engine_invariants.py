@@ -57,6 +57,7 @@ def test_try_once_on_partial_conflict_leaves_only_the_holders_keys(
     # A grant keeps no request record: its fence is stored in the lock hash.
     assert namespace_keys(r) == {
         "{t}:fence",
+        "{t}:born",
         "{t}:format",
         "{t}:owners",
         lock("b"),
@@ -93,6 +94,7 @@ def test_timed_out_wait_on_partial_conflict_leaves_no_lock_queue_or_request(
     assert len(outcome) == 1 and isinstance(outcome[0], LockTimeout)
     assert namespace_keys(r) == {
         "{t}:fence",
+        "{t}:born",
         "{t}:format",
         "{t}:seq",
         "{t}:owners",

@@ -64,7 +64,7 @@ def test_processes_in_mixed_modes_never_hold_incompatible_locks(
     assert writes > 0
     assert int(r.get("counter") or 0) == writes
     # nothing held or queued once everyone released
-    assert kinds(namespace_keys(r)) <= {"fence", "seq", "format", "owners", "alive"}
+    assert kinds(namespace_keys(r)) <= {"fence", "born", "seq", "format", "owners", "alive"}
 
 
 def test_waiter_acquires_from_sigkilled_holder_within_owner_ttl_plus_heartbeat(

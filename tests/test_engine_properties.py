@@ -218,6 +218,6 @@ def test_grants_match_a_reader_writer_model_and_release_leaves_no_lock_keys(
 
     for lease, _ in held:
         lease.release()
-    assert kinds(all_keys(r)) <= {"fence", "format", "owners", "alive"}
+    assert kinds(all_keys(r)) <= {"fence", "born", "format", "owners", "alive"}
     for mgr in mgrs:
         mgr.close()

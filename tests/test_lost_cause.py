@@ -84,3 +84,41 @@ def test_redis_losing_its_data_reads_redis_lost_the_lock(
     r.flushall()  # a restart without persistence, in effect
     wait_until(lambda: lease.lost, what="the heartbeat to find the owner gone")
     assert lost_cause(lease) == CAUSE_REDIS_LOST
+
+
+def test_redis_losing_its_data_reads_so_even_after_another_process_acquired_again(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # Another process's grant creates the fencing counter again before this
+    # owner finds its liveness key gone: the loss still reads as Redis's.
+    mgr = managers(owner_ttl=30, heartbeat_interval=10)  # no beat during the test
+    lease = mgr.acquire("a", timeout=5)
+    r.flushall()  # a restart without persistence, in effect
+    managers(heartbeat=False).acquire("z", timeout=5)  # the counter and format are back
+    assert r.exists("{t}:fence") and r.exists("{t}:format")
+    mgr.acquire("b", timeout=5)  # finds its owner gone: a new identity
+    assert lease.lost
+    assert lost_cause(lease) == CAUSE_REDIS_LOST
+
+
+def test_a_liveness_key_gone_alone_reads_liveness_expired(
+    managers: Managers, r: redis.Redis
+) -> None:
+    mgr = managers(owner_ttl=30, heartbeat_interval=10)
+    lease = mgr.acquire("a", timeout=5)
+    managers(heartbeat=False).acquire("z", timeout=5)  # a later grant of the same data
+    r.delete("{t}:alive:" + lease.owner_id)  # evicted, or expired while paused
+    mgr.acquire("b", timeout=5)
+    assert lease.lost
+    assert lost_cause(lease) == CAUSE_EXPIRED
+
+
+def test_a_namespace_written_before_its_birth_was_recorded_reads_liveness_expired(
+    managers: Managers, r: redis.Redis
+) -> None:
+    # Data of a release that kept no {ns}:born: the counter alone decides.
+    mgr = managers(owner_ttl=30, heartbeat_interval=10)
+    lease = mgr.acquire("a", timeout=5)
+    r.delete("{t}:born", "{t}:alive:" + lease.owner_id)
+    mgr.acquire("b", timeout=5)
+    assert lost_cause(lease) == CAUSE_EXPIRED

@@ -1038,6 +1038,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             "held",
             "owners",
             "fence",
+            "born",
             "seq",
             "format",
             "group",

@@ -289,6 +289,7 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
         me = holder.owner_id
         fixed = {
             "{t}:fence",
+            "{t}:born",
             "{t}:format",
             "{t}:seq",
             "{t}:owners",
@@ -305,7 +306,14 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
 
         lease.release()
         left = {k for k in namespace_keys(r) if not any(x in k for x in signals)}
-        assert left == {"{t}:fence", "{t}:format", "{t}:seq", "{t}:owners", "{t}:alive:" + me}
+        assert left == {
+            "{t}:fence",
+            "{t}:born",
+            "{t}:format",
+            "{t}:seq",
+            "{t}:owners",
+            "{t}:alive:" + me,
+        }
     finally:
         for kid in kids:
             kid.close()

@@ -101,13 +101,19 @@ end
 -- records this release's data format ({ns}:format, SET NX; FORMAT_VERSION
 -- is prepended to the source by scripts.py): a fence without a format key
 -- means data of a release from before format versioning, so the script that
--- re-creates one must never leave it without its format.
+-- re-creates one must never leave it without its format. It also records
+-- when this data set began ({ns}:born, SET NX: this first token): an owner
+-- whose liveness key is gone tells a Redis that lost its data (born after
+-- its grants) from a key that alone expired (born before), whoever created
+-- the fence again since (manager.py _loss_reason).
 local function next_fence(key)
   local t = redis.call('TIME')
   local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
   local last = redis.call('SET', key, now, 'GET')
   if not last then
-    redis.call('SET', string.sub(key, 1, #key - #'fence') .. 'format', FORMAT_VERSION, 'NX')
+    local base = string.sub(key, 1, #key - #'fence')
+    redis.call('SET', base .. 'format', FORMAT_VERSION, 'NX')
+    redis.call('SET', base .. 'born', now, 'NX')
   end
   if last and (#last > #now or (#last == #now and last >= now)) then
     local f = int(tonumber(last) + 1)

@@ -46,9 +46,9 @@ TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
 
 #: Keys allowed in the lock namespace after the final reconcile: the
-#: counters and the format version (no TTL), and the kinds documented with a TTL (docs/design.md,
+#: counters, the data set's birth and the format version (no TTL), and the kinds documented with a TTL (docs/design.md,
 #: Data model) provided they still carry one.
-FIXED_KEYS = ("fence", "seq", "format")
+FIXED_KEYS = ("fence", "born", "seq", "format")
 TTL_KINDS = ("req", "wake", "contend", "lost", "dead")
 
 
