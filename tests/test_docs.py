@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery._state import _set_current_app, get_current_app
+from celery.bin.base import CLIContext
 from celery.contrib.testing.worker import start_worker
 
 from celery_redislock import LockManager, RedisLock
@@ -260,3 +261,67 @@ def test_api_reference_documents_every_public_name() -> None:
     api = (ROOT / "docs" / "api.md").read_text()
     missing = [n for n in celery_redislock.__all__ if f"celery_redislock.{n}\n" not in api]
     assert not missing, f"add to docs/api.md: {missing}"
+
+
+# -- command samples -------------------------------------------------------------
+
+
+STATUS_SAMPLE_RE = re.compile(
+    r"^\$ celery -A proj redislock status\n(?P<rows>(?:[a-z]+ +\S.*\n)+)", re.MULTILINE
+)
+
+
+def _shape(line: str) -> str:
+    return re.sub(r"\d+", "N", " ".join(line.split()))
+
+
+def test_status_samples_are_what_the_command_prints(redis_url: str) -> None:
+    """Every ``redislock status`` sample in the docs has the rows the command
+    prints, in order and of the same shape (numbers aside), and its format
+    row is this release's, word for word."""
+    from click.testing import CliRunner
+
+    from celery_redislock import FORMAT_VERSION
+    from celery_redislock.cli import redislock
+
+    samples = [
+        (path.name, m["rows"].splitlines())
+        for path in DOC_FILES
+        for m in STATUS_SAMPLE_RE.finditer(path.read_text(encoding="utf-8"))
+    ]
+    assert samples, "no `redislock status` sample found"
+    app = Celery("docstatus", set_as_current=False)
+    app.conf.redislock_url = redis_url
+    mgr = LockManager(redis_url, "redislock")
+    try:
+        mgr.acquire("repo:1", timeout=5).release()
+        result = CliRunner().invoke(
+            redislock, ["status"], obj=CLIContext(app=app, no_color=True, workdir=None)
+        )
+    finally:
+        mgr.close()
+        app.close()
+    assert result.exit_code == 0, result.output
+    printed = [ln for ln in result.output.splitlines() if ln.strip()]
+    format_row = next(ln for ln in printed if ln.startswith("format "))
+    assert (
+        " ".join(format_row.split()) == f"format {FORMAT_VERSION} (this release: {FORMAT_VERSION})"
+    )
+    for name, rows in samples:
+        assert [_shape(x) for x in rows] == [_shape(x) for x in printed[: len(rows)]], name
+        assert format_row in rows, (name, format_row, rows)
+
+
+def test_the_docs_name_this_release_s_data_format() -> None:
+    from celery_redislock import FORMAT_VERSION
+
+    said = [
+        (path.name, int(n))
+        for path in DOC_FILES
+        for n in re.findall(
+            r"(?:this release|this celery-redislock)\s+uses\s+format\s+(\d+)",
+            path.read_text(encoding="utf-8"),
+        )
+    ]
+    assert len(said) >= 2, said
+    assert all(n == FORMAT_VERSION for _, n in said), said
