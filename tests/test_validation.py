@@ -4,7 +4,9 @@ Names (namespace, resource, Sentinel service, node, owner id) are matched
 against the whole string: a trailing newline is not "before the end". Every
 public parameter has a type and a range: ``bool`` is not a number, NaN and
 numbers too large for a float are refused with a message (not an
-OverflowError), and a heartbeat interval has a floor.
+OverflowError), and a heartbeat interval has a floor. Every numeric
+argument's table has NaN and both infinities: -inf is never "wait for
+ever", +inf only where the argument documents it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ from celery_redislock.settings import load_config
 from engine_helpers import Managers
 
 NOWHERE = "redis://127.0.0.1:1/0"  # never connected to: constructors do no I/O
+
+INF, NAN = math.inf, math.nan
+#: NaN and both infinities: in every numeric argument's table (+inf where it is refused).
+NON_FINITE = (NAN, INF, -INF)
 
 CONTROL = [chr(c) for c in range(0x20)] + ["\x7f"]
 
@@ -170,15 +176,14 @@ def test_every_accepted_name_is_clean_and_stays_inside_the_namespace(name: str, 
         ({"owner_ttl": 10**400}, "owner_ttl"),
         ({"owner_ttl": True}, "owner_ttl"),
         ({"owner_ttl": "30"}, "owner_ttl"),
-        ({"owner_ttl": math.nan}, "owner_ttl"),
-        ({"owner_ttl": math.inf}, "owner_ttl"),
+        *(({"owner_ttl": x}, "owner_ttl") for x in NON_FINITE),
         ({"owner_ttl": 0.09}, "owner_ttl"),
         ({"owner_ttl": 86400.5}, "owner_ttl"),
         ({"heartbeat_interval": 1e-9}, "heartbeat_interval"),
         ({"heartbeat_interval": 0.049}, "heartbeat_interval"),
         ({"heartbeat_interval": 0}, "heartbeat_interval"),
         ({"heartbeat_interval": -1}, "heartbeat_interval"),
-        ({"heartbeat_interval": math.nan}, "heartbeat_interval"),
+        *(({"heartbeat_interval": x}, "heartbeat_interval") for x in NON_FINITE),
         ({"heartbeat_interval": 10**400}, "heartbeat_interval"),
         ({"heartbeat_interval": False}, "heartbeat_interval"),
         ({"owner_ttl": 1.0, "heartbeat_interval": 0.51}, "heartbeat_interval"),
@@ -187,6 +192,12 @@ def test_every_accepted_name_is_clean_and_stays_inside_the_namespace(name: str, 
         ({"queue_scan_limit": 100_001}, "queue_scan_limit"),
         ({"queue_scan_limit": 0}, "queue_scan_limit"),
         ({"queue_scan_limit": 1.0}, "queue_scan_limit"),
+        *(({"queue_scan_limit": x}, "queue_scan_limit") for x in NON_FINITE),
+        *(({"wait_replicas": x}, "wait_replicas") for x in NON_FINITE),
+        ({"wait_replicas": -1}, "wait_replicas"),
+        *(({"wait_timeout": x}, "wait_timeout") for x in NON_FINITE),
+        ({"wait_timeout": 10**400}, "wait_timeout"),
+        ({"wait_timeout": 0}, "wait_timeout"),
         ({"name": "a\nb"}, "name"),
         ({"name": ""}, "name"),
         ({"name": "x" * 201}, "name"),
@@ -247,6 +258,7 @@ def test_a_heartbeat_below_half_a_second_logs_one_warning_per_process(
         ({"exclusive": "a", "timeout": True}, ConfigurationError),
         ({"exclusive": "a", "timeout": "5"}, ConfigurationError),
         ({"exclusive": "a", "timeout": math.nan}, ConfigurationError),
+        ({"exclusive": "a", "timeout": -math.inf}, ConfigurationError),  # never "for ever"
         ({"exclusive": "a", "timeout": -0.001}, ConfigurationError),
         ({"exclusive": "a", "timeout": 1, "nested": "yes"}, ConfigurationError),
     ],
@@ -271,12 +283,35 @@ def test_acquire_accepts_a_zero_and_an_infinite_timeout(managers: Managers) -> N
         pass
 
 
-@pytest.mark.parametrize("timeout", [-1, math.nan, 10**400, True, "1", None])
+@pytest.mark.parametrize("timeout", [-1, math.nan, -math.inf, 10**400, True, "1", None])
 def test_wait_for_contender_refuses_a_bad_timeout(timeout: Any, managers: Managers) -> None:
     with managers().lock("a", timeout=0) as lease:
         with pytest.raises(ConfigurationError, match="timeout"):
             lease.wait_for_contender(timeout)
         assert lease.wait_for_contender(0) is False
+
+
+@pytest.mark.parametrize("ttl", [*NON_FINITE, 10**400, True, "30", 0, -1, 86400.5])
+def test_acquire_for_task_refuses_a_bad_ttl_before_any_io(
+    ttl: Any, managers: Managers, r: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match="ttl"):
+        managers().acquire_for_task("t1", "a", ttl=ttl)
+    assert r.keys("*") == []
+
+
+@pytest.mark.parametrize("ttl", [*NON_FINITE, 10**400, True, "30", 0, -1])
+def test_unique_task_refuses_a_bad_unique_ttl_at_definition(ttl: Any) -> None:
+    from celery_redislock import UniqueTask
+
+    app = Celery("v", set_as_current=False)
+    with pytest.raises(ConfigurationError, match="unique_ttl"):
+
+        @app.task(base=UniqueTask, unique_ttl=ttl, name="v.bad_ttl", shared=False)
+        def bad() -> None:
+            pass
+
+        _ = bad.name  # a lazy proxy: make the task
 
 
 @pytest.mark.parametrize("owner", ["", "a|b", "a\nb", 5, None, "x" * 513])
@@ -290,7 +325,7 @@ def test_cleanup_owner_force_must_be_a_bool(managers: Managers) -> None:
         managers().cleanup_owner("someone", force="yes")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("batch", [0, 10_001, True, 2.0, "500"])
+@pytest.mark.parametrize("batch", [0, 10_001, True, 2.0, "500", *NON_FINITE])
 def test_reconcile_and_inspector_refuse_a_bad_batch_size(batch: Any, managers: Managers) -> None:
     mgr = managers()
     with pytest.raises(ConfigurationError, match="batch_size"):
@@ -299,7 +334,7 @@ def test_reconcile_and_inspector_refuse_a_bad_batch_size(batch: Any, managers: M
         Inspector(mgr, batch_size=batch)
 
 
-@pytest.mark.parametrize("limit", [0, True, 1.5, 100_001])
+@pytest.mark.parametrize("limit", [0, True, 1.5, 100_001, *NON_FINITE])
 def test_inspector_waiters_refuses_a_bad_limit(limit: Any, managers: Managers) -> None:
     with pytest.raises(ConfigurationError, match="limit"):
         Inspector(managers()).waiters("a", limit=limit)
@@ -335,10 +370,17 @@ def test_inspector_needs_a_lock_manager() -> None:
     [
         ({"timeout": 10**400}, "locked(timeout=)"),
         ({"timeout": math.nan}, "locked(timeout=)"),
+        ({"timeout": -math.inf}, "locked(timeout=)"),  # never "for ever"
+        ({"on_busy": "defer", "timeout": -math.inf}, "locked(timeout=)"),
+        ({"on_busy": "defer", "timeout": math.nan}, "locked(timeout=)"),
         ({"timeout": True}, "locked(timeout=)"),
         ({"timeout": -1}, "locked(timeout=)"),
         ({"on_busy": "retry", "retry_countdown": -1}, "locked(retry_countdown=)"),
-        ({"on_busy": "retry", "retry_countdown": math.inf}, "locked(retry_countdown=)"),
+        *(
+            ({"on_busy": "retry", name: x}, f"locked({name}=)")
+            for name in ("retry_countdown", "retry_backoff", "retry_backoff_max", "max_retries")
+            for x in NON_FINITE
+        ),
         ({"on_busy": "retry", "retry_backoff": 10**400}, "locked(retry_backoff=)"),
         ({"on_busy": "retry", "retry_backoff_max": "600"}, "locked(retry_backoff_max=)"),
         ({"on_busy": "retry", "retry_jitter": "yes"}, "locked(retry_jitter=)"),
@@ -373,6 +415,25 @@ def test_locked_accepts_an_infinite_timeout_as_none() -> None:
         ("redislock_owner_ttl", True),
         ("redislock_owner_ttl", "nan"),
         ("redislock_owner_ttl", 0.05),
+        *(
+            (name, x)
+            for name in (
+                "redislock_owner_ttl",
+                "redislock_heartbeat_interval",
+                "redislock_reconcile_interval",
+                "redislock_defer_ttl",
+                "redislock_defer_grant_ttl",
+                "redislock_unique_ttl",
+                "redislock_wait_timeout",
+                "redislock_wait_replicas",
+                "redislock_metrics_port",
+            )
+            for x in (*NON_FINITE, str(NAN), str(INF), str(-INF))
+        ),
+        ("redislock_default_timeout", -math.inf),  # never "for ever"
+        ("redislock_default_timeout", "-inf"),
+        ("redislock_unique_ttl", 10**400),
+        ("redislock_wait_timeout", 10**400),
         ("redislock_heartbeat_interval", 1e-9),
         ("redislock_heartbeat_interval", 0.049),
         ("redislock_heartbeat_interval", "1e-9"),
