@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_redislock import ConfigurationError, LockError, LockLost, LockManager
+from celery_redislock import ConfigurationError, Lease, LockError, LockLost, LockManager
 from celery_redislock.identity import OwnerIdentity
 from engine_helpers import Child, Managers, child_holder, lock_holders, wait_until
 from redis_server import RedisServer
@@ -436,13 +436,14 @@ def test_a_grant_landing_on_a_retired_identity_is_released_and_re_requested(
     waiter._owner_lost(old, "declared-dead")
     held.release()
     t.join(20)
-    lease = out[0]
-    assert isinstance(lease, object) and not lease.lost  # type: ignore[attr-defined]
-    assert lease.owner_id != old.owner_id  # type: ignore[attr-defined]
-    assert lease.owner_id == waiter.owner_id  # type: ignore[attr-defined]
-    assert lock_holders(r) == {"{t}:lock:a": {lease.token: "x"}}  # type: ignore[attr-defined]
+    assert not t.is_alive(), "the waiter was never granted the lock"
+    [lease] = out
+    assert isinstance(lease, Lease) and not lease.lost
+    assert lease.owner_id != old.owner_id
+    assert lease.owner_id == waiter.owner_id
+    assert lock_holders(r) == {"{t}:lock:a": {lease.token: "x"}}
     assert not r.exists("{t}:held:" + old.owner_id)
-    lease.release()  # type: ignore[attr-defined]
+    lease.release()
 
 
 def test_redis_outage_longer_than_the_deadline_loses_leases_and_is_logged_once(

@@ -15,11 +15,11 @@ from celery_redislock import Inspector, LockError, LockManager
 from celery_redislock.keys import task_owner_id, task_token, validate_task_id
 from engine_helpers import (
     Managers,
+    all_keys,
     assert_registry_truth,
     counting,
     lock_fences,
     lock_holders,
-    namespace_keys,
     wait_until,
 )
 
@@ -219,7 +219,11 @@ def test_task_ids_that_cannot_be_a_key_suffix_are_refused(managers: Managers) ->
     for ok in (TID, "report:42", "{other}:lock:x", "ünïcode id"):
         assert validate_task_id(ok) == ok
     assert mgr.acquire_for_task("{other}:lock:x", "unique:q", ttl=60).granted
-    assert all(k.startswith("{t}:") for k in namespace_keys(mgr.client, "t"))
+    # Every key it wrote is in the namespace (a task id is only ever a suffix),
+    # the task owner's liveness key among them.
+    keys = all_keys(mgr.client)
+    assert "{t}:alive:task:{other}:lock:x" in keys
+    assert all(k.startswith("{t}:") for k in keys), sorted(keys)
 
 
 def test_a_script_flush_between_calls_never_makes_a_first_grant_look_repeated(
