@@ -3,6 +3,7 @@ a Celery pool child) is told at once when it is declared dead."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -11,6 +12,7 @@ import redis
 
 from celery_redislock import LockManager
 from engine_helpers import wait_until
+from fairness_helpers import blocked_in_blpop
 from redis_server import RedisServer
 
 
@@ -29,7 +31,7 @@ def managers(redis_url: str) -> Iterator[list[LockManager]]:
 
 
 def test_owner_without_own_heartbeat_marks_leases_lost_when_force_cleaned(
-    redis_url: str, managers: list[LockManager]
+    redis_url: str, managers: list[LockManager], caplog: pytest.LogCaptureFixture
 ) -> None:
     # Without the watcher the lease stays "held" for the rest of the body
     # although its lock was freed and may be granted to someone else.
@@ -38,9 +40,19 @@ def test_owner_without_own_heartbeat_marks_leases_lost_when_force_cleaned(
     managers += [child, operator]
     lease = child.acquire("R", timeout=5)
     assert not lease.lost
-    report = operator.cleanup_owner(child.owner_id, force=True)
-    assert report.released == 1
-    wait_until(lambda: lease.lost, timeout=20)
+    probe = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        wait_until(lambda: blocked_in_blpop(probe), what="the watcher to block on its lost list")
+    finally:
+        probe.close()
+    with caplog.at_level(logging.ERROR, "celery_redislock.heartbeat"):
+        report = operator.cleanup_owner(child.owner_id, force=True)
+        assert report.released == 1
+        wait_until(lambda: lease.lost, timeout=20)
+    # Told by the cleanup's push to its lost list (where=declared-dead), not
+    # by its next liveness check up to 10 s later (where=watch).
+    [line] = [r.getMessage() for r in caplog.records if "heartbeat.lost" in r.getMessage()]
+    assert "where=declared-dead" in line, line
     with pytest.raises(Exception, match="lost"):
         lease.check()
     # The lock is free for others, and the old lease's release frees nothing.
