@@ -24,6 +24,7 @@ import gc
 import re
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from celery.bin.base import CLIContext
 from celery.contrib.testing.worker import start_worker
 
 from celery_redislock import LockManager, RedisLock
+from engine_helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -292,14 +294,26 @@ def test_status_samples_are_what_the_command_prints(redis_url: str) -> None:
     assert samples, "no `redislock status` sample found"
     app = Celery("docstatus", set_as_current=False)
     app.conf.redislock_url = redis_url
-    mgr = LockManager(redis_url, "redislock")
-    try:
-        mgr.acquire("repo:1", timeout=5).release()
-        result = CliRunner().invoke(
+    holder, waiter = LockManager(redis_url, "redislock"), LockManager(redis_url, "redislock")
+    lease = holder.acquire("repo:1", timeout=5)
+    queued = threading.Thread(target=lambda: waiter.acquire("repo:1", timeout=30).release())
+    queued.start()  # the sample has a waiter behind the holder
+
+    def status() -> Any:
+        return CliRunner().invoke(
             redislock, ["status"], obj=CLIContext(app=app, no_color=True, workdir=None)
         )
+
+    try:
+        result = wait_until(
+            lambda: (lambda res: res if "1 request(s) queued" in res.output else None)(status()),
+            what="the waiter queued",
+        )
     finally:
-        mgr.close()
+        lease.release()
+        queued.join(30)
+        holder.close()
+        waiter.close()
         app.close()
     assert result.exit_code == 0, result.output
     printed = [ln for ln in result.output.splitlines() if ln.strip()]
