@@ -30,7 +30,7 @@ from kombu.utils import json as kjson
 
 from ._threads import real_sleep, start_os_thread
 from .connect import clone_client
-from .exceptions import LockError, RedisUnavailable
+from .exceptions import LockError, RedisUnavailable, ReplicationTimeout
 from .keys import task_owner_id
 from .lease import Lease
 from .manager import REDIS_DOWN_ERRORS, LockManager, _Request, _text
@@ -230,12 +230,17 @@ def adopt(
 
     An adoption is the deferred task's grant for the metrics hook:
     ``acquired(wait, "granted")``, the wait measured from ``parked_at``
-    (``time.time()`` when the task parked; 0 when unknown).
+    (``time.time()`` when the task parked; 0 when unknown); one that too
+    few replicas acknowledge is ``acquired(wait, "error")``.
     """
-    adoption = mgr.adopt(task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr))
+    try:
+        adoption = mgr.adopt(task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr))
+    except ReplicationTimeout:
+        mgr._note_acquired(_waited(parked_at), "error")
+        raise
     if not adoption.adopted:
         return adoption.status, []
-    mgr._note_acquired(0.0 if parked_at is None else time.time() - parked_at, "granted")
+    mgr._note_acquired(_waited(parked_at), "granted")
     log.info(
         "defer.adopted id=%s life=%d owner=%s grants=%d",
         task_id,
@@ -244,6 +249,11 @@ def adopt(
         len(adoption.leases),
     )
     return "adopted", list(adoption.leases)
+
+
+def _waited(parked_at: float | None) -> float:
+    """Seconds since ``parked_at`` (``time.time()``), 0 when unknown."""
+    return 0.0 if parked_at is None else time.time() - parked_at
 
 
 #: Seconds a 'done' or 'adopted' record is kept (set by the app; default 1 day).

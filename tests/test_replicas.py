@@ -20,6 +20,7 @@ relies on:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -528,3 +529,31 @@ def test_unique_retry_and_run_without_the_replica_go_on_without_the_key(fresh: P
         assert_nothing_held(fresh)
     finally:
         close_app(app)
+
+
+def test_a_deferred_grant_too_few_replicas_acknowledge_counts_as_an_error(
+    fresh: Pair, managers: Managers
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from celery_redislock.defer import adopt, park
+    from celery_redislock.prometheus import PrometheusMetrics
+
+    registry = CollectorRegistry()
+    holder, parker = managers(), managers()
+    runner = managers(wait_replicas=1, wait_timeout=0.2, metrics=PrometheusMetrics(registry))
+    lease = holder.acquire("res", timeout=5)
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+    req = parker._request(["res"], [])
+    assert park(parker, "d1", req, message, park_ttl=60, grant_ttl=60).outcome == "parked"
+    lease.release()  # handed to the parked task
+    fresh.pause_replica()
+    with pytest.raises(ReplicationTimeout):
+        adopt(runner, "d1", 0, parked_at=time.time() - 100)
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert sample("redislock_acquire_wait_seconds_count", outcome="error") == 1
+    assert sample("redislock_acquire_wait_seconds_sum", outcome="error") >= 100  # type: ignore[operator]
+    assert sample("redislock_grants_total") == 0
