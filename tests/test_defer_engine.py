@@ -584,3 +584,90 @@ def test_an_adopted_deferred_body_re_enters_its_own_lock_through_the_task_path(
     assert out["inner_token"] == out["outer_token"]  # the same grant, re-entered
     assert rs.hget(f"{P}defer:d1", "state") == "done"
     assert not rs.exists(f"{P}lock:res:x")
+
+
+# -- the upkeep: deadlines on time whatever the backlog ---------------------
+
+BACKLOG = 2000
+
+
+def _park_backlog(mgr: LockManager, rs: redis.Redis, count: int, resource: str) -> list[str]:
+    """``count`` tasks parked on ``resource`` (held by a live holder), each with
+    its re-attempt due at once (score 0): the load a fleet of parked tasks
+    behind long holders puts on the upkeep, every owner_ttl."""
+    ids = [f"b{i}" for i in range(count)]
+    for task_id in ids:
+        assert _park(mgr, task_id, resource) == "parked"
+    rs.zadd(f"{P}deferred", dict.fromkeys(ids, 0), xx=True)
+    return ids
+
+
+def test_a_passed_park_deadline_is_withdrawn_by_the_next_upkeep_pass_whatever_the_backlog(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park_backlog(mgr, rs, BACKLOG, "a")
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
+    assert park(mgr, "late", req, message, park_ttl=0.2, grant_ttl=60).outcome == "parked"
+    wait_until(lambda: not rs.exists(f"{P}alive:task:late"), what="park TTL ran out")
+    assert rs.zcount(f"{P}deferred", "-inf", 0) == BACKLOG  # all due, ahead of it
+    withdrawn: list[tuple[str, str]] = []
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=_Sent(),
+        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
+    )
+    more = dispatcher.upkeep()
+    # One pass withdrew it, in its own script: record, queue entry, schedules.
+    assert withdrawn == [("late", "expired")]
+    assert not rs.exists(f"{P}defer:late") and rs.zscore(f"{P}deadlines", "late") is None
+    assert rs.zscore(f"{P}deferred", "late") is None
+    assert "xtask:late|task:late" not in rs.zrange(f"{P}q:a", 0, -1)
+    assert rs.zcard(f"{P}q:a") == BACKLOG
+    assert more is True  # the re-attempts left over go to the next passes, at once
+    holder.release()
+
+
+def test_a_withdrawn_grant_deadline_hands_the_lock_to_the_next_waiter_in_the_same_pass(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a", grant_ttl=0.2)
+    assert _park(mgr, "t2", "a") == "parked"
+    holder.release()  # t1 is granted; nobody adopts it
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
+    dispatcher, _ = _dispatcher(mgr)
+    dispatcher.upkeep()
+    # t1's grant went to t2 inside the upkeep's script; t1 is parked behind.
+    assert rs.hget(f"{P}defer:t2", "state") == "granted"
+    assert list(rs.hgetall(f"{P}lock:a")) == ["task:t2|task:t2"]
+    record = rs.hgetall(f"{P}defer:t1")
+    assert record["state"] == "parked" and record["life"] == "1"
+    assert rs.zrange(f"{P}q:a", 0, -1) == ["x" + record["token"]]
+
+
+def test_an_upkeep_that_leaves_due_entries_is_followed_by_another_pass_at_once(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    count = 300  # several passes of DUE_BATCH re-attempts
+    _park_backlog(mgr, rs, count, "a")
+    dispatcher, _ = _dispatcher(mgr)
+    dispatcher.interval = 3600.0  # one interval would outlast the test
+    dispatcher.manager._block_cap = 0.05
+    passes: list[bool] = []
+    upkeep = dispatcher.upkeep
+    dispatcher.upkeep = lambda: passes.append(upkeep()) or passes[-1]  # type: ignore[method-assign]
+    for _ in range(count // 64 + 2):
+        dispatcher.step()
+    # Every step ran a pass until nothing due was left, none waited an interval.
+    assert passes == [True] * (count // 64) + [False]
+    now_ms = int(rs.time()[0]) * 1000
+    assert rs.zcount(f"{P}deferred", "-inf", now_ms) == 0
+    holder.release()
