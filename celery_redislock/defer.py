@@ -457,12 +457,13 @@ class Dispatcher:
             self._next_upkeep = now + self.interval
             if self.upkeep():
                 self._next_upkeep = now  # more is due: the next step goes on at once
-        key = dispatch_key(self.manager)
         if self._next_upkeep <= now:
-            got = self._redis().lmove(key, self.dispatching_key, "RIGHT", "LEFT")
+            block = 0.001  # BLMOVE's least wait (0 waits for ever; LMOVE needs another ACL)
         else:
             block = max(0.05, min(self.manager._block_cap, self._next_upkeep - time.monotonic()))
-            got = self._redis().blmove(key, self.dispatching_key, block, "RIGHT", "LEFT")
+        got = self._redis().blmove(
+            dispatch_key(self.manager), self.dispatching_key, block, "RIGHT", "LEFT"
+        )
         if got is None:
             return
         task_id = _text(got)
