@@ -519,7 +519,12 @@ class Dispatcher:
         withdrawn = [_text(x) for x in reply[3]]
         for i in range(0, len(withdrawn), 4):
             task_id, state, raw, life = withdrawn[i : i + 4]
-            self._dead(task_id, state, raw, int(life or 0))
+            # Already out of line in Redis: each one is reported (or parked
+            # again) even if another one's report fails.
+            try:
+                self._dead(task_id, state, raw, int(life or 0))
+            except Exception:
+                log.exception("defer.withdrawn-error id=%s state=%s", task_id, state)
         for raw in reply[2]:
             self.due(_text(raw))
         for task_id in self._new_revokes():

@@ -383,8 +383,10 @@ def upkeep_with_due_deadlines(
         return int(sec) * 1000 + int(usec) // 1000
 
     wait_until(
-        lambda: rc.zcount(deadlines, "-inf", now_ms()) == due
-        and not any(rc.exists(f"{{t}}:alive:task:d{i}") for i in range(due)),
+        lambda: (
+            rc.zcount(deadlines, "-inf", now_ms()) == due
+            and not any(rc.exists(f"{{t}}:alive:task:d{i}") for i in range(due))
+        ),
         what="the deadlines passed",
     )
     with counting(rc) as delta:
