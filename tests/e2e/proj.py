@@ -437,6 +437,38 @@ def _inner_locked_briefly(res: str) -> dict[str, Any]:
     return {"inner_fence": lease.fencing_token if lease else None}
 
 
+@app.task(name="e2e.dshort", bind=True, acks_late=True)
+@locked("res:{res}", on_busy="defer", timeout=2)
+def dshort(self: Any, res: str, tag: str) -> str:
+    """Deferred when busy, parked 2 s at most (then it fails with LockTimeout)."""
+    data().incr(f"e2e:runs:{tag}")
+    return tag
+
+
+@app.task(name="e2e.derrback")
+def derrback(request: Any, exc: BaseException, traceback: Any) -> None:
+    """An errback taking (request, exc, traceback): records the failed task's id,
+    the exception's type and where it ran in ``e2e:errback:<task id>``."""
+    record = {"kind": "request", "exc": type(exc).__name__, "pid": os.getpid()}
+    data().rpush(f"e2e:errback:{request.id}", json.dumps(record))
+
+
+@app.task(name="e2e.derrback_id")
+def derrback_id(task_id: str) -> None:
+    """An errback taking the failed task's id only (sent as a task of its own)."""
+    data().rpush(f"e2e:errback:{task_id}", json.dumps({"kind": "id", "pid": os.getpid()}))
+
+
+def _note_revoked(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    """``task_revoked``: ``e2e:revoked-signal:<task id>`` records ``expired``."""
+    task_id = getattr(request, "id", None)
+    if task_id:
+        data().rpush(f"e2e:revoked-signal:{task_id}", json.dumps({"expired": bool(expired)}))
+
+
+signals.task_revoked.connect(_note_revoked, weak=False)
+
+
 def _kill_before_adopt(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     """``task_prerun`` in the pool child: a re-dispatched deferred task whose id
     the test marked (``e2e:kill-before-adopt:<id>`` = ``child`` or ``worker``)
