@@ -557,17 +557,16 @@ class Dispatcher:
         ``expires`` capped the park); a granted one was never adopted (parked
         again as a new request, at the back of the line)."""
         if state == "parked":
-            message = _loads(raw) or {}
-            self._withdrawn(task_id, _park_end(message), raw)
+            self._withdrawn(task_id, _park_end(_loads(raw) or {}), raw)
             return
         log.warning(
             "defer.regrant id=%s: the grant was not adopted within the grant TTL; "
             "locks handed on, task parked again at the back of the line",
             task_id,
         )
-        message = _loads(raw)
-        if message is not None:
-            self._repark(task_id, message, life + 1)
+        reparked = _loads(raw)
+        if reparked is not None:
+            self._repark(task_id, reparked, life + 1)
 
     def _repark(self, task_id: str, message: dict[str, Any], life: int) -> None:
         """Park a task whose grant was never adopted again, as a new request.
