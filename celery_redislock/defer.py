@@ -47,7 +47,7 @@ DUE_BATCH = 64
 #: Most due deadlines (park and grant TTLs) one upkeep pass looks at; the
 #: dead ones are withdrawn in the pass's script. A pass that reached either
 #: limit is followed by another at once, not one interval later.
-DEADLINE_BATCH = 256
+DEADLINE_BATCH = 64
 
 
 def task_owner(task_id: str, life: int = 0) -> str:
@@ -352,9 +352,12 @@ class Dispatcher:
     pool: prefork, threads, solo, gevent), on connections of its own (Redis
     and broker). It blocks in ``BLMOVE {ns}:dispatch -> {ns}:dispatching:<inc>``
     (pushed by the scripts, never polled) and, every ``interval``, runs the
-    upkeep (``defer_tick.lua``, one round trip): its liveness, the recovery
-    of dead dispatchers' lists and the due look-ups (park TTLs, grant TTLs,
-    re-attempts at a blocker's liveness deadline). See docs/defer.md.
+    upkeep (``defer_tick.lua``, one round trip per pass): its liveness, the
+    recovery of dead dispatchers' lists, the deadlines due (park and grant
+    TTLs, ``{ns}:deadlines``: the dead are withdrawn in the script) and the
+    re-attempts due (at a blocker's liveness deadline, ``{ns}:deferred``);
+    a pass that reaches a limit is followed by another at once. See
+    docs/defer.md.
 
     Args:
         manager: the main process's manager (namespace, TTLs).
@@ -664,6 +667,8 @@ class Dispatcher:
         elif code == 0:
             wait_ms = int(got[1])
             delay = mgr.owner_ttl * 1000 if wait_ms < 0 else min(wait_ms + 10, mgr.owner_ttl * 1000)
+            # Not past the park deadline either: {ns}:deadlines withdraws it
+            # then, but a record parked by an earlier release has no entry there.
             delay = min(delay, max(pttl, 1))
             score = int(time.time() * 1000 + self._offset_ms + delay)
             self._redis().zadd(deferred_key(mgr), {task_id: score}, xx=True)
