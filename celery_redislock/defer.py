@@ -451,9 +451,9 @@ class Dispatcher:
 
         The pop blocks until the next upkeep is due, except while the last
         upkeep pass left due entries behind (a limit of the pass was
-        reached): then it does not block, and the next step runs the upkeep
-        again at once, so a backlog is worked off pass after pass rather than
-        one pass per interval.
+        reached): then it waits 1 ms at most, and the next step runs the
+        upkeep again at once, so a backlog is worked off pass after pass
+        (with dispatches in between) rather than one pass per interval.
         """
         now = time.monotonic()
         if now >= self._next_upkeep:
