@@ -366,6 +366,16 @@ unique_hold = unique_tasks.define(app, data)
 # -- deferred tasks (on_busy="defer", docs/defer.md) ---------------------------
 
 
+def _wait_go(r: redis.Redis, tag: str) -> None:
+    """Block until ``e2e:go:<tag>`` (at most ``HOLD_LIMIT``), in short BLPOPs: one
+    long BLPOP would end at the client's socket timeout (5 s by default in
+    redis-py 8), not at the go signal."""
+    deadline = time.monotonic() + HOLD_LIMIT
+    while time.monotonic() < deadline:
+        if r.blpop([f"e2e:go:{tag}"], timeout=0.5):
+            return
+
+
 @app.task(name="e2e.dhold", bind=True, acks_late=True)
 @locked("res:{res}", on_busy="defer")
 def dhold(self: Any, res: str, tag: str) -> dict[str, Any]:
@@ -375,7 +385,7 @@ def dhold(self: Any, res: str, tag: str) -> dict[str, Any]:
     info["attempt"] = int(r.incr(f"e2e:attempts:{tag}"))
     r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
     r.rpush(f"e2e:order:{res}", tag)
-    r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
+    _wait_go(r, tag)
     r.rpush(f"e2e:done:{tag}", json.dumps(info))
     return info
 
@@ -427,7 +437,7 @@ def dreenter(self: Any, res: str, tag: str) -> dict[str, Any]:
     }
     r = data()
     r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
-    r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
+    _wait_go(r, tag)
     return info
 
 

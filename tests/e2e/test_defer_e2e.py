@@ -44,7 +44,7 @@ from .harness import Cluster, wait_for
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-#: owner_ttl of the shared worker: long, so that the fallbacks that would hide
+#: owner_ttl of the shared worker (and of the other pools' test): long, so that the fallbacks that would hide
 #: a missing push (a parked task's first re-attempt, park + owner_ttl; a
 #: waiting task's own next try, at most owner_ttl after it blocked) come
 #: well after the pushes these tests wait for (:func:`_by`).
@@ -362,18 +362,20 @@ def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs
 def test_other_pools_park_dispatch_and_adopt_deferred_tasks(
     cluster: Callable[..., Cluster], pool: str
 ) -> None:
-    c = cluster(owner_ttl=5, heartbeat=0.5)
+    c = cluster(owner_ttl=SHARED_OWNER_TTL, heartbeat=0.5)
     c.start_worker(f"defer-{pool}", pool=pool, concurrency=2)
-    holder = LockManager(c.lock_url, c.namespace, owner_ttl=5)
+    holder = LockManager(c.lock_url, c.namespace, owner_ttl=SHARED_OWNER_TTL)
     try:
         lease = holder.acquire("res:p", timeout=5)
-        parked = []
+        parked, since = [], []
         for i in range(2):  # one after the other: their order in line is known
             parked.append(c.send("dwrite", "p", f"{pool}-{i}"))
             wait_for(lambda: _deferred(c, parked[-1]), 60, "parked", on_timeout=c.report)
+            since.append(float(parked[-1].info["parked_at"]))
         lease.release()
-        for r in parked:
-            r.get(timeout=60)
+        # Dispatched by push (the release's hand-off), not by a re-attempt.
+        for r, at in zip(parked, since):
+            r.get(timeout=_by(at))
     finally:
         holder.close()
     assert c.data.lrange("e2e:order:p", 0, -1) == [f"{pool}-0", f"{pool}-1"]
