@@ -178,6 +178,10 @@ def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> No
     # Withdrawn by an upkeep that read the revoke, not by its first re-attempt.
     wait_for(lambda: not _queue(c, "res:rv"), _by(parked), "left the queue", on_timeout=c.report)
     wait_for(lambda: doomed.state == "REVOKED", 30, "REVOKED", on_timeout=c.report)
+    assert "revoked" in str(doomed.result), repr(doomed.result)
+    signal_key = f"e2e:revoked-signal:{doomed.id}"
+    wait_for(lambda: c.data.llen(signal_key), 30, "task_revoked", on_timeout=c.report)
+    assert [json.loads(x) for x in c.data.lrange(signal_key, 0, -1)] == [{"expired": False}]
     assert not c.lock_redis.exists(c.key("defer", doomed.id))
     c.go("rv-h")
     after = c.send("dwrite", "rv", "rv-after")
