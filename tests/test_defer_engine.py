@@ -96,7 +96,7 @@ def test_adopt_moves_the_grant_to_the_adopting_owner_with_its_fence_once(
     assert rs.hgetall(f"{P}lock:a") == {lease.token: f"x{fence}"}
     assert rs.hget(f"{P}defer:t1", "state") == "adopted"
     assert rs.hget(f"{P}defer:t1", "owner") == child.owner_id
-    assert rs.zcard(f"{P}deferred") == 0
+    assert rs.zcard(f"{P}deferred") == 0 and rs.zcard(f"{P}deadlines") == 0
     # A second copy of the message: adopted already (by a live owner).
     assert adopt(managers(), "t1", 0) == ("adopted-elsewhere", [])
     assert _park(managers(), "t1", "a") == "duplicate"
