@@ -102,15 +102,52 @@ class _Publisher:
             raise
 
 
+def _withdrawn_request(app: Any, task_id: str, message: dict[str, Any]) -> Any:
+    """The request context of a deferred task taken out of line, rebuilt from
+    its park message: what the result backend needs to call its errbacks
+    (``link_error``), fail its chain and store an extended result, as for a
+    task that failed or was revoked in a pool child."""
+    from celery.app.task import Context
+
+    opts = dict(message.get("options") or {})
+    return Context(
+        id=task_id,
+        task=message.get("name"),
+        args=list(message.get("args") or ()),
+        kwargs=dict(message.get("kwargs") or {}),
+        root_id=opts.get("root_id") or task_id,
+        parent_id=opts.get("parent_id"),
+        group=opts.get("group_id"),
+        callbacks=opts.get("link"),
+        errbacks=opts.get("link_error"),
+        chain=opts.get("chain"),
+        retries=int(opts.get("retries") or 0),
+        delivery_info={"is_eager": False},
+    )
+
+
 def _record_withdrawn(app: Any, task_id: str, why: str, message: dict[str, Any]) -> None:
-    """Write the result of a deferred task taken out of line."""
+    """Write the result of a deferred task taken out of line, as a worker does
+    for a task that is not parked: its park TTL ran out (``expired``):
+    ``FAILURE`` with :class:`LockTimeout`, its ``link_error`` errbacks called
+    and its chain failed; revoked, or its ``expires`` passed: ``REVOKED``
+    (reason ``revoked`` or ``expired``) and the ``task_revoked`` signal."""
+    from celery import signals
+
     from .exceptions import LockTimeout
 
+    request = _withdrawn_request(app, task_id, message)
     if why == "expired":
         exc = LockTimeout(tuple(message.get("resources") or ()), message.get("park_ttl"))
-        app.backend.mark_as_failure(task_id, exc)
-    else:
-        app.backend.mark_as_revoked(task_id, reason=why)
+        app.backend.mark_as_failure(task_id, exc, request=request)
+        return
+    expired = why == "expired-message"
+    app.backend.mark_as_revoked(task_id, reason="expired" if expired else why, request=request)
+    task = app.tasks.get(str(message.get("name") or ""))
+    if task is not None:
+        signals.task_revoked.send(
+            sender=task, request=request, terminated=False, signum=None, expired=expired
+        )
 
 
 def _is_revoked(task_id: str) -> bool:

@@ -46,8 +46,12 @@ PARKED_AT_HEADER = "redislock_parked_at"
 DEFERRED = "DEFERRED"
 #: Errors that mean Redis is out of reach (the dispatcher retries).
 _DOWN: tuple[type[BaseException], ...] = (RedisUnavailable, *REDIS_DOWN_ERRORS)
-#: Most due ids one upkeep returns.
+#: Most due re-attempts one upkeep pass returns.
 DUE_BATCH = 64
+#: Most due deadlines (park and grant TTLs) one upkeep pass looks at; the
+#: dead ones are withdrawn in the pass's script. A pass that reached either
+#: limit is followed by another at once, not one interval later.
+DEADLINE_BATCH = 64
 
 
 def task_owner(task_id: str, life: int = 0) -> str:
@@ -62,8 +66,13 @@ def record_key(mgr: LockManager, task_id: str) -> str:
 
 
 def deferred_key(mgr: LockManager) -> str:
-    """``{ns}:deferred``: task id -> next look-up (ms, Redis TIME)."""
+    """``{ns}:deferred``: task id -> next re-attempt (ms, Redis TIME)."""
     return f"{mgr.keys.prefix}deferred"
+
+
+def deadlines_key(mgr: LockManager) -> str:
+    """``{ns}:deadlines``: task id -> its park or grant deadline (ms, Redis TIME)."""
+    return f"{mgr.keys.prefix}deadlines"
 
 
 def dispatch_key(mgr: LockManager) -> str:
@@ -166,6 +175,7 @@ def park(
             mgr.keys.prefix,
             _ms(min(park_ttl, mgr.owner_ttl)),
             _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
+            _ms(park_ttl),
         ],
     )
     if int(reply[0]) == 0:
@@ -332,6 +342,26 @@ def capture_message(task: Any) -> dict[str, Any]:
     }
 
 
+def park_limit(message: dict[str, Any], timeout: float) -> float:
+    """How long the task of ``message`` may stay parked: ``timeout``, or less
+    when its ``expires`` comes first. Notes in ``message`` which one ends the
+    park (``message["ends"] = "expires"``), so that the dispatcher withdrawing
+    it at that deadline reports what a worker reports for an expired
+    message (``REVOKED``, reason ``expired``) rather than a park time-out."""
+    left = expires_in(message.get("options", {}).get("expires"))
+    if left is not None and left < timeout:
+        message["ends"] = "expires"
+        return max(left, 0.001)
+    message.pop("ends", None)
+    return timeout
+
+
+def _park_end(message: dict[str, Any]) -> str:
+    """Why a parked task whose park deadline passed is withdrawn:
+    ``expired-message`` (its ``expires``), else ``expired`` (its park TTL)."""
+    return "expired-message" if message.get("ends") == "expires" else "expired"
+
+
 def expires_in(expires: Any) -> float | None:
     """Seconds until a message's ``expires`` (ISO text or datetime), None if none."""
     if not expires:
@@ -355,9 +385,12 @@ class Dispatcher:
     pool: prefork, threads, solo, gevent), on connections of its own (Redis
     and broker). It blocks in ``BLMOVE {ns}:dispatch -> {ns}:dispatching:<inc>``
     (pushed by the scripts, never polled) and, every ``interval``, runs the
-    upkeep (``defer_tick.lua``, one round trip): its liveness, the recovery
-    of dead dispatchers' lists and the due look-ups (park TTLs, grant TTLs,
-    re-attempts at a blocker's liveness deadline). See docs/defer.md.
+    upkeep (``defer_tick.lua``, one round trip per pass): its liveness, the
+    recovery of dead dispatchers' lists, the deadlines due (park and grant
+    TTLs, ``{ns}:deadlines``: the dead are withdrawn in the script) and the
+    re-attempts due (at a blocker's liveness deadline, ``{ns}:deferred``);
+    a pass that reaches a limit is followed by another at once. See
+    docs/defer.md.
 
     Args:
         manager: the main process's manager (namespace, TTLs).
@@ -450,12 +483,23 @@ class Dispatcher:
             self.manager.client.close()
 
     def step(self) -> None:
-        """One pass: the upkeep when due, then one blocking pop (and its dispatch)."""
+        """One pass: the upkeep when due, then one pop (and its dispatch).
+
+        The pop blocks until the next upkeep is due, except while the last
+        upkeep pass left due entries behind (a limit of the pass was
+        reached): then it waits 1 ms at most, and the next step runs the
+        upkeep again at once, so a backlog is worked off pass after pass
+        (with dispatches in between) rather than one pass per interval.
+        """
         now = time.monotonic()
         if now >= self._next_upkeep:
             self._next_upkeep = now + self.interval
-            self.upkeep()
-        block = max(0.05, min(self.manager._block_cap, self._next_upkeep - time.monotonic()))
+            if self.upkeep():
+                self._next_upkeep = now  # more is due: the next step goes on at once
+        if self._next_upkeep <= now:
+            block = 0.001  # BLMOVE's least wait (0 waits for ever; LMOVE needs another ACL)
+        else:
+            block = max(0.05, min(self.manager._block_cap, self._next_upkeep - time.monotonic()))
         got = self._redis().blmove(
             dispatch_key(self.manager), self.dispatching_key, block, "RIGHT", "LEFT"
         )
@@ -469,19 +513,37 @@ class Dispatcher:
 
     # -- work -------------------------------------------------------------
 
-    def upkeep(self) -> None:
-        """``defer_tick.lua``, then the due look-ups and new revokes."""
+    def upkeep(self) -> bool:
+        """One upkeep pass: ``defer_tick.lua``, then what it found and new revokes.
+
+        The script withdraws, in Redis, every task whose deadline (park or
+        grant TTL) is due and whose task owner is dead, up to
+        :data:`DEADLINE_BATCH`, and returns up to :data:`DUE_BATCH` due
+        re-attempts; this reports the withdrawn ones (a parked task fails, or
+        is revoked if its ``expires`` ended the park; a grant nobody adopted is
+        parked again) and looks at the re-attempts. Returns True when a limit
+        was reached: more may be due, and the caller runs another pass at once.
+        """
         mgr = self.manager
         local_ms = time.time() * 1000
         reply = mgr._call(
             "defer_tick",
-            [self._set_key, self._alive_key, dispatch_key(mgr), deferred_key(mgr)],
+            [
+                self._set_key,
+                self._alive_key,
+                dispatch_key(mgr),
+                deferred_key(mgr),
+                deadlines_key(mgr),
+            ],
             [
                 self.incarnation,
                 mgr.keys.prefix,
                 _ms(mgr.owner_ttl),
                 str(DUE_BATCH),
                 _ms(mgr.owner_ttl),
+                str(DEADLINE_BATCH),
+                str(mgr._req_ttl_ms),
+                str(mgr.queue_scan_limit),
             ],
             client=self._redis(),
         )
@@ -493,10 +555,20 @@ class Dispatcher:
                 "or this one's after an error) went back to the dispatch list",
                 moved,
             )
+        withdrawn = [_text(x) for x in reply[3]]
+        for i in range(0, len(withdrawn), 4):
+            task_id, state, raw, life = withdrawn[i : i + 4]
+            # Already out of line in Redis: each one is reported (or parked
+            # again) even if another one's report fails.
+            try:
+                self._dead(task_id, state, raw, int(life or 0))
+            except Exception:
+                log.exception("defer.withdrawn-error id=%s state=%s", task_id, state)
         for raw in reply[2]:
             self.due(_text(raw))
         for task_id in self._new_revokes():
             self._withdraw(task_id, "revoked")
+        return bool(int(reply[4]))
 
     def _new_revokes(self) -> list[str]:
         try:
@@ -510,22 +582,30 @@ class Dispatcher:
         return new
 
     def due(self, task_id: str) -> None:
-        """A task's look-up came due: withdraw it if dead, else look at it."""
+        """A task's re-attempt came due: withdraw it if dead, else look at it."""
         got = withdraw(self.manager, task_id, only_dead=True, client=self._redis())
         state = got[0]
         if state == "alive":
             self.handle(task_id)
-        elif state == "parked":
-            self._withdrawn(task_id, "expired", got[1])
-        elif state == "granted":
-            message, life = _loads(got[1]), int(got[2])
-            log.warning(
-                "defer.regrant id=%s: the grant was not adopted within the grant TTL; "
-                "locks handed on, task parked again at the back of the line",
-                task_id,
-            )
-            if message is not None:
-                self._repark(task_id, message, life + 1)
+        elif state in ("parked", "granted"):
+            self._dead(task_id, state, got[1], int(got[2] or 0))
+
+    def _dead(self, task_id: str, state: str, raw: str, life: int) -> None:
+        """A task withdrawn because its task owner's liveness ran out: a parked
+        one's park TTL ended (it fails, or is revoked as expired when its
+        ``expires`` capped the park); a granted one was never adopted (parked
+        again as a new request, at the back of the line)."""
+        if state == "parked":
+            self._withdrawn(task_id, _park_end(_loads(raw) or {}), raw)
+            return
+        log.warning(
+            "defer.regrant id=%s: the grant was not adopted within the grant TTL; "
+            "locks handed on, task parked again at the back of the line",
+            task_id,
+        )
+        reparked = _loads(raw)
+        if reparked is not None:
+            self._repark(task_id, reparked, life + 1)
 
     def _repark(self, task_id: str, message: dict[str, Any], life: int) -> None:
         """Park a task whose grant was never adopted again, as a new request.
@@ -541,13 +621,12 @@ class Dispatcher:
             [n for n, m in zip(names, modes) if m == "x"],
             [n for n, m in zip(names, modes) if m == "s"],
         )
-        park_ttl = float(message.get("park_ttl") or 86400.0)
         left = expires_in(message.get("options", {}).get("expires"))
-        if left is not None:
-            if left <= 0:
-                self._withdrawn(task_id, "expired-message", kjson.dumps(message))
-                return
-            park_ttl = min(park_ttl, left)
+        if left is not None and left <= 0:
+            self._withdrawn(task_id, "expired-message", kjson.dumps(message))
+            return
+        message = dict(message)
+        park_ttl = park_limit(message, float(message.get("park_ttl") or 86400.0))
         result = park(
             mgr,
             task_id,
@@ -624,6 +703,8 @@ class Dispatcher:
         elif code == 0:
             wait_ms = int(got[1])
             delay = mgr.owner_ttl * 1000 if wait_ms < 0 else min(wait_ms + 10, mgr.owner_ttl * 1000)
+            # Not past the park deadline either: {ns}:deadlines withdraws it
+            # then, but a record parked by an earlier release has no entry there.
             delay = min(delay, max(pttl, 1))
             score = int(time.time() * 1000 + self._offset_ms + delay)
             self._redis().zadd(deferred_key(mgr), {task_id: score}, xx=True)

@@ -34,7 +34,8 @@ key                            type    holds
                                        the grants (TTL; see adopt.lua)
 ``{ns}:defer:<task id>``        hash    a deferred task's park record
                                        (docs/defer.md)
-``{ns}:deferred``              zset    task id -> next look-up (ms)
+``{ns}:deferred``              zset    task id -> next re-attempt (ms)
+``{ns}:deadlines``             zset    task id -> park or grant deadline (ms)
 ``{ns}:dispatch``              list    task ids to dispatch again
 ``{ns}:dispatching:<inc>``     list    ids one worker is dispatching
 ``{ns}:dispatcher:<inc>``      string  that dispatcher's liveness (TTL)

@@ -742,11 +742,10 @@ def _run_deferred(
     try:
         message = defer.capture_message(task)
         park_ttl = cfg.defer_ttl if timeout is _DEFAULT or timeout is None else float(timeout)
-        left = defer.expires_in(message["options"].get("expires"))
-        if left is not None:
-            park_ttl = min(park_ttl, max(left, 0.001))
         message["resources"] = resources
-        message["park_ttl"] = park_ttl
+        message["park_ttl"] = park_ttl  # the time-out (LockTimeout's), not capped
+        # Never parked past the task's own expires (then it is revoked as expired).
+        park_ttl = defer.park_limit(message, park_ttl)
         message["grant_ttl"] = cfg.defer_grant_ttl
         req = mgr._request(exclusive_names, shared_names)
         message["modes"] = req.modes

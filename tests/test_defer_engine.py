@@ -8,6 +8,7 @@ adopted. tests/e2e/test_defer_e2e.py runs the same path with real workers.
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,9 +17,9 @@ import pytest
 import redis
 
 from celery_redislock import LockManager
-from celery_redislock.defer import Dispatcher, adopt, mark_done, park, withdraw
+from celery_redislock.defer import Dispatcher, adopt, mark_done, park, park_limit, withdraw
 from celery_redislock.inspect import Inspector
-from engine_helpers import Managers, namespace_keys, wait_until
+from engine_helpers import Managers, namespace_keys, queue_requests, wait_until
 
 NS = "t"
 P = "{t}:"
@@ -95,7 +96,7 @@ def test_adopt_moves_the_grant_to_the_adopting_owner_with_its_fence_once(
     assert rs.hgetall(f"{P}lock:a") == {lease.token: f"x{fence}"}
     assert rs.hget(f"{P}defer:t1", "state") == "adopted"
     assert rs.hget(f"{P}defer:t1", "owner") == child.owner_id
-    assert rs.zcard(f"{P}deferred") == 0
+    assert rs.zcard(f"{P}deferred") == 0 and rs.zcard(f"{P}deadlines") == 0
     # A second copy of the message: adopted already (by a live owner).
     assert adopt(managers(), "t1", 0) == ("adopted-elsewhere", [])
     assert _park(managers(), "t1", "a") == "duplicate"
@@ -124,6 +125,8 @@ def test_parked_requests_keep_their_fifo_place_among_waiting_threads(
     _, first = adopt(managers(), "t1", 0)
     assert len(first) == 1
     first[0].release()
+    # Handed to the waiting thread by the release itself (not by its next try).
+    assert [t.split("|")[0] for t in rs.hkeys(f"{P}lock:a")] == [waiter_mgr.owner_id]
     thread.join(20)
     assert got and rs.hget(f"{P}defer:t2", "state") == "parked"
     got[0].release()
@@ -179,6 +182,8 @@ def test_a_grant_nobody_adopts_is_handed_on_and_the_task_parked_again_behind(
     wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
     dispatcher, sent = _dispatcher(mgr)
     dispatcher.due("t1")
+    # The withdrawal handed the lock to the waiter behind (not its own next try).
+    assert [t.split("|")[0] for t in rs.hkeys(f"{P}lock:a")] == [waiter_mgr.owner_id]
     thread.join(20)
     assert got, "the waiter behind was not handed the lock"
     record = rs.hgetall(f"{P}defer:t1")
@@ -221,7 +226,7 @@ def test_a_task_parked_past_its_park_ttl_is_withdrawn_and_reported_expired(
         on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
     )
     wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="park TTL ran out")
-    wait_until(lambda: dispatcher.upkeep() or withdrawn, what="upkeep found it due")
+    dispatcher.upkeep()  # the first pass after the deadline withdraws it
     assert withdrawn == [("t1", "expired")]
     assert not rs.exists(f"{P}defer:t1") and rs.zcard(f"{P}q:a") == 0
     holder.release()
@@ -272,6 +277,7 @@ def test_a_grant_whose_message_expired_is_withdrawn_not_published(
         mgr, "inc1", publish=sent, on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why))
     )
     dispatcher.step()
+    assert [t.split("|")[0] for t in rs.hkeys(f"{P}lock:a")] == [waiter_mgr.owner_id]
     thread.join(20)
     assert sent.sent == [] and withdrawn == [("t1", "expired-message")]
     assert got, "the lock went on to the waiter behind"
@@ -584,3 +590,265 @@ def test_an_adopted_deferred_body_re_enters_its_own_lock_through_the_task_path(
     assert out["inner_token"] == out["outer_token"]  # the same grant, re-entered
     assert rs.hget(f"{P}defer:d1", "state") == "done"
     assert not rs.exists(f"{P}lock:res:x")
+
+
+# -- the upkeep: deadlines on time whatever the backlog ---------------------
+
+BACKLOG = 2000
+
+
+def _park_backlog(mgr: LockManager, rs: redis.Redis, count: int, resource: str) -> list[str]:
+    """``count`` tasks parked on ``resource`` (held by a live holder), each with
+    its re-attempt due at once (score 0): the load a fleet of parked tasks
+    behind long holders puts on the upkeep, every owner_ttl."""
+    ids = [f"b{i}" for i in range(count)]
+    for task_id in ids:
+        assert _park(mgr, task_id, resource) == "parked"
+    rs.zadd(f"{P}deferred", dict.fromkeys(ids, 0), xx=True)
+    return ids
+
+
+def test_a_passed_park_deadline_is_withdrawn_by_the_next_upkeep_pass_whatever_the_backlog(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park_backlog(mgr, rs, BACKLOG, "a")
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
+    assert park(mgr, "late", req, message, park_ttl=0.2, grant_ttl=60).outcome == "parked"
+    wait_until(lambda: not rs.exists(f"{P}alive:task:late"), what="park TTL ran out")
+    assert rs.zcount(f"{P}deferred", "-inf", 0) == BACKLOG  # all due, ahead of it
+    withdrawn: list[tuple[str, str]] = []
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=_Sent(),
+        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
+    )
+    more = dispatcher.upkeep()
+    # One pass withdrew it, in its own script: record, queue entry, schedules.
+    assert withdrawn == [("late", "expired")]
+    assert not rs.exists(f"{P}defer:late") and rs.zscore(f"{P}deadlines", "late") is None
+    assert rs.zscore(f"{P}deferred", "late") is None
+    assert "xtask:late|task:late" not in rs.zrange(f"{P}q:a", 0, -1)
+    assert rs.zcard(f"{P}q:a") == BACKLOG
+    assert more is True  # the re-attempts left over go to the next passes, at once
+    holder.release()
+
+
+def test_a_withdrawn_grant_deadline_hands_the_lock_to_the_next_waiter_in_the_same_pass(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a", grant_ttl=0.2)
+    assert _park(mgr, "t2", "a") == "parked"
+    holder.release()  # t1 is granted; nobody adopts it
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
+    dispatcher, _ = _dispatcher(mgr)
+    dispatcher.upkeep()
+    # t1's grant went to t2 inside the upkeep's script; t1 is parked behind.
+    assert rs.hget(f"{P}defer:t2", "state") == "granted"
+    assert list(rs.hgetall(f"{P}lock:a")) == ["task:t2|task:t2"]
+    record = rs.hgetall(f"{P}defer:t1")
+    assert record["state"] == "parked" and record["life"] == "1"
+    assert rs.zrange(f"{P}q:a", 0, -1) == ["x" + record["token"]]
+
+
+def test_an_upkeep_that_leaves_due_entries_is_followed_by_another_pass_at_once(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    count = 300  # several passes of DUE_BATCH re-attempts
+    _park_backlog(mgr, rs, count, "a")
+    dispatcher, _ = _dispatcher(mgr)
+    dispatcher.interval = 3600.0  # one interval would outlast the test
+    dispatcher.manager._block_cap = 0.05
+    passes: list[bool] = []
+    upkeep = dispatcher.upkeep
+    dispatcher.upkeep = lambda: passes.append(upkeep()) or passes[-1]  # type: ignore[method-assign]
+    for _ in range(count // 64 + 2):
+        dispatcher.step()
+    # Every step ran a pass until nothing due was left, none waited an interval.
+    assert passes == [True] * (count // 64) + [False]
+    now_ms = int(rs.time()[0]) * 1000
+    assert rs.zcount(f"{P}deferred", "-inf", now_ms) == 0
+    holder.release()
+
+
+# -- withdrawals hand the lock on at once; dispatch never publishes a dead grant
+
+
+def _expires(seconds: float) -> str:
+    at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
+    return at.isoformat()
+
+
+def _granted_with_a_waiter_behind(
+    managers: Managers, rs: redis.Redis, *, grant_ttl: float = 60.0, options: Any = None
+) -> tuple[LockManager, str]:
+    """t1 parked on ``a``, then a queued request (no thread behind it: only a
+    hand-off can make it the holder), then the holder releases: t1 is granted.
+    Returns the manager and the waiting request's token."""
+    mgr = managers()
+    holder = mgr.acquire("a")
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": dict(options or {})}
+    message.update(resources=["a"], modes="x")
+    assert park(mgr, "t1", req, message, park_ttl=600, grant_ttl=grant_ttl).outcome == "parked"
+    (waiter,) = queue_requests(managers(), 1, exclusive="a")
+    holder.release()
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    assert rs.hkeys(f"{P}lock:a") == ["task:t1|task:t1"]
+    return mgr, waiter
+
+
+def _handed_to(rs: redis.Redis, token: str) -> None:
+    """``token`` holds ``a`` now, its grant pushed to its wake list (a hand-off,
+    not a wake-up that leaves the waiter to its own next try)."""
+    assert rs.hkeys(f"{P}lock:a") == [token]
+    fence = rs.hget(f"{P}lock:a", token)
+    assert fence is not None and rs.lrange(f"{P}wake:{token}", 0, -1) == ["g" + fence[1:]]
+    assert rs.zcard(f"{P}q:a") == 0 or rs.zrange(f"{P}q:a", 0, 0)[0].startswith("xtask+1:t1|")
+
+
+@pytest.mark.parametrize("why", ["revoked", "expired-message", "grant-ttl"])
+def test_withdrawing_a_granted_task_hands_its_lock_to_the_next_waiter_in_the_same_script(
+    managers: Managers, rs: redis.Redis, why: str
+) -> None:
+    options = {"expires": "2000-01-01T00:00:00+00:00"} if why == "expired-message" else {}
+    mgr, waiter = _granted_with_a_waiter_behind(
+        managers, rs, grant_ttl=0.2 if why == "grant-ttl" else 60.0, options=options
+    )
+    revoked = {"t1"} if why == "revoked" else set()
+    withdrawn: list[tuple[str, str]] = []
+    sent = _Sent()
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=sent,
+        on_withdrawn=lambda tid, w, msg: withdrawn.append((tid, w)),
+        revoked=revoked.__contains__,
+        revoked_ids=lambda: sorted(revoked),
+    )
+    if why == "grant-ttl":
+        wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
+        dispatcher.upkeep()  # the deadline: withdrawn in the upkeep's script
+        assert rs.hget(f"{P}defer:t1", "state") == "parked"  # parked again, behind
+    elif why == "revoked":
+        dispatcher.upkeep()  # the revoke: withdrawn by the upkeep
+        assert withdrawn == [("t1", "revoked")]
+    else:
+        dispatcher.step()  # the dispatch finds its message expired
+        assert withdrawn == [("t1", "expired-message")]
+    _handed_to(rs, waiter)
+    assert sent.sent == []
+
+
+def test_a_grant_revoked_before_its_dispatch_is_withdrawn_not_published(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, waiter = _granted_with_a_waiter_behind(managers, rs)
+    # Revoked after the grant, after the last upkeep looked at the revoked
+    # set: only the dispatch itself can see it.
+    revoked = {"t1"}
+    withdrawn: list[tuple[str, str]] = []
+    sent = _Sent()
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=sent,
+        on_withdrawn=lambda tid, w, msg: withdrawn.append((tid, w)),
+        revoked=revoked.__contains__,
+    )
+    assert rs.lrange(f"{P}dispatch", 0, -1) == ["t1"]
+    dispatcher.step()
+    assert sent.sent == [] and withdrawn == [("t1", "revoked")]
+    assert not rs.exists(f"{P}defer:t1") and rs.llen(f"{P}dispatch") == 0
+    _handed_to(rs, waiter)
+
+
+def test_a_failed_publish_is_retried_once_and_never_sent_twice(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a")
+    holder.release()
+    fence = rs.hget(f"{P}defer:t1", "fence")
+    attempts: list[str | None] = []
+    sent = _Sent()
+
+    def publish(task_id: str, message: dict[str, Any], header: str | None) -> None:
+        attempts.append(header)
+        if len(attempts) == 1:
+            raise ConnectionError("broker down")
+        sent(task_id, message, header)
+
+    dispatcher = Dispatcher(mgr, "inc1", publish=publish, on_withdrawn=lambda *a: None)
+    with pytest.raises(ConnectionError):
+        dispatcher.step()
+    # Un-claimed and back on the dispatch list, nothing left in progress.
+    assert rs.hget(f"{P}defer:t1", "sent") is None
+    assert rs.lrange(f"{P}dispatch", 0, -1) == ["t1"] and rs.llen(dispatcher.dispatching_key) == 0
+    dispatcher.step()
+    assert sent.sent == [("t1", f"0:{fence}")] and rs.hget(f"{P}defer:t1", "sent") == fence
+    rs.lpush(f"{P}dispatch", "t1")  # another push of the same grant
+    dispatcher.step()
+    assert attempts == [f"0:{fence}", f"0:{fence}"] and len(sent.sent) == 1
+
+
+def test_a_park_that_fails_after_writing_its_record_leaves_nothing_of_it(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    before = namespace_keys(rs)
+    # The arrival counter is not a counter: the queueing acquire fails (WRONGTYPE)
+    # after defer_park.lua wrote the record and its schedules.
+    seq = rs.get(f"{P}seq")
+    rs.delete(f"{P}seq")
+    rs.hset(f"{P}seq", "not", "a counter")
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60)
+    assert not rs.exists(f"{P}defer:t1")
+    assert rs.zscore(f"{P}deferred", "t1") is None and rs.zscore(f"{P}deadlines", "t1") is None
+    assert rs.zcard(f"{P}q:a") == 0 and not rs.exists(f"{P}alive:task:t1")
+    assert not rs.sismember(f"{P}owners", "task:t1")
+    assert namespace_keys(rs) == before | {f"{P}seq"}
+    rs.delete(f"{P}seq")
+    if seq is not None:
+        rs.set(f"{P}seq", seq)
+    holder.release()
+
+
+def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    req = mgr._request(["a"], [])
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {"expires": _expires(0.3)}}
+    park_ttl = park_limit(message, 600.0)  # the expires comes first
+    assert park_ttl < 1 and message["ends"] == "expires"
+    assert park(mgr, "t1", req, message, park_ttl=park_ttl, grant_ttl=60).outcome == "parked"
+    other = {"name": "t.task", "args": [], "kwargs": {}, "options": {"expires": _expires(60)}}
+    assert park_limit(other, 0.3) == 0.3 and "ends" not in other  # the time-out comes first
+    assert park(mgr, "t2", req, other, park_ttl=0.3, grant_ttl=60).outcome == "parked"
+    withdrawn: list[tuple[str, str]] = []
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=_Sent(),
+        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
+    )
+    wait_until(lambda: not rs.exists(f"{P}alive:task:t1", f"{P}alive:task:t2"), what="parks ended")
+    dispatcher.upkeep()
+    assert sorted(withdrawn) == [("t1", "expired-message"), ("t2", "expired")]
+    assert not rs.exists(f"{P}defer:t1", f"{P}defer:t2") and rs.zcard(f"{P}q:a") == 0
+    holder.release()

@@ -26,6 +26,7 @@ from engine_helpers import (
     commandstats,
     counting,
     queue_requests,
+    wait_until,
 )
 from redis_server import RedisServer
 
@@ -344,3 +345,67 @@ def test_each_dead_queue_entry_removed_costs_the_same_few_commands(
     steps = [totals[1] - totals[0], totals[2] - totals[1]]  # 5 more dead entries each
     assert abs(steps[1] - steps[0]) <= 1, totals  # linear (pages of 4 round a little)
     assert all(0 < step <= 5 * 6 for step in steps), totals  # at most 6 commands each
+
+
+# -- the deferred-task upkeep -------------------------------------------------
+
+
+def upkeep_with_due_deadlines(
+    rc: redis.Redis, managers: Managers, backlog: int, due: int
+) -> dict[str, int]:
+    """Commands of one dispatcher upkeep pass with ``backlog`` tasks parked on
+    ``busy`` (none due) and ``due`` tasks whose park deadline passed, each
+    parked on a resource of its own behind a live holder."""
+    from celery_redislock.defer import Dispatcher, park
+
+    rc.flushall()
+    mgr = managers(owner_ttl=OWNER_TTL)
+    holders = [mgr.acquire(f"r{i}", timeout=0) for i in range(due)]
+    holders.append(mgr.acquire("busy", timeout=0))
+
+    def park_on(task_id: str, resource: str, park_ttl: float) -> None:
+        message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+        req = mgr._request([resource], [])
+        assert park(mgr, task_id, req, message, park_ttl=park_ttl, grant_ttl=60).outcome == (
+            "parked"
+        )
+
+    for i in range(backlog):
+        park_on(f"b{i}", "busy", 600)
+    dispatcher = Dispatcher(mgr, "inc1", publish=lambda *a: None, on_withdrawn=lambda *a: None)
+    dispatcher.upkeep()  # its format check and script loads are not counted
+    for i in range(due):
+        park_on(f"d{i}", f"r{i}", 0.05)
+    deadlines = "{t}:deadlines"
+
+    def now_ms() -> int:
+        sec, usec = rc.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    wait_until(
+        lambda: (
+            rc.zcount(deadlines, "-inf", now_ms()) == due
+            and not any(rc.exists(f"{{t}}:alive:task:d{i}") for i in range(due))
+        ),
+        what="the deadlines passed",
+    )
+    with counting(rc) as delta:
+        assert dispatcher.upkeep() is False
+    assert rc.zcard(deadlines) == backlog and rc.zcard("{t}:q:busy") == backlog
+    assert not any(rc.exists(f"{{t}}:defer:d{i}") for i in range(due))
+    for lease in holders:
+        lease.release()
+    return delta
+
+
+def test_the_upkeeps_cost_grows_with_the_deadlines_due_not_with_the_tasks_parked(
+    rc: redis.Redis, managers: Managers
+) -> None:
+    small = upkeep_with_due_deadlines(rc, managers, 20, 4)
+    large = upkeep_with_due_deadlines(rc, managers, 2000, 4)
+    assert small == large, f"{small} vs {large}"
+    assert small.get("evalsha") == 1  # one round trip: the withdrawals are in its script
+    totals = [sum(upkeep_with_due_deadlines(rc, managers, 20, n).values()) for n in (2, 6)]
+    totals.insert(1, sum(small.values()))
+    step = totals[1] - totals[0]
+    assert step > 0 and totals[2] - totals[1] == step, totals  # the same for each one due

@@ -251,14 +251,16 @@ end
 
 -- The parked request of task TID was granted with FENCE: the record becomes
 -- 'granted', the task owner OWNER lives for the grant TTL (the record's
--- gttl, ms) and its next look-up ({ns}:deferred) is that deadline, and the
--- task id goes to the dispatch list.
+-- gttl, ms), its deadline ({ns}:deadlines) is that of the grant, it needs no
+-- more re-attempts (it leaves {ns}:deferred), and the task id goes to the
+-- dispatch list.
 local function defer_granted(prefix, tid, owner, fence)
   local rec = prefix .. 'defer:' .. tid
   local gttl = redis.call('HGET', rec, 'gttl') or '300000'
   redis.call('HSET', rec, 'state', 'granted', 'fence', fence)
   redis.call('PEXPIRE', prefix .. 'alive:' .. owner, gttl)
-  redis.call('ZADD', prefix .. 'deferred', time_ms_plus(gttl), tid)
+  redis.call('ZADD', prefix .. 'deadlines', time_ms_plus(gttl), tid)
+  redis.call('ZREM', prefix .. 'deferred', tid)
   redis.call('LPUSH', prefix .. 'dispatch', tid)
 end
 
@@ -602,4 +604,53 @@ wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
     if #nxt > 0 then wake(prefix, string.sub(nxt[1], 2), ttl_ms) end
   end
   return served
+end
+
+-- Take the deferred task TID out of line (docs/defer.md): its park record
+-- {ns}:defer:<tid> must be 'parked' or 'granted'; with ONLY_DEAD, its task
+-- owner's liveness must also be gone. Per resource: HDEL the request's grant
+-- (if it has one; the contended stream goes when the lock is left with no
+-- holder), ZREM its queue entry (if queued), and hand the lock on or wake the
+-- queue (wake_front), as release.lua does: the next waiter is the holder when
+-- this returns. Then the task owner's keys (registry hash with the holder
+-- record, liveness, waits; the request's state, wake list and any holder
+-- record key of an earlier release), its place in {ns}:owners, the task's
+-- entries in {ns}:deferred and {ns}:deadlines and the record go.
+-- Returns {state, msg, life} withdrawn; {'alive', state, pttl} (ONLY_DEAD,
+-- the task owner lives); {state} or {'none'} nothing to withdraw.
+local function defer_withdraw_task(prefix, tid, req_ttl, limit, only_dead)
+  local rec = prefix .. 'defer:' .. tid
+  local st = redis.call('HMGET', rec, 'state', 'token', 'modes', 'res', 'msg', 'life')
+  if not st[1] then return {'none'} end
+  if st[1] ~= 'parked' and st[1] ~= 'granted' then return {st[1]} end
+  local towner = owner_of(st[2])
+  if only_dead then
+    local pttl = redis.call('PTTL', prefix .. 'alive:' .. towner)
+    if pttl ~= -2 then return {'alive', st[1], pttl} end
+  end
+  local token, modes = st[2], st[3]
+  local names = split_names(st[4])
+  redis.call('DEL', rec)
+  for i = 1, #names do
+    local lock, q = prefix .. 'lock:' .. names[i], prefix .. 'q:' .. names[i]
+    local holders = nil
+    local r = redis.call('HDEL', lock, token)
+    if r == 1 then
+      holders = redis.call('HLEN', lock)
+      if holders == 0 then
+        redis.call('DEL', prefix .. 'contended:' .. names[i])
+      end
+    end
+    local d = redis.call('ZREM', q, string.sub(modes, i, i) .. token)
+    if r == 1 or d == 1 then
+      wake_front(prefix, q, lock, limit, req_ttl, false, holders)
+    end
+  end
+  redis.call('DEL', prefix .. 'req:' .. token, prefix .. 'wake:' .. token,
+    prefix .. 'holder:' .. token, prefix .. 'held:' .. towner, prefix .. 'alive:' .. towner,
+    prefix .. 'waits:' .. towner)
+  redis.call('SREM', prefix .. 'owners', towner)
+  redis.call('ZREM', prefix .. 'deferred', tid)
+  redis.call('ZREM', prefix .. 'deadlines', tid)
+  return {st[1], st[5] or '', st[6] or '0'}
 end

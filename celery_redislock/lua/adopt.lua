@@ -17,7 +17,8 @@
 --                                registration as acquire.lua does
 -- Lock keys come from the task owner's registry; the request state, wake
 -- lists, queues and {ns}:waits:<task owner> are built from ARGV[3], as are
--- a deferred task's park record {ns}:defer:<ARGV[10]> and {ns}:deferred.
+-- a deferred task's park record {ns}:defer:<ARGV[10]>, {ns}:deferred and
+-- {ns}:deadlines.
 --
 -- ARGV:
 --   1 task owner id 'task:<task id>'
@@ -68,7 +69,8 @@
 --      late acquire for it is refused), write the adoption record (PX
 --      ARGV[7]), SADD the adopter to the owners set. With a park record:
 --      it becomes 'adopted' by the adopter (message dropped, PEXPIRE
---      ARGV[12]) and the task leaves {ns}:deferred, in this same step, so
+--      ARGV[12]) and the task leaves {ns}:deferred and {ns}:deadlines, in
+--      this same step, so
 --      the upkeep never finds a grant whose task owner is gone in a record
 --      still 'granted' (docs/defer.md, D8).
 --
@@ -224,5 +226,6 @@ if rec then
   redis.call('HSET', rec, 'state', 'adopted', 'owner', owner)
   redis.call('PEXPIRE', rec, ARGV[12])
   redis.call('ZREM', prefix .. 'deferred', tid)
+  redis.call('ZREM', prefix .. 'deadlines', tid)
 end
 return out

@@ -3,7 +3,9 @@
 --
 -- KEYS (all in {ns}):
 --   1 {ns}:defer:<task id>        the park record (hash)
---   2 {ns}:deferred               zset task id -> next look-up (ms, Redis TIME)
+--   2 {ns}:deferred               zset task id -> next re-attempt (ms, Redis TIME)
+-- {ns}:deadlines (zset task id -> park or grant deadline, ms) is built from
+-- ARGV[7] and stays in {ns}.
 -- The task owner's tombstone {ns}:dead:<task owner> and the adopting owner's
 -- liveness key {ns}:alive:<owner> (an 'adopted' record) are built from
 -- ARGV[7] and stay in {ns}.
@@ -19,6 +21,7 @@
 --   7 key prefix '{ns}:'
 --   8 first look-up delay, ms (the upkeep re-attempts the request then)
 --   9 record TTL, ms (longest park + grant time, with margin)
+--  10 park TTL, ms (the task owner's liveness once queued: its deadline)
 --
 -- Atomic steps:
 --   1. A record exists: if it is 'adopted' by an owner whose liveness is
@@ -31,7 +34,8 @@
 --      its token '<task owner>|task:<task id>'.
 --   3. Write the record (state 'parked', life, token, modes, res, msg,
 --      gttl), PEXPIRE it, delete that owner's old tombstone, schedule the
---      first look-up in {ns}:deferred.
+--      first re-attempt in {ns}:deferred and the park deadline in
+--      {ns}:deadlines.
 --
 -- Reply: {1, task owner, token, life} written | {0, state} a record holds
 -- the task already
@@ -55,4 +59,5 @@ redis.call('HSET', rec, 'state', 'parked', 'life', int(life), 'token', token,
 redis.call('PEXPIRE', rec, ARGV[9])
 redis.call('DEL', prefix .. 'dead:' .. owner)
 redis.call('ZADD', KEYS[2], time_ms_plus(ARGV[8]), tid)
+redis.call('ZADD', prefix .. 'deadlines', time_ms_plus(ARGV[10]), tid)
 return {1, owner, token, int(life)}

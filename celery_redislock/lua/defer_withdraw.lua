@@ -27,7 +27,9 @@
 -- delete the task owner's keys (its registry hash with the holder record,
 -- liveness, waits, and the request's state, wake list and any holder record
 -- key of an earlier release), drop it from the owners set and the task
--- from {ns}:deferred, and delete the record.
+-- from {ns}:deferred and {ns}:deadlines, and delete the record
+-- (defer_withdraw_task). The next waiter is the lock's holder when this
+-- returns.
 --
 -- Reply:
 --   {state, msg, life}    withdrawn: state it had ('parked' | 'granted'),
@@ -35,36 +37,6 @@
 --   {'alive', state, pttl} ('dead' only) the task owner lives: not withdrawn
 --   {state} | {'none'}    nothing to withdraw ('adopted', 'done', no record)
 
-local rec, prefix = KEYS[1], ARGV[2]
-local req_ttl, limit = ARGV[3], tonumber(ARGV[4])
-local st = redis.call('HMGET', rec, 'state', 'token', 'modes', 'res', 'msg', 'life')
-if not st[1] then return {'none'} end
-if st[1] ~= 'parked' and st[1] ~= 'granted' then return {st[1]} end
-local towner = owner_of(st[2])
-if ARGV[5] == 'dead' then
-  local pttl = redis.call('PTTL', prefix .. 'alive:' .. towner)
-  if pttl ~= -2 then return {'alive', st[1], pttl} end
-end
-local token, modes = st[2], st[3]
-local names = split_names(st[4])
-redis.call('DEL', rec)
-for i = 1, #names do
-  local lock, q = prefix .. 'lock:' .. names[i], prefix .. 'q:' .. names[i]
-  local holders = nil
-  local r = redis.call('HDEL', lock, token)
-  if r == 1 then
-    holders = redis.call('HLEN', lock)
-    if holders == 0 then
-      redis.call('DEL', prefix .. 'contended:' .. names[i])
-    end
-  end
-  local d = redis.call('ZREM', q, string.sub(modes, i, i) .. token)
-  if r == 1 or d == 1 then
-    wake_front(prefix, q, lock, limit, req_ttl, false, holders)
-  end
-end
-redis.call('DEL', prefix .. 'req:' .. token, prefix .. 'wake:' .. token,
-  prefix .. 'holder:' .. token, prefix .. 'held:' .. towner, prefix .. 'alive:' .. towner, prefix .. 'waits:' .. towner)
-redis.call('SREM', KEYS[3], towner)
-redis.call('ZREM', KEYS[2], ARGV[1])
-return {st[1], st[5] or '', st[6] or '0'}
+-- KEYS[1..3] name the keys the call touches first (Redis Cluster routing);
+-- defer_withdraw_task builds them from ARGV[2] again.
+return defer_withdraw_task(ARGV[2], ARGV[1], ARGV[3], tonumber(ARGV[4]), ARGV[5] == 'dead')

@@ -366,6 +366,16 @@ unique_hold = unique_tasks.define(app, data)
 # -- deferred tasks (on_busy="defer", docs/defer.md) ---------------------------
 
 
+def _wait_go(r: redis.Redis, tag: str) -> None:
+    """Block until ``e2e:go:<tag>`` (at most ``HOLD_LIMIT``), in short BLPOPs: one
+    long BLPOP would end at the client's socket timeout (5 s by default in
+    redis-py 8), not at the go signal."""
+    deadline = time.monotonic() + HOLD_LIMIT
+    while time.monotonic() < deadline:
+        if r.blpop([f"e2e:go:{tag}"], timeout=0.5):
+            return
+
+
 @app.task(name="e2e.dhold", bind=True, acks_late=True)
 @locked("res:{res}", on_busy="defer")
 def dhold(self: Any, res: str, tag: str) -> dict[str, Any]:
@@ -375,7 +385,7 @@ def dhold(self: Any, res: str, tag: str) -> dict[str, Any]:
     info["attempt"] = int(r.incr(f"e2e:attempts:{tag}"))
     r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
     r.rpush(f"e2e:order:{res}", tag)
-    r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
+    _wait_go(r, tag)
     r.rpush(f"e2e:done:{tag}", json.dumps(info))
     return info
 
@@ -435,7 +445,7 @@ def dreenter(self: Any, res: str, tag: str) -> dict[str, Any]:
     }
     r = data()
     r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
-    r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
+    _wait_go(r, tag)
     return info
 
 
@@ -443,6 +453,38 @@ def dreenter(self: Any, res: str, tag: str) -> dict[str, Any]:
 def _inner_locked_briefly(res: str) -> dict[str, Any]:
     lease = current_lease()
     return {"inner_fence": lease.fencing_token if lease else None}
+
+
+@app.task(name="e2e.dshort", bind=True, acks_late=True)
+@locked("res:{res}", on_busy="defer", timeout=2)
+def dshort(self: Any, res: str, tag: str) -> str:
+    """Deferred when busy, parked 2 s at most (then it fails with LockTimeout)."""
+    data().incr(f"e2e:runs:{tag}")
+    return tag
+
+
+@app.task(name="e2e.derrback")
+def derrback(request: Any, exc: BaseException, traceback: Any) -> None:
+    """An errback taking (request, exc, traceback): records the failed task's id,
+    the exception's type and where it ran in ``e2e:errback:<task id>``."""
+    record = {"kind": "request", "exc": type(exc).__name__, "pid": os.getpid()}
+    data().rpush(f"e2e:errback:{request.id}", json.dumps(record))
+
+
+@app.task(name="e2e.derrback_id")
+def derrback_id(task_id: str) -> None:
+    """An errback taking the failed task's id only (sent as a task of its own)."""
+    data().rpush(f"e2e:errback:{task_id}", json.dumps({"kind": "id", "pid": os.getpid()}))
+
+
+def _note_revoked(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    """``task_revoked``: ``e2e:revoked-signal:<task id>`` records ``expired``."""
+    task_id = getattr(request, "id", None)
+    if task_id:
+        data().rpush(f"e2e:revoked-signal:{task_id}", json.dumps({"expired": bool(expired)}))
+
+
+signals.task_revoked.connect(_note_revoked, weak=False)
 
 
 def _kill_before_adopt(sender: Any = None, task_id: str | None = None, **_: Any) -> None:

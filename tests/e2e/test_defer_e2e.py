@@ -25,9 +25,11 @@ their own.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,13 +44,29 @@ from .harness import Cluster, wait_for
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
+#: owner_ttl of the shared worker (and of the other pools' test): long, so that the fallbacks that would hide
+#: a missing push (a parked task's first re-attempt, park + owner_ttl; a
+#: waiting task's own next try, at most owner_ttl after it blocked) come
+#: well after the pushes these tests wait for (:func:`_by`).
+SHARED_OWNER_TTL = 30.0
+
+
+def _by(since: float) -> float:
+    """Seconds left until ``since`` (epoch) + ``SHARED_OWNER_TTL`` - 2: a task
+    done by then was served by push, not by a fallback."""
+    return max(0.5, since + SHARED_OWNER_TTL - 2 - time.time())
+
+
 @pytest.fixture(scope="module")
 def shared(
     redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """One prefork worker (-c 3) for the tests that kill nothing."""
     c = Cluster(
-        redis_server.url, tmp_path_factory.mktemp("defer-shared"), owner_ttl=5, heartbeat=0.5
+        redis_server.url,
+        tmp_path_factory.mktemp("defer-shared"),
+        owner_ttl=SHARED_OWNER_TTL,
+        heartbeat=0.5,
     )
     try:
         c.start_worker("defer-shared", concurrency=3)
@@ -78,10 +96,13 @@ def test_parked_tasks_keep_their_fifo_place_among_waiters_and_free_their_pool_sl
     d1 = c.send("dwrite", "fifo", "d1")
     wait_for(lambda: _deferred(c, d1), 60, "d1 parked", on_timeout=c.report)
     assert d1.info["resources"] == ["res:fifo"]
+    d1_parked = float(d1.info["parked_at"])
     w2 = c.send("wwrite", "fifo", "w2")  # waits in its pool slot
     wait_for(lambda: len(_queue(c, "res:fifo")) == 2, 60, "w2 queued", on_timeout=c.report)
+    w2_queued = time.time()
     d3 = c.send("dwrite", "fifo", "d3")
     wait_for(lambda: _deferred(c, d3), 60, "d3 parked", on_timeout=c.report)
+    d3_parked = float(d3.info["parked_at"])
     queue = _queue(c, "res:fifo")
     assert [m.split("|")[0][1:].startswith("task:") for m in queue] == [True, False, True]
     assert queue[0][1:].startswith(f"task:{d1.id}|") and queue[2][1:].startswith(f"task:{d3.id}|")
@@ -96,8 +117,10 @@ def test_parked_tasks_keep_their_fifo_place_among_waiters_and_free_their_pool_sl
 
     c.go("fifo-h")
     holder.get(timeout=60)
-    for r in (d1, w2, d3):
-        r.get(timeout=60)
+    # Each is handed the lock by the release before it (pushed), before any
+    # fallback (its first re-attempt, its own next try) could have served it.
+    for r, since in ((d1, d1_parked), (w2, w2_queued), (d3, d3_parked)):
+        r.get(timeout=_by(since))
     assert c.data.lrange("e2e:order:fifo", 0, -1) == ["fifo-h", "d1", "w2", "d3"]
     assert [_runs(c, t) for t in ("d1", "w2", "d3")] == [1, 1, 1]
     assert d1.state == "SUCCESS" and d3.state == "SUCCESS"
@@ -149,16 +172,88 @@ def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> No
     wait_for(lambda: c.data.llen("e2e:held-log:rv-h"), 60, "holder", on_timeout=c.report)
     doomed = c.send("dwrite", "rv", "rv-doomed")
     wait_for(lambda: _deferred(c, doomed), 60, "parked", on_timeout=c.report)
+    parked = float(doomed.info["parked_at"])
     assert len(_queue(c, "res:rv")) == 1
     c.producer.control.revoke(doomed.id)
-    wait_for(lambda: not _queue(c, "res:rv"), 60, "left the queue", on_timeout=c.report)
+    # Withdrawn by an upkeep that read the revoke, not by its first re-attempt.
+    wait_for(lambda: not _queue(c, "res:rv"), _by(parked), "left the queue", on_timeout=c.report)
     wait_for(lambda: doomed.state == "REVOKED", 30, "REVOKED", on_timeout=c.report)
+    assert "revoked" in str(doomed.result), repr(doomed.result)
+    signal_key = f"e2e:revoked-signal:{doomed.id}"
+    wait_for(lambda: c.data.llen(signal_key), 30, "task_revoked", on_timeout=c.report)
+    assert [json.loads(x) for x in c.data.lrange(signal_key, 0, -1)] == [{"expired": False}]
     assert not c.lock_redis.exists(c.key("defer", doomed.id))
     c.go("rv-h")
     after = c.send("dwrite", "rv", "rv-after")
     after.get(timeout=60)
     assert _runs(c, "rv-doomed") == 0
     assert c.data.lrange("e2e:order:rv", 0, -1) == ["rv-h", "rv-after"]
+
+
+def test_a_parked_task_whose_expires_passes_is_revoked_as_expired_and_one_granted_in_time_runs(
+    shared: Cluster,
+) -> None:
+    c = shared
+    holder = c.send("dhold", "ex", "ex-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:ex-h"), 60, "holder", on_timeout=c.report)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doomed = c.producer.send_task(
+        "e2e.dwrite",
+        args=("ex", "ex-doomed"),
+        queue=c.queue,
+        expires=now + datetime.timedelta(seconds=3),
+    )
+    lasting = c.producer.send_task(
+        "e2e.dwrite",
+        args=("ex", "ex-lasting"),
+        queue=c.queue,
+        expires=now + datetime.timedelta(seconds=300),
+    )
+    wait_for(lambda: _deferred(c, doomed), 60, "doomed parked", on_timeout=c.report)
+    wait_for(lambda: _deferred(c, lasting), 60, "lasting parked", on_timeout=c.report)
+    # Its expires ends the park: REVOKED (expired), as for an expired message,
+    # with Celery's task_revoked signal; not a LockTimeout failure.
+    wait_for(lambda: doomed.state != "DEFERRED", 60, "doomed withdrawn", on_timeout=c.report)
+    assert doomed.state == "REVOKED", (doomed.state, doomed.result)
+    assert "expired" in str(doomed.result), repr(doomed.result)
+    signal_key = f"e2e:revoked-signal:{doomed.id}"
+    wait_for(lambda: c.data.llen(signal_key), 30, "task_revoked", on_timeout=c.report)
+    assert [json.loads(x) for x in c.data.lrange(signal_key, 0, -1)] == [{"expired": True}]
+    assert [m.split("|")[0][1:] for m in _queue(c, "res:ex")] == [f"task:{lasting.id}"]
+    # The other one's expires is far: it is handed the lock, re-published
+    # with its expires, and runs.
+    c.go("ex-h")
+    holder.get(timeout=60)
+    lasting.get(timeout=60)
+    assert _runs(c, "ex-lasting") == 1 and _runs(c, "ex-doomed") == 0
+    assert c.data.lrange("e2e:order:ex", 0, -1) == ["ex-h", "ex-lasting"]
+
+
+def test_a_parked_task_that_times_out_fails_with_lock_timeout_and_calls_its_errbacks(
+    shared: Cluster,
+) -> None:
+    c = shared
+    holder = c.send("dhold", "to", "to-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:to-h"), 60, "holder", on_timeout=c.report)
+    app = c.producer
+    short = app.send_task(
+        "e2e.dshort",
+        args=("to", "to-d"),
+        queue=c.queue,
+        link_error=[app.signature("e2e.derrback"), app.signature("e2e.derrback_id")],
+    )
+    wait_for(lambda: _deferred(c, short), 60, "parked", on_timeout=c.report)
+    wait_for(lambda: short.state != "DEFERRED", 60, "timed out", on_timeout=c.report)
+    assert short.state == "FAILURE", (short.state, short.result)
+    assert "LockTimeout" in repr(short.result) or type(short.result).__name__ == "LockTimeout"
+    key = f"e2e:errback:{short.id}"
+    wait_for(lambda: c.data.llen(key) == 2, 60, "both errbacks", on_timeout=c.report)
+    calls = sorted((json.loads(x) for x in c.data.lrange(key, 0, -1)), key=lambda d: d["kind"])
+    assert [d["kind"] for d in calls] == ["id", "request"]
+    assert calls[1]["exc"] == "LockTimeout"
+    assert not _queue(c, "res:to") and _runs(c, "to-d") == 0
+    c.go("to-h")
+    holder.get(timeout=60)
 
 
 def test_parked_task_outlives_its_sigkilled_worker_and_runs_once_on_another(
@@ -271,18 +366,20 @@ def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs
 def test_other_pools_park_dispatch_and_adopt_deferred_tasks(
     cluster: Callable[..., Cluster], pool: str
 ) -> None:
-    c = cluster(owner_ttl=5, heartbeat=0.5)
+    c = cluster(owner_ttl=SHARED_OWNER_TTL, heartbeat=0.5)
     c.start_worker(f"defer-{pool}", pool=pool, concurrency=2)
-    holder = LockManager(c.lock_url, c.namespace, owner_ttl=5)
+    holder = LockManager(c.lock_url, c.namespace, owner_ttl=SHARED_OWNER_TTL)
     try:
         lease = holder.acquire("res:p", timeout=5)
-        parked = []
+        parked, since = [], []
         for i in range(2):  # one after the other: their order in line is known
             parked.append(c.send("dwrite", "p", f"{pool}-{i}"))
             wait_for(lambda: _deferred(c, parked[-1]), 60, "parked", on_timeout=c.report)
+            since.append(float(parked[-1].info["parked_at"]))
         lease.release()
-        for r in parked:
-            r.get(timeout=60)
+        # Dispatched by push (the release's hand-off), not by a re-attempt.
+        for r, at in zip(parked, since):
+            r.get(timeout=_by(at))
     finally:
         holder.close()
     assert c.data.lrange("e2e:order:p", 0, -1) == [f"{pool}-0", f"{pool}-1"]
