@@ -407,9 +407,9 @@ def dwrite(self: Any, res: str, tag: str, pause: float = 0.0) -> dict[str, Any]:
         r.decr(f"e2e:inside:w:{res}")
 
 
-@app.task(name="e2e.dshort", bind=True, acks_late=True)
+@app.task(name="e2e.dshort1", bind=True, acks_late=True)
 @locked("res:{res}", on_busy="defer", timeout=1)
-def dshort(self: Any, res: str, tag: str) -> dict[str, Any]:
+def dshort1(self: Any, res: str, tag: str) -> dict[str, Any]:
     """Deferred when busy for at most 1 s (then it fails with LockTimeout)."""
     data().incr(f"e2e:runs:{tag}")
     return _lease_info()

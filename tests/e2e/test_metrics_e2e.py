@@ -108,7 +108,7 @@ def test_one_endpoint_counts_what_every_pool_process_did_and_reads_the_namespace
     blocker = c.send("hold", "d", "m2")
     c.wait_held("m2")
     deferred = c.send("dwrite", "d", "m3")
-    short = c.send("dshort", "d", "m4")
+    short = c.send("dshort1", "d", "m4")
     wait_for(lambda: short.state == "FAILURE", 60, "the short park to run out", on_timeout=w.tail)
     assert deferred.state == "DEFERRED" and not c.data.get("e2e:runs:m4")
     parked = scrape(port)
