@@ -51,6 +51,7 @@ def _connect_signals() -> None:
         signals.worker_process_init.connect(_on_worker_process_init, weak=False)
         signals.beat_init.connect(_on_beat_init, weak=False)
         signals.task_revoked.connect(_on_task_revoked, weak=False)
+        signals.task_postrun.connect(_on_task_postrun, weak=False)
         _signals_connected = True
 
 
@@ -66,6 +67,16 @@ def _on_task_revoked(**kwargs: Any) -> None:
         from .unique import on_task_revoked
 
         on_task_revoked(**kwargs)
+
+
+def _on_task_postrun(
+    sender: Any = None, task_id: Any = None, state: Any = None, **_: Any
+) -> None:
+    # An adopted deferred task's park record is marked done once its result
+    # is stored (celery_redislock.task; Celery sends this after the store).
+    from .task import deferred_run_ended
+
+    deferred_run_ended(sender, task_id, state)
 
 
 def config_error_line(exc: ConfigurationError) -> str:

@@ -624,6 +624,57 @@ def _run_adopted(
     return _run_body(main, run, fun, args, kwargs, finish)
 
 
+#: Park records this process marks ``done`` once Celery has stored the
+#: result of the task run that adopted them: task id -> (the run's request,
+#: the mark). Filled when an adopted body ends, emptied by
+#: :func:`deferred_run_ended` (``task_postrun``).
+_done_after_store: dict[str, tuple[Any, Callable[[], None]]] = {}
+
+
+def _mark_done_after_store(task: Any, mgr: Any, task_id: str, owner: str) -> None:
+    """Mark the park record ``done`` when this run's result is stored.
+
+    Celery stores the result after the function returns, then sends
+    ``task_postrun``: marking the record in between would let a kill
+    before the store leave a ``done`` record and no result (the
+    redelivered copy dropped as a duplicate, the state ``DEFERRED`` for
+    ever). Until the mark, the record stays ``adopted`` by this process,
+    so a copy redelivered after its death runs again (docs/defer.md, D8).
+    """
+
+    from .defer import mark_done
+
+    def mark() -> None:
+        try:
+            mark_done(mgr, task_id, owner)
+        except Exception as exc:  # the record expires on its own
+            log.warning("defer.done-error id=%s error=%r", task_id, exc)
+
+    _done_after_store[task_id] = (getattr(task, "request", None), mark)
+
+
+def deferred_run_ended(task: Any, task_id: Any, state: Any) -> None:
+    """``task_postrun`` (connected by :class:`RedisLock`): a deferred task's
+    run that adopted its grant has ended and Celery has stored its result
+    (or, with ``ignore_result``, stored nothing): mark its park record
+    ``done`` now, so that a stale copy of its message is dropped.
+
+    ``state`` None (the body ended with a BaseException such as
+    ``SystemExit``: nothing was stored, the process is going) leaves the
+    record ``adopted``: a copy redelivered after this process's death runs
+    again. Only the run that registered the mark (its own request, in this
+    thread or greenlet) takes it. Any other task: one dict look-up.
+    """
+    if not _done_after_store or task_id is None:
+        return
+    entry = _done_after_store.get(str(task_id))
+    if entry is None or entry[0] is not getattr(task, "request", None):
+        return
+    _done_after_store.pop(str(task_id), None)
+    if state is not None:
+        entry[1]()
+
+
 def _run_deferred(
     task: Any,
     locks: RedisLock,
@@ -674,23 +725,14 @@ def _run_deferred(
                 mgr._local.holder = None
 
     def done_marker(leases: list[Lease]) -> Callable[[], None]:
-        def mark() -> None:
-            try:
-                defer.mark_done(mgr, task_id, leases[0].owner_id)
-            except Exception as exc:  # the record expires on its own
-                log.warning("defer.done-error id=%s error=%r", task_id, exc)
-
-        return mark
+        return lambda: _mark_done_after_store(task, mgr, task_id, leases[0].owner_id)
 
     def replication_short(exc: ReplicationTimeout) -> None:
         # Adopted, then released again (too few replicas have it): the task
         # ends with the error, as a wait-mode task's does; a stale copy of
-        # its message finds it done.
+        # its message finds it done once the failure is stored.
         log.warning("defer.replication-short task=%s id=%s: %s", label, task_id, exc)
-        try:
-            defer.mark_done(mgr, task_id, mgr.owner_id)
-        except Exception as err:  # the record expires on its own
-            log.warning("defer.done-error id=%s error=%r", task_id, err)
+        _mark_done_after_store(task, mgr, task_id, mgr.owner_id)
 
     # Guards of parked tasks against a loss of the lock Redis's data (D12).
     guarded = guard.enabled(locks.app, cfg.defer_guard_interval)

@@ -852,3 +852,71 @@ def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out
     assert sorted(withdrawn) == [("t1", "expired-message"), ("t2", "expired")]
     assert not rs.exists(f"{P}defer:t1", f"{P}defer:t2") and rs.zcard(f"{P}q:a") == 0
     holder.release()
+
+
+@pytest.fixture
+def storing(redis_url: str) -> Iterator[tuple[Any, list[tuple[str, str, str | None]]]]:
+    """An app with a ``@locked(on_busy="defer")`` task (``fail``: it raises)
+    whose result backend reads the task's park record as it stores each
+    final state; yields ``(task, seen)``, ``seen`` a list of ``(task id,
+    state stored, park record state then)``. The Redis backend's own
+    storing is unchanged: the read is an observation, made first."""
+    from celery.backends.redis import RedisBackend
+    from celery.states import READY_STATES
+
+    from celery_helpers import close_app, quick_app
+    from celery_redislock import RedisLock, locked
+
+    seen: list[tuple[str, str, str | None]] = []
+    reader = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    class ReadingBackend(RedisBackend):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["url"] = redis_url
+            super().__init__(*args, **kwargs)
+
+        def _store_result(self, task_id: str, result: Any, state: str, *a: Any, **kw: Any) -> Any:
+            if state in READY_STATES:
+                seen.append((task_id, state, reader.hget(f"{P}defer:{task_id}", "state")))
+            return super()._store_result(task_id, result, state, *a, **kw)
+
+    app = quick_app(redis_url, "defer-store", NS)
+    app.backend_cls = ReadingBackend
+    RedisLock(app)
+
+    @app.task(bind=True, name="de.finish", shared=False)
+    @locked("res:{tag}", on_busy="defer")
+    def finish(self: Any, tag: str, fail: bool = False) -> str:
+        if fail:
+            raise ValueError(f"{tag} fails")
+        return tag
+
+    try:
+        yield finish, seen
+    finally:
+        close_app(app)
+        reader.close()
+
+
+def test_an_adopted_deferred_task_is_marked_done_only_after_its_result_is_stored(
+    storing: tuple[Any, list[tuple[str, str, str | None]]], managers: Managers, rs: redis.Redis
+) -> None:
+    # A pool child killed after the body returned and before Celery stored
+    # its result must leave the record 'adopted' (by a dead owner: the
+    # redelivered copy runs again, D8), never 'done' (the copy would be
+    # dropped and the task left DEFERRED for ever).
+    from celery.contrib.testing.worker import start_worker
+
+    task, seen = storing
+    with start_worker(task.app, pool="threads", concurrency=1, perform_ping_check=False):
+        for task_id, fail in (("s1", False), ("s2", True)):
+            holder = managers().acquire("res:x")
+            result = task.apply_async(("x",), {"fail": fail}, task_id=task_id)
+            wait_until(lambda: result.state == "DEFERRED", what=f"{task_id} to park")
+            holder.release()  # handed to the parked request, dispatched, adopted
+            wait_until(lambda: result.state in ("SUCCESS", "FAILURE"), 30, f"{task_id} to end")
+            # Marked once Celery has stored the state (task_postrun).
+            wait_until(lambda: rs.hget(f"{P}defer:{task_id}", "state") == "done", 30, "done")
+    assert seen == [("s1", "SUCCESS", "adopted"), ("s2", "FAILURE", "adopted")]
+    assert task.AsyncResult("s1").result == "x"
+    assert not rs.exists(f"{P}lock:res:x")
