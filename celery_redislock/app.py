@@ -69,9 +69,7 @@ def _on_task_revoked(**kwargs: Any) -> None:
         on_task_revoked(**kwargs)
 
 
-def _on_task_postrun(
-    sender: Any = None, task_id: Any = None, state: Any = None, **_: Any
-) -> None:
+def _on_task_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
     # An adopted deferred task's park record is marked done once its result
     # is stored (celery_redislock.task; Celery sends this after the store).
     from .task import deferred_run_ended

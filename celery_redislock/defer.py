@@ -34,6 +34,7 @@ from .exceptions import LockError, RedisUnavailable, ReplicationTimeout
 from .keys import task_owner_id
 from .lease import Lease
 from .manager import REDIS_DOWN_ERRORS, LockManager, _Request, _text
+from .node import free_dead_member
 
 log = logging.getLogger("celery_redislock.defer")
 
@@ -249,6 +250,13 @@ def adopt(
         mgr._note_acquired(_waited(parked_at), "error")
         raise
     if not adoption.adopted:
+        if adoption.status == "adopted-elsewhere" and adoption.by:
+            # A copy redelivered after its adopter died (a pool child killed
+            # mid-body or before its result was stored) may come before the
+            # node has freed that child: if it was a process of this worker,
+            # free it now, so that the park record sees a dead adopter and
+            # the copy runs again (docs/defer.md, D8).
+            free_dead_member(mgr, adoption.by)
         return adoption.status, []
     mgr._note_acquired(_waited(parked_at), "granted")
     log.info(

@@ -9,6 +9,7 @@ adopted. tests/e2e/test_defer_e2e.py runs the same path with real workers.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -532,6 +533,43 @@ def test_mark_done_by_an_owner_that_did_not_adopt_leaves_the_record_alone(
     assert rs.hget(f"{P}defer:t1", "state") == "done"
 
 
+def test_a_copy_finding_its_adopter_a_dead_process_of_its_worker_frees_it_and_runs_again(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    # D8: the child that adopted the grant was killed (mid-body, or after
+    # its body and before its result was stored), and the redelivered copy
+    # reaches a sibling before the node's tick has freed the dead child: its
+    # liveness is still there. The copy frees it (a process of its own
+    # worker's group that no longer runs) and is parked as a new life,
+    # instead of being dropped while the adopter looks alive.
+    from celery_redislock.identity import process_tag
+    from celery_redislock.node import group_key
+
+    group = group_key(P, "inc1")
+    mgr = managers()
+    child, sibling = managers(group=lambda: group), managers(group=lambda: group)
+    _granted(mgr, rs)
+    assert adopt(child, "t1", 0)[0] == "adopted"
+    assert rs.hexists(group, child.owner_id) and rs.exists(f"{P}alive:{child.owner_id}")
+    # The adopting child's process is gone: its group entry names a process
+    # that no longer runs (this pid with another start time).
+    tag = process_tag(os.getpid())
+    pid, start = tag.split(".")
+    rs.hset(group, child.owner_id, f"{pid}.{int(start) - 1}")
+
+    assert adopt(sibling, "t1", 0) == ("adopted-elsewhere", [])
+    assert not rs.exists(f"{P}alive:{child.owner_id}")  # freed, as the node would
+    assert _park(sibling, "t1", "a") == "granted"  # the lock is free: a new life
+    assert rs.hgetall(f"{P}defer:t1")["state"] == "adopted"
+    assert rs.hget(f"{P}defer:t1", "owner") == sibling.owner_id
+    assert rs.hget(f"{P}defer:t1", "life") == "1"
+    # A copy meeting a live adopter of its worker frees nothing: a duplicate.
+    late = managers(group=lambda: group)
+    assert adopt(late, "t1", 1) == ("adopted-elsewhere", [])
+    assert rs.exists(f"{P}alive:{sibling.owner_id}")
+    assert _park(late, "t1", "a") == "duplicate"
+
+
 # -- through @locked's task path (Celery's in-process test worker) ----------
 
 
@@ -912,11 +950,12 @@ def test_an_adopted_deferred_task_is_marked_done_only_after_its_result_is_stored
         for task_id, fail in (("s1", False), ("s2", True)):
             holder = managers().acquire("res:x")
             result = task.apply_async(("x",), {"fail": fail}, task_id=task_id)
-            wait_until(lambda: result.state == "DEFERRED", what=f"{task_id} to park")
+            wait_until(lambda r=result: r.state == "DEFERRED", what=f"{task_id} to park")
             holder.release()  # handed to the parked request, dispatched, adopted
-            wait_until(lambda: result.state in ("SUCCESS", "FAILURE"), 30, f"{task_id} to end")
+            wait_until(lambda r=result: r.state in ("SUCCESS", "FAILURE"), 30, f"{task_id} ends")
             # Marked once Celery has stored the state (task_postrun).
-            wait_until(lambda: rs.hget(f"{P}defer:{task_id}", "state") == "done", 30, "done")
+            key = f"{P}defer:{task_id}"
+            wait_until(lambda k=key: rs.hget(k, "state") == "done", 30, f"{task_id} done")
     assert seen == [("s1", "SUCCESS", "adopted"), ("s2", "FAILURE", "adopted")]
     assert task.AsyncResult("s1").result == "x"
     assert not rs.exists(f"{P}lock:res:x")

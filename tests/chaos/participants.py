@@ -38,10 +38,9 @@ KNOWN_TO_FAIL: dict[str, str] = {
     "is parked, and the re-dispatched copy is dropped (the lock idles for the grant TTL)",
     "mixed": "resource_idle/never_ran: waiting tasks in every pool slot leave a deferred "
     "grant idle for the grant TTL",
-    "kill_child": "left_pending: a child killed after a re-dispatched task's body ended and "
-    "before its result was stored leaves it DEFERRED (the redelivered copy finds the park "
-    "record done and is dropped)",
-    "kill_worker": "left_pending: as kill_child (the worker's children die with it)",
+    "kill_worker": "ran_twice: a worker killed after its child parked a task and before the "
+    "message was acked: the message comes back after the visibility timeout, when the "
+    "parked task has run, finds the lock free and runs it again (docs/defer.md, D2)",
 }
 
 #: The short run's participants (``CHAOS_CELERY_SHORT`` overrides).

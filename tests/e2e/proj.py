@@ -42,6 +42,7 @@ from typing import Any
 import billiard
 import redis
 from celery import Celery, signals
+from celery.backends.base import Backend
 
 from celery_redislock import LockLost, LockManager, LockTimeout, RedisLock, current_lease, locked
 
@@ -521,6 +522,27 @@ def _adopt_then_maybe_stall(self: LockManager, task_id: str, *args: Any, **kwarg
 
 
 LockManager.adopt = _adopt_then_maybe_stall  # type: ignore[method-assign]
+
+_backend_mark_as_done = Backend.mark_as_done
+
+
+def _stop_before_store(self: Backend, task_id: str, *args: Any, **kwargs: Any) -> Any:
+    """The result backend's ``mark_as_done``, which Celery calls after the
+    function returned, to store its result; first, for a re-dispatched
+    deferred task whose id the test marked (``e2e:stop-before-store:<id>``),
+    a stop: the pool child writes its pid to ``e2e:stopped:<id>`` and stops
+    itself (SIGSTOP) before the result is stored; the test kills it. One
+    shot: the marker is deleted first."""
+    request = kwargs.get("request", args[1] if len(args) > 1 else None)
+    if getattr(request, "redislock_defer", None) is not None and data().getdel(
+        f"e2e:stop-before-store:{task_id}"
+    ):
+        data().set(f"e2e:stopped:{task_id}", os.getpid())
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return _backend_mark_as_done(self, task_id, *args, **kwargs)
+
+
+Backend.mark_as_done = _stop_before_store  # type: ignore[method-assign]
 
 
 # -- the head-of-line benchmark (benchmarks/defer.py) -------------------------

@@ -256,6 +256,36 @@ def test_a_parked_task_that_times_out_fails_with_lock_timeout_and_calls_its_errb
     holder.get(timeout=60)
 
 
+def test_a_child_killed_after_the_adopted_body_before_its_result_is_stored_runs_it_again(
+    shared: Cluster,
+) -> None:
+    # D8: the park record is marked done only once Celery has stored the
+    # result. A child killed between the body's end and the store leaves it
+    # 'adopted' by a dead owner: the redelivered copy (acks_late,
+    # task_reject_on_worker_lost) runs the task again, as for any acks_late
+    # task, and it ends SUCCESS, never left DEFERRED.
+    c = shared
+    holder = c.send("dhold", "bs", "bs-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:bs-h"), 60, "holder", on_timeout=c.report)
+    d = c.send("dwrite", "bs", "bs-d")
+    wait_for(lambda: _deferred(c, d), 60, "parked", on_timeout=c.report)
+    c.data.set(f"e2e:stop-before-store:{d.id}", "1")
+    c.go("bs-h")
+    holder.get(timeout=60)
+    pid = int(wait_for(lambda: c.data.get(f"e2e:stopped:{d.id}"), 60, "the stop before the store"))
+    wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().split()[2] == "T", 30, "SIGSTOP")
+    # The adopted body ran and released its lock; its result is not stored.
+    assert _runs(c, "bs-d") == 1 and d.state == "DEFERRED"
+    assert c.lock_redis.hget(c.key("defer", d.id), "state") == "adopted"
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: d.state == "SUCCESS", 90, "the task to end SUCCESS", on_timeout=c.report)
+    assert _runs(c, "bs-d") == 2  # at least once: the copy ran it again
+    # Marked done by the second run once its result was stored.
+    wait_for(lambda: c.lock_redis.hget(c.key("defer", d.id), "state") == "done", 30, "done")
+    assert c.data.lrange("e2e:order:bs", 0, -1) == ["bs-h", "bs-d", "bs-d"]
+    assert c.data.lrange("e2e:violations", 0, -1) == []
+
+
 def test_parked_task_outlives_its_sigkilled_worker_and_runs_once_on_another(
     cluster: Callable[..., Cluster],
 ) -> None:
