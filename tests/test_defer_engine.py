@@ -893,10 +893,13 @@ def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out
 
 
 @pytest.fixture
-def storing(redis_url: str) -> Iterator[tuple[Any, list[tuple[str, str, str | None]]]]:
+def storing(
+    redis_url: str,
+) -> Iterator[tuple[tuple[Any, Any], list[tuple[str, str, str | None]]]]:
     """An app with a ``@locked(on_busy="defer")`` task (``fail``: it raises)
-    whose result backend reads the task's park record as it stores each
-    final state; yields ``(task, seen)``, ``seen`` a list of ``(task id,
+    and one with ``ignore_result``, whose result backend reads the task's
+    park record as it stores each final state; yields ``((task, quiet
+    task), seen)``, ``seen`` a list of ``(task id,
     state stored, park record state then)``. The Redis backend's own
     storing is unchanged: the read is an observation, made first."""
     from celery.backends.redis import RedisBackend
@@ -929,15 +932,22 @@ def storing(redis_url: str) -> Iterator[tuple[Any, list[tuple[str, str, str | No
             raise ValueError(f"{tag} fails")
         return tag
 
+    @app.task(bind=True, name="de.quiet", shared=False, ignore_result=True)
+    @locked("res:{tag}", on_busy="defer")
+    def quiet(self: Any, tag: str, fail: bool = False) -> str:
+        return tag
+
     try:
-        yield finish, seen
+        yield (finish, quiet), seen
     finally:
         close_app(app)
         reader.close()
 
 
 def test_an_adopted_deferred_task_is_marked_done_only_after_its_result_is_stored(
-    storing: tuple[Any, list[tuple[str, str, str | None]]], managers: Managers, rs: redis.Redis
+    storing: tuple[tuple[Any, Any], list[tuple[str, str, str | None]]],
+    managers: Managers,
+    rs: redis.Redis,
 ) -> None:
     # A pool child killed after the body returned and before Celery stored
     # its result must leave the record 'adopted' (by a dead owner: the
@@ -945,17 +955,19 @@ def test_an_adopted_deferred_task_is_marked_done_only_after_its_result_is_stored
     # dropped and the task left DEFERRED for ever).
     from celery.contrib.testing.worker import start_worker
 
-    task, seen = storing
-    with start_worker(task.app, pool="threads", concurrency=1, perform_ping_check=False):
-        for task_id, fail in (("s1", False), ("s2", True)):
+    tasks, seen = storing
+    with start_worker(tasks[0].app, pool="threads", concurrency=1, perform_ping_check=False):
+        # s3: ignore_result, nothing is stored: marked done all the same.
+        for task_id, fail, quiet in (("s1", False, False), ("s2", True, False), ("s3", 0, 1)):
             holder = managers().acquire("res:x")
-            result = task.apply_async(("x",), {"fail": fail}, task_id=task_id)
+            result = tasks[quiet].apply_async(("x",), {"fail": fail}, task_id=task_id)
             wait_until(lambda r=result: r.state == "DEFERRED", what=f"{task_id} to park")
             holder.release()  # handed to the parked request, dispatched, adopted
-            wait_until(lambda r=result: r.state in ("SUCCESS", "FAILURE"), 30, f"{task_id} ends")
+            if not quiet:
+                wait_until(lambda r=result: r.state in ("SUCCESS", "FAILURE"), 30, task_id)
             # Marked once Celery has stored the state (task_postrun).
             key = f"{P}defer:{task_id}"
             wait_until(lambda k=key: rs.hget(k, "state") == "done", 30, f"{task_id} done")
     assert seen == [("s1", "SUCCESS", "adopted"), ("s2", "FAILURE", "adopted")]
-    assert task.AsyncResult("s1").result == "x"
+    assert tasks[0].AsyncResult("s1").result == "x"
     assert not rs.exists(f"{P}lock:res:x")
