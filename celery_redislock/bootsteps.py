@@ -318,12 +318,23 @@ class RedisLockNode(bootsteps.StartStopStep):
             node.manager,
             node.incarnation,
             publish=_Publisher(w.app),
-            on_withdrawn=lambda tid, why, msg: _record_withdrawn(w.app, tid, why, msg),
+            on_withdrawn=lambda tid, why, msg: self._withdrawn(w.app, tid, why, msg),
             revoked=_is_revoked,
             revoked_ids=_revoked_ids,
         )
         w.redislock_dispatcher = self.dispatcher
         self.dispatcher.start()
+
+    def _withdrawn(self, app: Any, task_id: str, why: str, message: dict[str, Any]) -> None:
+        """A deferred task was taken out of line: its result, then its unique
+        key (a parked ``UniqueTask`` keeps it while parked), on the
+        dispatcher's own connections."""
+        from .unique import release_withdrawn
+
+        try:
+            _record_withdrawn(app, task_id, why, message)
+        finally:
+            release_withdrawn(app, self.dispatcher.manager, task_id, message)
 
     @staticmethod
     def _check_eviction(node: Node, mode: str) -> None:

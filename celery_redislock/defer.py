@@ -31,7 +31,7 @@ from kombu.utils import json as kjson
 from ._threads import real_sleep, start_os_thread
 from .connect import clone_client
 from .exceptions import LockError, RedisUnavailable, ReplicationTimeout
-from .keys import task_owner_id
+from .keys import defer_owner_id
 from .lease import Lease
 from .manager import REDIS_DOWN_ERRORS, LockManager, _Request, _text
 from .node import free_dead_member
@@ -56,9 +56,9 @@ DEADLINE_BATCH = 64
 
 
 def task_owner(task_id: str, life: int = 0) -> str:
-    """The task owner of a park record's ``life``: ``task:<task id>`` (life 0),
-    ``task+<life>:<task id>`` (:func:`keys.task_owner_id`); ValueError if unusable."""
-    return task_owner_id(task_id, life)
+    """The task owner of a park record's ``life``: ``defer:<task id>`` (life 0),
+    ``defer+<life>:<task id>`` (:func:`keys.defer_owner_id`); ValueError if unusable."""
+    return defer_owner_id(task_id, life)
 
 
 def record_key(mgr: LockManager, task_id: str) -> str:
@@ -177,6 +177,8 @@ def park(
             _ms(min(park_ttl, mgr.owner_ttl)),
             _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
             _ms(park_ttl),
+            # A retry the adopted run sent is a new life, not a duplicate.
+            str(int((message.get("options") or {}).get("retries") or 0)),
         ],
     )
     if int(reply[0]) == 0:
@@ -244,8 +246,21 @@ def adopt(
     (``time.time()`` when the task parked; 0 when unknown); one that too
     few replicas acknowledge is ``acquired(wait, "error")``.
     """
+    # A park record's task owner: defer:<id> (defer+<life>:<id>), apart from
+    # UniqueTask's task:<id> owners.
+    owner = task_owner(task_id, life)
     try:
-        adoption = mgr.adopt(task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr))
+        adoption = mgr.adopt(
+            task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr), owner=owner
+        )
+        if adoption.status == "expired":
+            # A record an earlier release parked names its task owner the old
+            # way ('task:<id>', 'task+<life>:<id>'): adopt the owner its token names.
+            legacy = _legacy_owner(mgr, task_id, owner)
+            if legacy is not None:
+                adoption = mgr.adopt(
+                    task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr), owner=legacy
+                )
     except ReplicationTimeout:
         mgr._note_acquired(_waited(parked_at), "error")
         raise
@@ -272,6 +287,19 @@ def adopt(
 def _waited(parked_at: float | None) -> float:
     """Seconds since ``parked_at`` (``time.time()``), 0 when unknown."""
     return 0.0 if parked_at is None else time.time() - parked_at
+
+
+def _legacy_owner(mgr: LockManager, task_id: str, owner: str) -> str | None:
+    """The task owner the park record's token names, when it is not ``owner``
+    and is one an earlier release named (``task:``/``task+<n>:``); else None.
+    One round trip, only when the adopt found no live task owner."""
+    token = _text(mgr._command("hget", record_key(mgr, task_id), "token") or "")
+    named, sep, rid = token.partition("|")
+    if not sep or rid != f"task:{task_id}" or named == owner:
+        return None
+    if named == f"task:{task_id}" or (named.startswith("task+") and named.endswith(f":{task_id}")):
+        return named
+    return None
 
 
 #: Seconds a 'done' or 'adopted' record is kept (set by the app; default 1 day).

@@ -183,6 +183,28 @@ def task_owner_id(task_id: str, attempt: int = 0) -> str:
     return f"task+{attempt}:{task_id}"
 
 
+#: Prefix of the task owner of a deferred task's park record (life 0);
+#: ``defer+<life>:`` for later lives. Apart from :data:`TASK_OWNER_PREFIX`,
+#: so that a task both unique and deferred keeps its two task owners apart.
+DEFER_OWNER_PREFIX = "defer:"
+
+
+def defer_owner_id(task_id: str, life: int = 0) -> str:
+    """The task owner of life ``life`` of deferred task ``task_id``'s park
+    record (validated): ``defer:<task id>``, ``defer+<life>:<task id>``.
+
+    Its token is still ``<owner>|task:<task id>`` (:func:`task_token`). An
+    earlier release named these owners as :func:`task_owner_id` does; the
+    park record keeps the token it was written with, which is what the
+    scripts read.
+    """
+    validate_task_id(task_id)
+    if isinstance(life, bool) or not isinstance(life, int) or life < 0:
+        raise ValueError(f"life must be an int >= 0, not {life!r}")
+    owner = DEFER_OWNER_PREFIX + task_id if life == 0 else f"defer+{life}:{task_id}"
+    return validate_owner_id(owner)
+
+
 def task_token(owner_id: str, task_id: str) -> str:
     """The holder token of a task's grant: ``<owner>|task:<task id>``.
 

@@ -1866,6 +1866,7 @@ class LockManager:
         *,
         holder: str | None = None,
         park_record_ttl: float | None = None,
+        owner: str | None = None,
     ) -> Adoption:
         """Take over every lock task ``task_id``'s owner holds, in this process.
 
@@ -1905,8 +1906,15 @@ class LockManager:
         fewer replicas acknowledge, the adopted grants are released and
         :class:`ReplicationTimeout` is raised, whatever the ``wait_policy``
         (adopting never waits). The adoption itself stays recorded.
+
+        ``owner``: the task owner to adopt when it is not ``task_id``'s own
+        (:func:`~.keys.task_owner_id`); a deferred task's park record has
+        owners of its own (``defer:<task id>``, docs/defer.md).
         """
-        owner = task_owner_id(task_id, attempt)
+        if owner is None:
+            owner = task_owner_id(task_id, attempt)
+        else:
+            validate_owner_id(owner)
         if self._closed:
             raise LockError(f"this LockManager ({self.url}) is closed: make a new one")
         ident = self._identity.current()

@@ -546,13 +546,22 @@ def _deferrable(task: Any) -> bool:
 
 
 def _grant_header(request: Any) -> tuple[int, int] | None:
-    """``(life, fence)`` of the grant a re-dispatched deferred task carries, or None."""
+    """``(life, fence)`` of the grant a re-dispatched deferred task carries, or None.
+
+    The header is taken off the request as it is read: Celery's
+    ``self.retry()`` copies a request's headers into the retry's message,
+    and a retry is a new life of the task (a new arrival), not a copy of
+    the grant's message.
+    """
     from .defer import HEADER, parse_header
 
     value = getattr(request, HEADER, None)
-    if value is None:
-        headers = getattr(request, "headers", None) or {}
-        value = headers.get(HEADER) if isinstance(headers, dict) else None
+    if value is not None:
+        setattr(request, HEADER, None)
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict):
+        found = headers.pop(HEADER, None)
+        value = found if value is None else value
     return parse_header(value)
 
 
@@ -594,6 +603,80 @@ def _parked_at(request: Any) -> float | None:
         headers = getattr(request, "headers", None) or {}
         value = headers.get(PARKED_AT_HEADER) if isinstance(headers, dict) else None
     return parse_parked_at(value)
+
+
+@dataclass
+class DeferHooks:
+    """What a Task base (``UniqueTask``) asks ``on_busy="defer"`` to tell it
+    about one run of a task (:func:`defer_hooks`).
+
+    ``before_body()``: the locks are held and the body is about to run (in
+    every path: taken at once, adopted, granted at park, or waited for).
+    ``parked(seconds)``: the task was parked and its message stored; it may
+    stay parked (and then in transit) for up to ``seconds``.
+    ``dropped()``: this copy of the message was dropped as a duplicate
+    (another copy of the task is in line, running or done).
+    """
+
+    before_body: Callable[[], None]
+    parked: Callable[[float], None]
+    dropped: Callable[[], None]
+
+
+#: The hooks of each task run in this thread or greenlet (task id -> hooks).
+_hooks: contextvars.ContextVar[tuple[tuple[str, DeferHooks], ...]] = contextvars.ContextVar(
+    "celery_redislock_defer_hooks", default=()
+)
+
+
+def defer_hooks(task_id: str, hooks: DeferHooks) -> contextvars.Token[Any]:
+    """Install ``hooks`` for the run of task ``task_id`` in this context;
+    give the token back to :func:`reset_defer_hooks` when the run ends."""
+    return _hooks.set((*_hooks.get(), (task_id, hooks)))
+
+
+def reset_defer_hooks(token: contextvars.Token[Any]) -> None:
+    """Remove hooks installed by :func:`defer_hooks`."""
+    _hooks.reset(token)
+
+
+def _hooks_of(task_id: str) -> DeferHooks | None:
+    for tid, hooks in reversed(_hooks.get()):
+        if tid == task_id:
+            return hooks
+    return None
+
+
+def _task_hooks(task: Any) -> DeferHooks | None:
+    """The hooks installed for the task run ``task`` is in, or None."""
+    if not _hooks.get() or task is None:
+        return None
+    task_id = getattr(getattr(task, "request", None), "id", None)
+    return _hooks_of(str(task_id)) if task_id else None
+
+
+def _after_hook(fun: Callable[..., Any], hook: Callable[[], None]) -> Callable[..., Any]:
+    """``fun`` preceded by ``hook``, inside the body run: the locks the body
+    holds are released however either ends."""
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        hook()
+        return fun(*args, **kwargs)
+
+    return body
+
+
+def defers(task: Any, fun: Any) -> bool:
+    """Whether ``task``'s run ``fun`` is an ``@locked`` wrapper that takes
+    the deferred path for this request (``on_busy="defer"``, its own or the
+    app's default, and a request a worker runs)."""
+    spec = getattr(fun, "__redislock__", None)
+    if not isinstance(spec, dict) or not _deferrable(task):
+        return False
+    mode = spec.get("on_busy")
+    if mode is None:
+        mode = _find_locks(task).config.default_on_busy
+    return bool(mode == "defer")
 
 
 def _run_adopted(
@@ -686,8 +769,13 @@ def _run_deferred(
     fun: Callable[..., Any],
     args: Any,
     kwargs: Any,
+    hooks: DeferHooks | None = None,
 ) -> Any:
-    """``on_busy="defer"`` (docs/defer.md): adopt a grant, run, or park and free the slot."""
+    """``on_busy="defer"`` (docs/defer.md): adopt a grant, run, or park and free the slot.
+
+    ``hooks`` (a Task base's, :class:`DeferHooks`): told when the task
+    parks or its copy is dropped (``fun`` already calls ``before_body``).
+    """
     from celery.exceptions import Ignore
 
     from . import defer
@@ -837,6 +925,8 @@ def _run_deferred(
             task_id,
             result.state,
         )
+        if hooks is not None:
+            hooks.dropped()
         if guarded and result.state in ("parked", "granted"):
             # The parking child may have died before it sent the guard (D2,
             # D3): a spare guard ends at its first check if another watches.
@@ -844,6 +934,9 @@ def _run_deferred(
             _send_guard(locks, task_id, message, 0, guarded)
         raise Ignore()
     log.info("locked.deferred task=%s id=%s resources=%s", label, task_id, ",".join(resources))
+    if hooks is not None:
+        # Parked, then in transit for up to three grant TTLs (the record's TTL).
+        hooks.parked(max(park_ttl, 0.001) + 3 * cfg.defer_grant_ttl + mgr.owner_ttl)
     _store_deferred(task, task_id, resources)
     # After DEFERRED (a guard finding no record and no result knows the
     # result backend lost it too) and before the message is acked (Ignore):
@@ -1039,6 +1132,8 @@ def locked(
             task = current_task._get_current_object()
             locks = _find_locks(task)
             mode = locks.config.default_on_busy if on_busy is _DEFAULT else on_busy
+            hooks = _task_hooks(task)
+            body = fun if hooks is None else _after_hook(fun, hooks.before_body)
             if mode == "defer" and _deferrable(task):
                 lost = locks.config.on_lost if on_lost is _DEFAULT else on_lost
                 return _run_deferred(
@@ -1049,9 +1144,10 @@ def locked(
                     shared_names,
                     timeout,
                     lost,
-                    fun,
+                    body,
                     args,
                     kwargs,
+                    hooks,
                 )
             if mode in ("wait", "defer"):
                 wait = locks.config.default_timeout if timeout is _DEFAULT else timeout
@@ -1140,7 +1236,7 @@ def locked(
                 locks._pool_child_pid,
                 holder,
             )
-            return _run_body(lease, run, fun, args, kwargs)
+            return _run_body(lease, run, body, args, kwargs)
 
         wrapper.__signature__ = sig  # type: ignore[attr-defined]
         wrapper.__redislock__ = {  # type: ignore[attr-defined]

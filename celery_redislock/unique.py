@@ -52,7 +52,17 @@ from .keys import TASK_OWNER_PREFIX
 from .lease import Lease
 from .manager import TaskGrant
 from .node import free_dead_member
-from .task import _check_fields, _find_locks, _format, _template_list, holder_info
+from .task import (
+    DeferHooks,
+    _check_fields,
+    _find_locks,
+    _format,
+    _template_list,
+    defer_hooks,
+    defers,
+    holder_info,
+    reset_defer_hooks,
+)
 
 if TYPE_CHECKING:
     from .app import RedisLock
@@ -66,10 +76,101 @@ ON_DUPLICATE_MODES = ("return", "raise")
 #: Longest default key kept readable; a longer one is hashed (sha256).
 MAX_PLAIN_KEY = 200
 
-#: The lease of the unique key of each task running in this thread or
-#: greenlet (task id -> lease), so that a retry sent from the body hands
-#: the key on to its next message.
-_running: contextvars.ContextVar[tuple[tuple[str, Lease | None], ...]] = contextvars.ContextVar(
+
+class _KeyHold:
+    """The unique key of one run of a task, in the process running it.
+
+    ``lease``: the key once this process took it over (None before, or
+    when the task runs without it). A deferred task (``@locked(on_busy=
+    "defer")``) takes it over only when its body starts: until then the
+    key stays with the message's task owner, ``task:<id>`` (attempt
+    ``attempt``), also while the task is parked (:meth:`parked`).
+    """
+
+    def __init__(self, task: UniqueTask, request: Any, args: Any, kwargs: Any) -> None:
+        self.task = task
+        self.request = request
+        self.args = args
+        self.kwargs = kwargs
+        self.task_id = str(request.id)
+        self.attempt = int(request.retries or 0)
+        self.lease: Lease | None = None
+        #: What happened to a deferred run: '' (nothing yet), 'taken' (the
+        #: body started), 'parked', 'dropped' (a duplicate copy), 'freed'.
+        self.state = ""
+
+    def take(self) -> None:
+        """Take the key over from the task owner (the body is about to run)."""
+        if self.state == "taken":
+            return
+        self.state = "taken"
+        self.lease = self.task._take_over(self.request, self.args, self.kwargs)
+
+    def parked(self, seconds: float) -> None:
+        """The task was parked: the task owner keeps the key while it waits.
+
+        One acquire for the task owner, which already holds the key (the
+        same request: its grant is answered again) and whose liveness is
+        set to cover the park (or which takes the key again if its liveness
+        ran out while the message was queued and the key is free).
+        """
+        self.state = "parked"
+        task = self.task
+        try:
+            locks = task._locks()
+            key = task.unique_key_for(self.args, self.kwargs)
+            ttl = max(float(seconds), task._ttl(locks, {}))
+            grant = locks.manager.acquire_for_task(
+                self.task_id,
+                UNIQUE_PREFIX + key,
+                ttl=min(_v.MAX_OWNER_TTL, ttl),
+                attempt=self.attempt,
+                holder=f"{task.name}\n{self.task_id}\n",
+            )
+        except Exception as exc:  # the task stays parked; its key follows its TTL
+            log.error(
+                "unique.park-key-error task=%s id=%s error=%r: the key is not held "
+                "for the parked task",
+                task.name,
+                self.task_id,
+                exc,
+            )
+            return
+        if not grant.granted:
+            log.warning(
+                "unique.parked-without-key task=%s id=%s key=%s holder=%s: another task "
+                "holds the key; this one stays parked and runs anyway",
+                task.name,
+                self.task_id,
+                key,
+                grant.holder_task_id or grant.holder_owner,
+            )
+
+    def dropped(self) -> None:
+        """This copy of the message was dropped: the key is the other copy's."""
+        self.state = "dropped"
+
+    def free_unused(self) -> None:
+        """A deferred run that ended before its body, neither parked nor
+        dropped (an error, a shutdown): free the task owner's key."""
+        if self.state:
+            return
+        self.state = "freed"
+        try:
+            self.task._locks().manager.release_task(self.task_id, self.attempt)
+        except Exception as exc:
+            log.error(
+                "unique.release-error task=%s id=%s error=%r (the key is freed after unique_ttl)",
+                self.task.name,
+                self.task_id,
+                exc,
+            )
+
+
+#: The unique key of each task running in this thread or greenlet (task id
+#: -> its hold), so that a retry sent from the body hands the key on to its
+#: next message.
+_running: contextvars.ContextVar[tuple[tuple[str, _KeyHold], ...]] = contextvars.ContextVar(
     "celery_redislock_unique", default=()
 )
 
@@ -156,7 +257,8 @@ class UniqueTask(Task):
         ``unique.run-without-key``).
         """
         request_id = self.request.id
-        return dict(_running.get()).get(request_id) if request_id else None
+        hold = dict(_running.get()).get(request_id) if request_id else None
+        return hold.lease if hold is not None else None
 
     # -- the key ----------------------------------------------------------
 
@@ -237,9 +339,11 @@ class UniqueTask(Task):
         if attempt:
             # A retry sent from the running body: hand the key on from this
             # process to the retry's message (its own task owner).
-            held = dict(_running.get()).get(task_id)
-            if held is not None and not held.released:
-                held.release()
+            hold = dict(_running.get()).get(task_id)
+            if hold is not None and hold.lease is not None and not hold.lease.released:
+                hold.lease.release()
+            elif hold is not None:
+                hold.free_unused()  # a deferred run's key, still its task owner's
         try:
             grant = mgr.acquire_for_task(
                 task_id, resource, ttl=ttl, attempt=attempt, holder=f"{self.name}\n{task_id}\n"
@@ -305,12 +409,24 @@ class UniqueTask(Task):
         request = self.request
         if request.called_directly or not request.id:
             return super().__call__(*args, **kwargs)
-        lease = self._take_over(request, args, kwargs)
-        token = _running.set((*_running.get(), (request.id, lease)))
+        hold = _KeyHold(self, request, args, kwargs)
+        hooks = None
+        if defers(self, self.run):
+            # @locked(on_busy="defer"): the key stays with the message's task
+            # owner until the body starts (it may park first, and run later
+            # in another process, which takes the key over then).
+            hooks = defer_hooks(request.id, DeferHooks(hold.take, hold.parked, hold.dropped))
+        else:
+            hold.take()
+        token = _running.set((*_running.get(), (request.id, hold)))
         try:
             return super().__call__(*args, **kwargs)
         finally:
             _running.reset(token)
+            if hooks is not None:
+                reset_defer_hooks(hooks)
+                hold.free_unused()
+            lease = hold.lease
             if lease is not None and not lease.released:
                 try:
                     lease.release()
@@ -402,6 +518,25 @@ class UniqueTask(Task):
             adoption.status,
         )
         return lease
+
+
+def release_withdrawn(app: Any, manager: Any, task_id: str, message: Mapping[str, Any]) -> None:
+    """Worker: a parked unique task was withdrawn (revoked, expired, its park
+    timed out): free its key, which its task owner held while it was parked.
+
+    ``manager``: the caller's (the dispatcher's, on its own connections).
+    """
+    task = app.tasks.get(str(message.get("name") or ""))
+    if task is None or not getattr(task, "_redislock_unique", False):
+        return
+    attempt = int((message.get("options") or {}).get("retries") or 0)
+    try:
+        report = manager.release_task(task_id, attempt)
+    except Exception as exc:  # its liveness frees it
+        log.error("unique.withdrawn-release-error id=%s error=%r", task_id, exc)
+        return
+    if report.released:
+        log.info("unique.withdrawn-released id=%s locks=%d", task_id, report.released)
 
 
 def on_task_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:

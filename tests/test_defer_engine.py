@@ -67,7 +67,7 @@ def test_release_hands_a_parked_request_its_locks_and_pushes_the_task_id_to_disp
     holder = mgr.acquire("a")
     assert _park(mgr, "t1", "a", grant_ttl=60) == "parked"
     entries = rs.zrange(f"{P}q:a", 0, -1)
-    assert entries == ["xtask:t1|task:t1"]
+    assert entries == ["xdefer:t1|task:t1"]
     assert rs.hget(f"{P}defer:t1", "state") == "parked"
 
     holder.release()
@@ -77,7 +77,7 @@ def test_release_hands_a_parked_request_its_locks_and_pushes_the_task_id_to_disp
     assert not rs.exists(f"{P}wake:{token}")
     record = rs.hgetall(f"{P}defer:t1")
     assert record["state"] == "granted" and rs.hget(f"{P}lock:a", token) == "x" + record["fence"]
-    assert 0 < rs.pttl(f"{P}alive:task:t1") <= 60_000
+    assert 0 < rs.pttl(f"{P}alive:defer:t1") <= 60_000
 
 
 def test_adopt_moves_the_grant_to_the_adopting_owner_with_its_fence_once(
@@ -180,7 +180,7 @@ def test_a_grant_nobody_adopts_is_handed_on_and_the_task_parked_again_behind(
     wait_until(lambda: rs.zcard(f"{P}q:a") == 2, what="thread queued")
     holder.release()
     old_token = rs.hget(f"{P}defer:t1", "token")
-    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
+    wait_until(lambda: not rs.exists(f"{P}alive:defer:t1"), what="grant TTL ran out")
     dispatcher, sent = _dispatcher(mgr)
     dispatcher.due("t1")
     # The withdrawal handed the lock to the waiter behind (not its own next try).
@@ -189,7 +189,7 @@ def test_a_grant_nobody_adopts_is_handed_on_and_the_task_parked_again_behind(
     assert got, "the waiter behind was not handed the lock"
     record = rs.hgetall(f"{P}defer:t1")
     assert record["state"] == "parked" and record["life"] == "1"
-    assert record["token"] == "task+1:t1|task:t1" != old_token
+    assert record["token"] == "defer+1:t1|task:t1" != old_token
     assert rs.zrange(f"{P}q:a", 0, -1) == ["x" + record["token"]]
     got[0].release()
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
@@ -226,7 +226,7 @@ def test_a_task_parked_past_its_park_ttl_is_withdrawn_and_reported_expired(
         publish=_Sent(),
         on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
     )
-    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="park TTL ran out")
+    wait_until(lambda: not rs.exists(f"{P}alive:defer:t1"), what="park TTL ran out")
     dispatcher.upkeep()  # the first pass after the deadline withdraws it
     assert withdrawn == [("t1", "expired")]
     assert not rs.exists(f"{P}defer:t1") and rs.zcard(f"{P}q:a") == 0
@@ -253,7 +253,7 @@ def test_a_revoked_parked_task_is_withdrawn_by_the_next_upkeep(
     revoked.add("t1")
     dispatcher.upkeep()
     assert withdrawn == [("t1", "revoked")]
-    assert [m.split("|")[0] for m in rs.zrange(f"{P}q:a", 0, -1)] == ["xtask:t2"]
+    assert [m.split("|")[0] for m in rs.zrange(f"{P}q:a", 0, -1)] == ["xdefer:t2"]
     holder.release()  # goes to t2, the revoked t1 is not in line
     assert rs.hget(f"{P}defer:t2", "state") == "granted"
 
@@ -303,7 +303,7 @@ def test_a_parked_task_carries_its_holder_record_through_hand_off_dispatch_and_a
     assert park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder=first).outcome == (
         "parked"
     )
-    token = "task:t1|task:t1"
+    token = "defer:t1|task:t1"
     # The queued request carries the record (naming its request id).
     assert rs.hget(f"{P}req:{token}", "holder") == "task:t1\n" + first
     # The release hands the grant over (try_handoff): the record follows it,
@@ -320,7 +320,7 @@ def test_a_parked_task_carries_its_holder_record_through_hand_off_dispatch_and_a
         "a": "task:t1\n" + second,
         "b": "task:t1\n" + second,
     }
-    assert not rs.exists(f"{P}held:task:t1")
+    assert not rs.exists(f"{P}held:defer:t1")
     leases[0].release()
     assert not rs.exists(f"{P}held:{child.owner_id}")
     assert not rs.keys(f"{P}holder:*")
@@ -357,7 +357,7 @@ def test_the_dispatcher_granting_a_parked_task_writes_its_holder_record(
     # owner's would be): the dispatcher's own attempt grants the request.
     rs.hdel(f"{P}lock:a", holder.token)
     dispatcher, _ = _dispatcher(mgr)
-    dispatcher._attempt("t1", "task:t1|task:t1", "x", "a", 600_000, info)
+    dispatcher._attempt("t1", "defer:t1|task:t1", "x", "a", 600_000, info)
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
     assert _task_of(mgr, "a") == ("t.task", "t1", "celery@parker")
 
@@ -371,7 +371,7 @@ def test_a_withdrawn_grant_leaves_no_holder_record(managers: Managers, rs: redis
     holder.release()
     assert _task_of(mgr, "a") == ("t.task", "t1", "node")
     assert withdraw(mgr, "t1")[0] == "granted"
-    assert not rs.exists(f"{P}held:task:t1")
+    assert not rs.exists(f"{P}held:defer:t1")
     assert not rs.keys(f"{P}holder:*")
     assert not rs.exists(f"{P}lock:a")
 
@@ -498,6 +498,83 @@ def test_adopting_again_after_a_lost_reply_returns_the_same_grant(
     assert again.status == "adopted"
     assert [x.token for x in again.leases] == [leases[0].token]
     assert again.leases[0].fencing_token == fence
+
+
+def _park_attempt(mgr: LockManager, task_id: str, retries: int, *res: str) -> str:
+    """Park ``task_id``'s message of retry number ``retries`` (Celery's request.retries)."""
+    req = mgr._request(list(res), [])
+    options = {"retries": retries} if retries else {}
+    message = {"name": "t.task", "args": [], "kwargs": {}, "options": options}
+    return park(mgr, task_id, req, message, park_ttl=600, grant_ttl=60).outcome
+
+
+def test_a_retry_sent_by_the_adopted_run_parks_as_a_new_life_and_stale_copies_stay_duplicates(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    """Celery's self.retry() sends the same task id again with retries + 1:
+    a new life of the task, whether its record is still 'adopted' (the body
+    is ending) or already 'done'. A copy of an attempt that ran (or of an
+    older one) is still a duplicate."""
+    mgr, child = managers(), managers()
+    holder = mgr.acquire("a")
+    assert _park_attempt(mgr, "t1", 0, "a") == "parked"
+    holder.release()
+    outcome, [lease] = adopt(child, "t1", 0)
+    assert rs.hget(f"{P}defer:t1", "state") == "adopted"
+    # The body runs and retries while it still holds the lock: the retry parks.
+    assert _park_attempt(managers(), "t1", 0, "a") == "duplicate"  # a stale copy
+    assert _park_attempt(managers(), "t1", 1, "a") == "parked"
+    record = rs.hgetall(f"{P}defer:t1")
+    assert (record["state"], record["life"], record["retries"]) == ("parked", "1", "1")
+    assert record["token"] == "defer+1:t1|task:t1"
+    assert _park_attempt(managers(), "t1", 1, "a") == "duplicate"  # a copy of the retry
+    assert _park_attempt(managers(), "t1", 0, "a") == "duplicate"
+    # The first run's end leaves the new life alone and hands it the lock.
+    lease.release()
+    mark_done(child, "t1", child.owner_id)
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    runner = managers()
+    outcome, [second] = adopt(runner, "t1", 1)
+    second.release()
+    mark_done(runner, "t1", runner.owner_id)
+    assert rs.hget(f"{P}defer:t1", "state") == "done"
+    # A 'done' record: the next retry is a new life, a copy of attempt 1 is not.
+    blocker = mgr.acquire("a")
+    assert _park_attempt(managers(), "t1", 1, "a") == "duplicate"
+    assert _park_attempt(managers(), "t1", 2, "a") == "parked"
+    assert rs.hget(f"{P}defer:t1", "life") == "2"
+    withdraw(mgr, "t1")
+    blocker.release()
+
+
+def test_a_record_an_earlier_release_wrote_counts_as_attempt_zero(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    rs.hset(f"{P}defer:t1", mapping={"state": "done", "life": "0", "owner": "gone"})
+    assert _park_attempt(mgr, "t1", 0, "a") == "duplicate"
+    assert _park_attempt(mgr, "t1", 1, "a") == "parked"
+    assert rs.hget(f"{P}defer:t1", "life") == "1"
+    withdraw(mgr, "t1")
+    holder.release()
+
+
+def test_a_unique_key_adopted_for_the_task_does_not_hide_its_deferred_grant(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    """A task both unique and deferred: its unique key's task owner
+    (task:<id>) is adopted when it first runs; its park record's task owner
+    has a name of its own, so the re-dispatched copy adopts its grant."""
+    mgr, first_child, second_child = managers(), managers(), managers()
+    assert mgr.acquire_for_task("t1", "unique:k", ttl=60).granted
+    assert first_child.adopt("t1").adopted  # the unique key, at the first run
+    holder = mgr.acquire("a")
+    assert _park(first_child, "t1", "a") == "parked"
+    assert rs.zrange(f"{P}q:a", 0, -1) == ["xdefer:t1|task:t1"]
+    holder.release()
+    outcome, leases = adopt(second_child, "t1", 0)
+    assert outcome == "adopted" and [x.resources for x in leases] == [("a",)]
     assert rs.hget(f"{P}defer:t1", "state") == "adopted"
     leases[0].release()
 
@@ -655,7 +732,7 @@ def test_a_passed_park_deadline_is_withdrawn_by_the_next_upkeep_pass_whatever_th
     req = mgr._request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
     assert park(mgr, "late", req, message, park_ttl=0.2, grant_ttl=60).outcome == "parked"
-    wait_until(lambda: not rs.exists(f"{P}alive:task:late"), what="park TTL ran out")
+    wait_until(lambda: not rs.exists(f"{P}alive:defer:late"), what="park TTL ran out")
     assert rs.zcount(f"{P}deferred", "-inf", 0) == BACKLOG  # all due, ahead of it
     withdrawn: list[tuple[str, str]] = []
     dispatcher = Dispatcher(
@@ -669,7 +746,7 @@ def test_a_passed_park_deadline_is_withdrawn_by_the_next_upkeep_pass_whatever_th
     assert withdrawn == [("late", "expired")]
     assert not rs.exists(f"{P}defer:late") and rs.zscore(f"{P}deadlines", "late") is None
     assert rs.zscore(f"{P}deferred", "late") is None
-    assert "xtask:late|task:late" not in rs.zrange(f"{P}q:a", 0, -1)
+    assert "xdefer:late|task:late" not in rs.zrange(f"{P}q:a", 0, -1)
     assert rs.zcard(f"{P}q:a") == BACKLOG
     assert more is True  # the re-attempts left over go to the next passes, at once
     holder.release()
@@ -684,7 +761,7 @@ def test_a_withdrawn_grant_deadline_hands_the_lock_to_the_next_waiter_in_the_sam
     assert _park(mgr, "t2", "a") == "parked"
     holder.release()  # t1 is granted; nobody adopts it
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
-    wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
+    wait_until(lambda: not rs.exists(f"{P}alive:defer:t1"), what="grant TTL ran out")
     dispatcher, _ = _dispatcher(mgr)
     dispatcher.upkeep()
     # t1's grant went to t2 inside the upkeep's script; t1 is parked behind.
@@ -773,7 +850,7 @@ def test_withdrawing_a_granted_task_hands_its_lock_to_the_next_waiter_in_the_sam
         revoked_ids=lambda: sorted(revoked),
     )
     if why == "grant-ttl":
-        wait_until(lambda: not rs.exists(f"{P}alive:task:t1"), what="grant TTL ran out")
+        wait_until(lambda: not rs.exists(f"{P}alive:defer:t1"), what="grant TTL ran out")
         dispatcher.upkeep()  # the deadline: withdrawn in the upkeep's script
         assert rs.hget(f"{P}defer:t1", "state") == "parked"  # parked again, behind
     elif why == "revoked":
@@ -856,7 +933,7 @@ def test_a_park_that_fails_after_writing_its_record_leaves_nothing_of_it(
         park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60)
     assert not rs.exists(f"{P}defer:t1")
     assert rs.zscore(f"{P}deferred", "t1") is None and rs.zscore(f"{P}deadlines", "t1") is None
-    assert rs.zcard(f"{P}q:a") == 0 and not rs.exists(f"{P}alive:task:t1")
+    assert rs.zcard(f"{P}q:a") == 0 and not rs.exists(f"{P}alive:defer:t1")
     assert not rs.sismember(f"{P}owners", "task:t1")
     assert namespace_keys(rs) == before | {f"{P}seq"}
     rs.delete(f"{P}seq")
@@ -885,7 +962,7 @@ def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out
         publish=_Sent(),
         on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
     )
-    wait_until(lambda: not rs.exists(f"{P}alive:task:t1", f"{P}alive:task:t2"), what="parks ended")
+    wait_until(lambda: not rs.exists(f"{P}alive:defer:t1", f"{P}alive:defer:t2"), what="parks ended")
     dispatcher.upkeep()
     assert sorted(withdrawn) == [("t1", "expired-message"), ("t2", "expired")]
     assert not rs.exists(f"{P}defer:t1", f"{P}defer:t2") and rs.zcard(f"{P}q:a") == 0
@@ -971,3 +1048,44 @@ def test_an_adopted_deferred_task_is_marked_done_only_after_its_result_is_stored
     assert seen == [("s1", "SUCCESS", "adopted"), ("s2", "FAILURE", "adopted")]
     assert tasks[0].AsyncResult("s1").result == "x"
     assert not rs.exists(f"{P}lock:res:x")
+
+
+def test_a_grant_parked_by_an_earlier_release_is_adopted_under_its_old_owner_name(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    """An earlier release named a park record's task owner task:<id>: the
+    record's token says so, and the adopting child takes that owner."""
+    from celery_redislock.defer import _attempt_as_task, deferred_key, record_key
+
+    mgr, child = managers(), managers()
+    holder = mgr.acquire("a")
+    token = "task:t1|task:t1"
+    rs.hset(
+        record_key(mgr, "t1"),
+        mapping={"state": "parked", "life": "0", "token": token, "modes": "x", "res": "a"},
+    )
+    rs.hset(record_key(mgr, "t1"), mapping={"msg": "{}", "gttl": "60000"})
+    rs.zadd(deferred_key(mgr), {"t1": 1})
+    got = _attempt_as_task(mgr, token, mgr._request(["a"], []), liveness_ms="600000", register="x")
+    assert int(got[0]) == 0
+    holder.release()
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    outcome, leases = adopt(child, "t1", 0)
+    assert outcome == "adopted" and [x.resources for x in leases] == [("a",)]
+    assert rs.hget(f"{P}defer:t1", "state") == "adopted"
+    leases[0].release()
+
+
+def test_the_grant_header_is_taken_off_the_request_so_a_retry_does_not_carry_it() -> None:
+    """Celery's self.retry() sends the request's custom headers again: a
+    retry of an adopted run must arrive as a new life, not as a copy of the
+    grant's message."""
+    from celery.app.task import Context
+
+    from celery_redislock.task import _grant_header
+
+    request = Context({"id": "t1", "task": "t.task", "retries": 0, "redislock_defer": "0:7"})
+    assert request.as_execution_options()["headers"] == {"redislock_defer": "0:7"}
+    assert _grant_header(request) == (0, 7)
+    assert request.as_execution_options()["headers"] == {}
+    assert _grant_header(request) is None

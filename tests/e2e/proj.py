@@ -363,6 +363,7 @@ def _fork_main_helper(sender: Any = None, **_: Any) -> None:
 signals.worker_ready.connect(_fork_main_helper, weak=False)
 
 unique_hold = unique_tasks.define(app, data)
+unique_defer = unique_tasks.define_deferred(app, data)
 
 # -- deferred tasks (on_busy="defer", docs/defer.md) ---------------------------
 
@@ -448,6 +449,21 @@ def dreenter(self: Any, res: str, tag: str) -> dict[str, Any]:
     r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
     _wait_go(r, tag)
     return info
+
+
+@app.task(name="e2e.dretry", bind=True, acks_late=True, max_retries=5)
+@locked("res:{res}", on_busy="defer")
+def dretry(self: Any, res: str, tag: str, retries: int = 1, countdown: float = 0.0) -> int:
+    """Deferred when busy; retries (``self.retry``) until its ``retries``-th
+    retry runs. Logs each attempt (``request.retries``) to ``e2e:attempts-log:<tag>``
+    and appends ``tag`` to ``e2e:order:<res>``."""
+    r = data()
+    r.incr(f"e2e:runs:{tag}")
+    r.rpush(f"e2e:attempts-log:{tag}", self.request.retries)
+    r.rpush(f"e2e:order:{res}", tag)
+    if self.request.retries < retries:
+        raise self.retry(countdown=countdown)
+    return int(self.request.retries)
 
 
 @locked("res:{res}", timeout=5)

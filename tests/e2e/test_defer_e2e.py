@@ -17,10 +17,15 @@ docs/defer.md gives the algorithm and its races (D1-D11). Pinned here:
   back, the copy adopts) and of the whole worker while the grant is in
   transit (D6: the grant TTL runs out, the task is parked again and another
   worker runs it); each runs exactly once;
-- the threads, solo and gevent pools dispatch from their main process too.
+- the threads, solo and gevent pools dispatch from their main process too;
+- a parked task that retries (``self.retry()``) runs every attempt, parking
+  again while its resource is busy;
+- a ``UniqueTask`` that parks keeps its unique key while parked (a duplicate
+  gets its id), runs as soon as the lock is handed to it, and a withdrawn one
+  frees its key.
 
-The first two share one worker (module fixture); the stall and SIGKILL tests start
-their own.
+The tests that kill nothing share one worker (module fixture); the stall
+and SIGKILL tests start their own.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 
-from celery_redislock import Inspector, LockManager
+from celery_redislock import Inspector, LockManager, RedisLock
 from redis_server import RedisServer
 
+from . import unique_tasks
 from .harness import Cluster, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -75,6 +82,28 @@ def shared(
         c.close()
 
 
+@pytest.fixture(scope="module")
+def unique_defer(shared: Cluster) -> Iterator[Any]:
+    """``e2e.unique_defer`` on a producer app of this test process, so that
+    ``delay()`` runs UniqueTask's enqueue (``send_task`` would bypass it)."""
+    app = Celery("e2e-defer-producer", broker=shared.broker_url, backend=shared.broker_url)
+    app.conf.update(
+        task_default_queue=shared.queue,
+        result_expires=600,
+        redislock_namespace=shared.namespace,
+        redislock_url=shared.lock_url,
+    )
+    locks = RedisLock(app)
+    try:
+        yield unique_tasks.define_deferred(app, lambda: shared.data)
+    finally:
+        locks.close()
+        consumer = getattr(app.backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.stop()
+        app.close()
+
+
 def _deferred(c: Cluster, result: Any) -> bool:
     return bool(result.state == "DEFERRED")
 
@@ -104,8 +133,8 @@ def test_parked_tasks_keep_their_fifo_place_among_waiters_and_free_their_pool_sl
     wait_for(lambda: _deferred(c, d3), 60, "d3 parked", on_timeout=c.report)
     d3_parked = float(d3.info["parked_at"])
     queue = _queue(c, "res:fifo")
-    assert [m.split("|")[0][1:].startswith("task:") for m in queue] == [True, False, True]
-    assert queue[0][1:].startswith(f"task:{d1.id}|") and queue[2][1:].startswith(f"task:{d3.id}|")
+    assert [m.split("|")[0][1:].startswith("defer:") for m in queue] == [True, False, True]
+    assert queue[0][1:].startswith(f"defer:{d1.id}|") and queue[2][1:].startswith(f"defer:{d3.id}|")
 
     # Two slots are taken (the holder, the waiting w2); the third is free
     # although two more tasks wait for res:fifo: tasks on other resources run.
@@ -225,7 +254,7 @@ def test_a_parked_task_whose_expires_passes_is_revoked_as_expired_and_one_grante
     signal_key = f"e2e:revoked-signal:{doomed.id}"
     wait_for(lambda: c.data.llen(signal_key), 30, "task_revoked", on_timeout=c.report)
     assert [json.loads(x) for x in c.data.lrange(signal_key, 0, -1)] == [{"expired": True}]
-    assert [m.split("|")[0][1:] for m in _queue(c, "res:ex")] == [f"task:{lasting.id}"]
+    assert [m.split("|")[0][1:] for m in _queue(c, "res:ex")] == [f"defer:{lasting.id}"]
     # The other one's expires is far: it is handed the lock, re-published
     # with its expires, and runs.
     c.go("ex-h")
@@ -290,6 +319,87 @@ def test_a_child_killed_after_the_adopted_body_before_its_result_is_stored_runs_
     wait_for(lambda: c.lock_redis.hget(c.key("defer", d.id), "state") == "done", 30, "done")
     assert c.data.lrange("e2e:order:bs", 0, -1) == ["bs-h", "bs-d", "bs-d"]
     assert c.data.lrange("e2e:violations", 0, -1) == []
+
+
+def test_a_parked_task_that_retries_runs_every_attempt_and_parks_again_while_busy(
+    shared: Cluster,
+) -> None:
+    c = shared
+    [worker] = [p for p in c.processes if getattr(p, "nodename", "").startswith("defer-shared@")]
+    c.send("dhold", "rt", "rt-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:rt-h"), 60, "holder", on_timeout=c.report)
+    d = c.send("dretry", "rt", "rt-d", retries=2, countdown=0.5)
+    wait_for(lambda: _deferred(c, d), 60, "rt-d parked", on_timeout=c.report)
+    behind = c.send("dhold", "rt", "rt-w")  # in line behind rt-d
+    wait_for(lambda: _deferred(c, behind), 60, "rt-w parked", on_timeout=c.report)
+    c.go("rt-h")
+    # The first attempt runs and retries; its lock goes to rt-w when it ends,
+    # so the retry finds the resource busy and parks again: a new life,
+    # in line behind rt-w.
+    wait_for(lambda: c.data.llen("e2e:held-log:rt-w"), 60, "rt-w runs", on_timeout=c.report)
+    wait_for(
+        lambda: _queue(c, "res:rt") == [f"xdefer+1:{d.id}|task:{d.id}"],
+        60,
+        "the retry parked again",
+        on_timeout=c.report,
+    )
+    assert d.state == "DEFERRED"
+    c.go("rt-w")
+    behind.get(timeout=60)
+    # The second retry runs too (the resource is free, or freed by then).
+    assert d.get(timeout=60) == 2
+    assert c.data.lrange("e2e:attempts-log:rt-d", 0, -1) == ["0", "1", "2"]
+    assert _runs(c, "rt-d") == 3
+    assert c.data.lrange("e2e:order:rt", 0, -1) == ["rt-h", "rt-d", "rt-w", "rt-d", "rt-d"]
+    assert worker.log_lines("defer.duplicate", d.id) == []
+    wait_for(lambda: not c.namespace_keys("lock"), 30, "locks released", on_timeout=c.report)
+
+
+def test_a_parked_unique_task_keeps_its_key_runs_at_the_hand_off_and_frees_it_when_withdrawn(
+    shared: Cluster, unique_defer: Any
+) -> None:
+    c, task = shared, unique_defer
+    key = "unique:ud:u1"
+    c.send("dhold", "ud", "ud-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:ud-h"), 60, "holder", on_timeout=c.report)
+    u = task.delay("ud", "u1")
+    wait_for(lambda: _deferred(c, u), 60, "parked", on_timeout=c.report)
+    # While parked the key stays with the message's task owner, whose
+    # liveness now covers the park (redislock_defer_ttl, a day), not only
+    # unique_ttl (an hour): a duplicate gets the parked task.
+    assert list(c.lock_holders(key)) == [f"task:{u.id}|task:{u.id}"]
+    assert c.alive_pttl(f"task:{u.id}") > 3_600_000
+    assert task.delay("ud", "u1").id == u.id
+    c.go("ud-h")
+    # Handed the lock, it runs at once (its grant is not hidden by its key's
+    # adoption), holding its key in the process that runs it.
+    raw = wait_for(lambda: c.data.lindex("e2e:ud-log:u1", 0), 60, "u1 runs", on_timeout=c.report)
+    info = json.loads(raw)
+    [token] = c.lock_holders(key)
+    assert token == info["key_token"] and token.endswith(f"|task:{u.id}")
+    assert not token.startswith(("task:", "task+"))  # adopted by the running process
+    assert task.delay("ud", "u1").id == u.id
+    c.go("u1")
+    assert u.get(timeout=60)["id"] == u.id
+    wait_for(lambda: not c.lock_holders(key), 30, "the key after success", on_timeout=c.report)
+    assert _runs(c, "u1") == 1
+
+    # Revoked while parked: withdrawn, and its key is freed with it.
+    c.send("dhold", "ud", "ud-h2")
+    wait_for(lambda: c.data.llen("e2e:held-log:ud-h2"), 60, "holder 2", on_timeout=c.report)
+    v = task.delay("ud", "v1")
+    wait_for(lambda: _deferred(c, v), 60, "v1 parked", on_timeout=c.report)
+    assert list(c.lock_holders("unique:ud:v1")) == [f"task:{v.id}|task:{v.id}"]
+    c.producer.control.revoke(v.id)
+    wait_for(lambda: v.state == "REVOKED", 60, "REVOKED", on_timeout=c.report)
+    wait_for(lambda: not c.lock_holders("unique:ud:v1"), 30, "the key freed", on_timeout=c.report)
+    again = task.delay("ud", "v1")
+    assert again.id != v.id
+    c.go("ud-h2")
+    wait_for(lambda: c.data.llen("e2e:ud-log:v1"), 60, "the new v1 runs", on_timeout=c.report)
+    c.go("v1")
+    again.get(timeout=60)
+    assert _runs(c, "v1") == 1
 
 
 def test_parked_task_outlives_its_sigkilled_worker_and_runs_once_on_another(

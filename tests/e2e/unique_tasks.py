@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from celery_redislock import UniqueTask
+from celery_redislock import UniqueTask, locked
 
 #: Longest a unique hold blocks waiting for its go signal, seconds.
 HOLD_LIMIT = 300.0
@@ -53,3 +53,34 @@ def define(app: Any, data: Callable[[], redis.Redis]) -> Any:
         return info
 
     return unique_hold
+
+
+def define_deferred(app: Any, data: Callable[[], redis.Redis]) -> Any:
+    """Define ``e2e.unique_defer`` on ``app`` (unique and deferred); return the task."""
+
+    @app.task(
+        name="e2e.unique_defer",
+        bind=True,
+        base=UniqueTask,
+        unique_key="ud:{tag}",
+        acks_late=True,
+        shared=False,
+    )
+    @locked("res:{res}", on_busy="defer")
+    def unique_defer(self: Any, res: str, tag: str) -> dict[str, Any]:
+        """Unique per ``tag``, deferred while ``res:<res>`` is busy: logs its
+        run (and its unique key's lease) to ``e2e:ud-log:<tag>``, then waits
+        for ``e2e:go:<tag>``."""
+        r = data()
+        lease = self.unique_lease
+        info = {
+            "pid": os.getpid(),
+            "id": self.request.id,
+            "key_token": lease.token if lease is not None else None,
+        }
+        r.incr(f"e2e:runs:{tag}")
+        r.rpush(f"e2e:ud-log:{tag}", json.dumps(info))
+        r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
+        return info
+
+    return unique_defer
