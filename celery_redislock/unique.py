@@ -175,9 +175,53 @@ _running: contextvars.ContextVar[tuple[tuple[str, _KeyHold], ...]] = contextvars
 )
 
 
-def _stable(value: Any) -> str:
-    """A stable text of the arguments: sorted keys, no whitespace, repr fallback."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+def _stable(value: Mapping[str, Any], task: str = "the task") -> str:
+    """The default key's text of the bound arguments ``value`` (name -> value):
+    the same for equal arguments in every process (whatever the hash seed).
+
+    JSON with sorted keys and no whitespace, as ever for what JSON holds. A
+    dict whose keys JSON cannot sort or hold (mixed types, tuples) becomes
+    ``{"__dict__": [[key, value], ...]}`` and a set ``{"__set__": [...]}``,
+    their entries sorted by their own text; any other value is its
+    ``repr``. Raises TypeError, naming the argument, for a value whose repr
+    names a memory address (it differs in every process).
+    """
+    canonical = {name: _canonical(v, task, name, "") for name, v in value.items()}
+    return _dumps(canonical)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _canonical(value: Any, task: str, name: str, where: str) -> Any:
+    """``value`` as JSON data that does not depend on the process (see :func:`_stable`)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, task, name, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        items = {k: _canonical(v, task, name, f"{where}[{k!r}]") for k, v in value.items()}
+        if all(k is None or isinstance(k, (str, int, float)) for k in items):
+            try:
+                sorted(items)  # what json's sort_keys does
+                return items
+            except TypeError:
+                pass
+        pairs = [[_canonical(k, task, name, f"{where} (a key)"), v] for k, v in items.items()]
+        return {"__dict__": sorted(pairs, key=lambda kv: _dumps(kv[0]))}
+    if isinstance(value, (set, frozenset)):
+        members = [_canonical(v, task, name, f"{where} (a member)") for v in value]
+        return {"__set__": sorted(members, key=_dumps)}
+    text = repr(value)
+    if " at 0x" in text:
+        raise TypeError(
+            f"{task}: the default unique key needs arguments whose text is the same in "
+            f"every process, and argument {name!r}{where} is a {type(value).__qualname__} "
+            f"whose repr names a memory address ({text[:80]}); give the task a unique_key "
+            f"template instead (e.g. unique_key='{task}:{{{name}.id}}')"
+        )
+    return text
 
 
 def _check_options(cls: type) -> None:
@@ -284,7 +328,7 @@ class UniqueTask(Task):
         if self.unique_key is not None:
             [key] = _format([self.unique_key], mapping, f"{self.name}.unique_key")
             return key
-        text = _stable(mapping)
+        text = _stable(mapping, self.name)
         key = f"{self.name}:{text}"
         if len(key) > MAX_PLAIN_KEY:
             key = f"{self.name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"

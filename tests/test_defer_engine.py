@@ -571,10 +571,11 @@ def test_a_unique_key_adopted_for_the_task_does_not_hide_its_deferred_grant(
     assert first_child.adopt("t1").adopted  # the unique key, at the first run
     holder = mgr.acquire("a")
     assert _park(first_child, "t1", "a") == "parked"
-    assert rs.zrange(f"{P}q:a", 0, -1) == ["xdefer:t1|task:t1"]
     holder.release()
     outcome, leases = adopt(second_child, "t1", 0)
     assert outcome == "adopted" and [x.resources for x in leases] == [("a",)]
+    assert rs.hkeys(f"{P}lock:a") == [f"{second_child.owner_id}|task:t1"]
+    assert rs.hget(f"{P}adopted:defer:t1", "by") == second_child.owner_id
     assert rs.hget(f"{P}defer:t1", "state") == "adopted"
     leases[0].release()
 

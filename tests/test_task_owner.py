@@ -65,6 +65,21 @@ def test_a_busy_resource_names_the_holding_task_queued_or_running(
         assert other.holder_owner == producer.owner_id
 
 
+def test_a_refusal_by_a_shared_holder_names_that_holder(managers: Managers) -> None:
+    reader, writer, producer = managers(), managers(), managers()
+    lease = reader.acquire(shared="r")
+    busy = producer.acquire_for_task("t", "r", ttl=60)  # exclusive: the reader blocks it
+    assert not busy.granted
+    assert busy.holder == lease.token and busy.holder_owner == reader.owner_id
+    assert busy.holder_task_id is None  # a plain lock, not a task's
+    assert producer.acquire_for_task("t2", shared="r", ttl=60).granted  # readers share
+    lease.release()
+    held = writer.acquire("w")
+    busy = producer.acquire_for_task("t3", shared="w", ttl=60)
+    assert not busy.granted and busy.holder == held.token
+    held.release()
+
+
 def test_a_refused_try_keeps_the_liveness_of_a_task_owner_holding_other_locks(
     managers: Managers, r: redis.Redis
 ) -> None:

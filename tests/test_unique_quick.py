@@ -70,6 +70,80 @@ def test_default_key_normalises_the_arguments(app: Celery) -> None:
         k((), {"nope": 1})
 
 
+_KEY_SCRIPT = """
+import json, sys
+from celery import Celery
+from celery_redislock import UniqueTask
+
+app = Celery("keys", set_as_current=False)
+
+@app.task(base=UniqueTask, name="uq.keyed", shared=False)
+def keyed(x, y=None):
+    pass
+
+calls = [
+    ({"b", "a", "c", "dd", "ee"},),
+    (frozenset({"x", ("t", 1)}), [{"s", "t"}]),
+    ({1: "a", "b": 2},),
+    ({("k", 1): {"z", "y"}, None: 1},),
+]
+print(json.dumps([keyed.unique_key_for(c) for c in calls]))
+"""
+
+
+def test_default_key_is_the_same_in_every_process_whatever_the_hash_seed() -> None:
+    """Sets (whose order follows the hash seed) and dicts whose keys JSON
+    cannot sort give one key for equal arguments in every producer."""
+    import subprocess
+    import sys
+
+    keys = set()
+    for seed in ("1", "2", "3", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", _KEY_SCRIPT], env=env, capture_output=True, text=True, check=True
+        )
+        keys.add(out.stdout)
+    assert len(keys) == 1, keys
+    [text] = keys
+    assert len(json.loads(text)) == 4
+
+
+def test_default_key_of_json_arguments_is_what_earlier_releases_computed(app: Celery) -> None:
+    """Producers of two releases during an upgrade must agree on the key."""
+
+    @app.task(base=UniqueTask, name="uq.compat")
+    def compat(a: Any, b: Any = None) -> None:
+        pass
+
+    args = ({"z": [1, 2.5, None, True], "a": {"n": "x"}}, {3: "c", 1: "a"})
+    old = json.dumps(
+        {"a": args[0], "b": args[1]}, sort_keys=True, separators=(",", ":"), default=repr
+    )
+    assert compat.unique_key_for(args) == f"uq.compat:{old}"
+
+
+def test_default_key_takes_mixed_dict_keys_and_refuses_a_value_only_a_memory_address_names(
+    app: Celery, r: redis.Redis
+) -> None:
+    @app.task(base=UniqueTask, name="uq.mixed")
+    def mixed(opts: Any) -> None:
+        pass
+
+    first = mixed.delay({1: "a", "b": 2})
+    assert mixed.delay({"b": 2, 1: "a"}).id == first.id  # the same key: a duplicate
+    assert mixed.delay({1: "a", "b": 3}).id != first.id
+    assert mixed.unique_key_for(({"s", "t"},)) == mixed.unique_key_for(({"t", "s"},))
+
+    class Opaque:
+        pass
+
+    with pytest.raises(TypeError, match=r"argument 'opts'\[0\] is a .*Opaque.*unique_key") as info:
+        mixed.delay([Opaque()])
+    assert "uq.mixed" in str(info.value)
+    assert r.llen(app.conf.task_default_queue) == 2  # nothing sent for the refused call
+
+
 def test_template_key_and_options_are_checked_at_import(app: Celery) -> None:
     @app.task(base=UniqueTask, unique_key="report:{user_id}", name="uq.report")
     def report(user_id: int, fmt: str = "pdf") -> None:
@@ -149,9 +223,12 @@ def test_a_failed_send_releases_the_key(app: Celery, r: redis.Redis) -> None:
     from kombu.exceptions import SerializerNotInstalled
 
     with pytest.raises(SerializerNotInstalled):
-        send.apply_async(serializer="no-such-serializer")
+        send.apply_async(serializer="no-such-serializer", task_id="never-sent")
     assert holders(r, "k") == []
-    assert send.delay().id  # not a duplicate of the message never sent
+    sent = send.delay()  # not a duplicate of the message never sent: sent, under a new id
+    assert sent.id != "never-sent"
+    assert holders(r, "k") == [f"task:{sent.id}|task:{sent.id}"]
+    assert r.llen(app.conf.task_default_queue) == 1
 
 
 def test_a_message_never_run_frees_its_key_after_unique_ttl(app: Celery, r: redis.Redis) -> None:
@@ -173,6 +250,65 @@ def test_countdown_extends_the_key_ttl(app: Celery, r: redis.Redis) -> None:
 
     res = later.apply_async(countdown=100)
     assert r.pttl(PREFIX + f"alive:task:{res.id}") > 100_000
+
+
+def test_an_eta_extends_the_key_ttl_past_the_eta(app: Celery, r: redis.Redis) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    @app.task(base=UniqueTask, unique_key="k", unique_ttl=10, name="uq.eta")
+    def at() -> None:
+        pass
+
+    res = at.apply_async(eta=datetime.now(timezone.utc) + timedelta(seconds=100))
+    assert 100_000 < r.pttl(PREFIX + f"alive:task:{res.id}") <= 110_000
+    other = at.apply_async(  # a naive eta is UTC, as Celery reads it
+        eta=datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=200),
+        task_id="eta-2",
+        queue="uq.nobody",
+    )
+    assert other.id == res.id  # a duplicate: nothing sent
+    assert r.llen(app.conf.task_default_queue) == 1
+
+
+def test_a_key_held_by_a_plain_lock_is_a_duplicate_not_a_handle_of_no_task(
+    app: Celery, r: redis.Redis, redis_url: str
+) -> None:
+    @app.task(base=UniqueTask, unique_key="plain", name="uq.plainlock")
+    def plain() -> None:
+        pass
+
+    other = LockManager(redis_url, NS, owner_ttl=30)
+    try:
+        lease = other.acquire("unique:plain")
+        with pytest.raises(DuplicateTask) as info:
+            plain.delay()  # unique_on_duplicate="return": there is no task to return
+        assert info.value.task_id is None and info.value.key == "plain"
+        assert r.llen(app.conf.task_default_queue) == 0
+        lease.release()
+        sent = plain.delay()
+        assert holders(r, "plain") == [f"task:{sent.id}|task:{sent.id}"]
+    finally:
+        other.close()
+
+
+def test_a_revoked_retry_message_frees_the_key_of_its_attempt(app: Celery, r: redis.Redis) -> None:
+    """A retry's message (attempt 1, its own task owner task+1:<id>) revoked
+    before it runs: the worker discards it and frees that attempt's key."""
+    from celery.worker import state
+
+    @app.task(base=UniqueTask, unique_key="rv1", name="uq.rv1")
+    def rv1() -> None:
+        pass
+
+    res = rv1.apply_async(retries=1)  # as self.retry() sends it
+    assert holders(r, "rv1") == [f"task+1:{res.id}|task:{res.id}"]
+    state.revoked.add(res.id)
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            wait_until(lambda: res.state == "REVOKED", what="revoked")
+            wait_until(lambda: holders(r, "rv1") == [], what="the attempt's key freed")
+    finally:
+        state.revoked.discard(res.id)
 
 
 def test_worker_adopts_the_key_runs_once_and_frees_it(app: Celery, r: redis.Redis) -> None:

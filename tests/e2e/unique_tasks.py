@@ -41,7 +41,13 @@ def define(app: Any, data: Callable[[], redis.Redis]) -> Any:
         """
         r = data()
         attempt = int(r.incr(f"e2e:uh-attempts:{tag}"))
-        info = {"pid": os.getpid(), "id": self.request.id, "attempt": attempt}
+        lease = self.unique_lease
+        info = {
+            "pid": os.getpid(),
+            "id": self.request.id,
+            "attempt": attempt,
+            "key_token": lease.token if lease is not None else None,
+        }
         r.rpush(f"e2e:uh-log:{tag}", json.dumps(info))
         if attempt <= block:
             deadline = time.monotonic() + HOLD_LIMIT
