@@ -338,11 +338,12 @@ def test_a_parked_task_that_retries_runs_every_attempt_and_parks_again_while_bus
     # in line behind rt-w.
     wait_for(lambda: c.data.llen("e2e:held-log:rt-w"), 60, "rt-w runs", on_timeout=c.report)
     wait_for(
-        lambda: _queue(c, "res:rt") == [f"xdefer+1:{d.id}|task:{d.id}"],
+        lambda: [m.partition("|")[2] for m in _queue(c, "res:rt")] == [f"task:{d.id}"],
         60,
         "the retry parked again",
         on_timeout=c.report,
     )
+    assert _queue(c, "res:rt") == [f"xdefer+1:{d.id}|task:{d.id}"]  # its second life
     assert d.state == "DEFERRED"
     c.go("rt-w")
     behind.get(timeout=60)
