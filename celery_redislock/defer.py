@@ -1,7 +1,7 @@
 """Deferred tasks (``@locked(on_busy="defer")``): park, dispatch, adopt.
 
 A task whose resources are busy keeps its place in their FIFO queues as a
-request of the *task owner* ``task:<task id>`` and frees its pool slot; its
+request of the *task owner* ``defer:<task id>`` and frees its pool slot; its
 message is stored in Redis beside the request (the park record). When a
 release hands the request its locks, the task id is pushed onto
 ``{ns}:dispatch``; a worker's main process (:class:`Dispatcher`) publishes

@@ -15,8 +15,8 @@ class LockHolder:
     Attributes:
         resource: the resource name.
         owner_id: the process holding the grant (``<pid>-<random>``), or a
-            task owner (``task:<task id>``) for a task message that is not
-            running anywhere yet.
+            task owner (``task:<task id>``; ``defer:<task id>`` for a parked
+            deferred task) for a task message that is not running anywhere yet.
         mode: ``"exclusive"`` or ``"shared"``.
         fencing_token: the grant's fencing token (None for a grant written
             without one).

@@ -11,7 +11,7 @@ the function Celery runs (the other order raises TypeError at import)::
 
 The lock owner is the worker process (its owner id), never the task id: a
 task redelivered after a worker loss is a new request, not the old holder.
-Only ``on_busy="defer"`` waits as a task owner (``task:<task id>``) while the
+Only ``on_busy="defer"`` waits as a task owner (``defer:<task id>``) while the
 task is parked, until the process that runs it adopts the grant
 (docs/defer.md).
 """

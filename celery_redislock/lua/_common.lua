@@ -228,8 +228,9 @@ local function registry_drop(prefix, owner)
 end
 
 -- Deferred tasks (docs/defer.md): a parked request belongs to a task owner
--- ('task:<task id>', or 'task+<n>:<task id>' for the n-th life of the
--- task's park record) with the token '<task owner>|task:<task id>', and has a
+-- ('defer:<task id>', or 'defer+<n>:<task id>' for the n-th life of the
+-- task's park record; an earlier release wrote 'task:' / 'task+<n>:') with
+-- the token '<task owner>|task:<task id>', and has a
 -- park record {ns}:defer:<task id> naming that token. Nobody blocks on its
 -- wake list: its wake-ups and grants go to the namespace's dispatch list
 -- {ns}:dispatch (task ids), which the workers' dispatchers BLMOVE from.
