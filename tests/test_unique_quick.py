@@ -607,3 +607,38 @@ def test_an_adopt_interrupted_after_redis_moved_the_key_releases_it(
         assert len(calls) == 2  # adopted again, and released
     finally:
         close_app(app)
+
+
+def test_a_deferred_unique_task_keeps_its_key_while_parked_and_runs_when_handed_the_lock(
+    app: Celery, r: redis.Redis, redis_url: str
+) -> None:
+    """UniqueTask over @locked(on_busy="defer"), in-process worker: parked,
+    the key stays with the message's task owner (a duplicate gets the parked
+    task); handed the lock, the re-dispatched copy adopts its grant and the
+    key, and runs. tests/e2e/test_defer_e2e.py runs it with prefork too."""
+    seen: dict[str, Any] = {}
+
+    @app.task(base=UniqueTask, bind=True, unique_key="ud", name="uq.udefer")
+    @locked("res:ud", on_busy="defer")
+    def udefer(self: Any) -> str:
+        lease = self.unique_lease
+        seen["key"] = lease.token if lease is not None else None
+        seen["holders"] = holders(r, "ud")
+        return str(self.request.id)
+
+    other = LockManager(redis_url, NS, owner_ttl=30)
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            blocker = other.acquire("res:ud")
+            res = udefer.delay()
+            wait_until(lambda: res.state == "DEFERRED", what="parked")
+            assert holders(r, "ud") == [f"task:{res.id}|task:{res.id}"]
+            assert r.pttl(PREFIX + f"alive:task:{res.id}") > 3_600_000  # covers the park
+            assert udefer.delay().id == res.id
+            blocker.release()
+            assert res.get(timeout=20) == res.id
+        assert seen["holders"] == [seen["key"]] and seen["key"].endswith(f"|task:{res.id}")
+        assert not seen["key"].startswith("task")  # taken over by the process
+        assert holders(r, "ud") == []
+    finally:
+        other.close()
