@@ -548,16 +548,14 @@ def _deferrable(task: Any) -> bool:
 def _grant_header(request: Any) -> tuple[int, int] | None:
     """``(life, fence)`` of the grant a re-dispatched deferred task carries, or None.
 
-    The header is taken off the request as it is read: Celery's
-    ``self.retry()`` copies a request's headers into the retry's message,
-    and a retry is a new life of the task (a new arrival), not a copy of
-    the grant's message.
+    The header is taken off the request's ``headers`` as it is read: Celery's
+    ``self.retry()`` copies them into the retry's message, and a retry is a
+    new life of the task (a new arrival), not a copy of the grant's message.
+    (The request attribute of the same name stays, for the body to read.)
     """
     from .defer import HEADER, parse_header
 
     value = getattr(request, HEADER, None)
-    if value is not None:
-        setattr(request, HEADER, None)
     headers = getattr(request, "headers", None)
     if isinstance(headers, dict):
         found = headers.pop(HEADER, None)
