@@ -216,8 +216,8 @@ def check(
         # The park wrote DEFERRED before it sent this guard: the result
         # backend lost it too (one Redis for both?), and nothing tells
         # whether the task ran. Never run it twice: end it, saying why.
+        from .defer import task_owner
         from .exceptions import CAUSE_REDIS_LOST, LockLost
-        from .keys import task_owner_id
 
         log.error(
             "defer.lost id=%s task=%s: neither the lock Redis nor the result backend holds "
@@ -226,7 +226,7 @@ def check(
             task_id,
             message.get("name", "?"),
         )
-        owner = task_owner_id(task_id, life)
+        owner = task_owner(task_id, life)  # the park record's task owner
         lost = LockLost(list(message.get("resources") or ()), owner, 0, CAUSE_REDIS_LOST)
         app.backend.mark_as_failure(task_id, lost)
         return "ended:lost"
