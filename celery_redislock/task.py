@@ -553,12 +553,13 @@ def _grant_header(request: Any) -> tuple[int, int] | None:
     new life of the task (a new arrival), not a copy of the grant's message.
     (The request attribute of the same name stays, for the body to read.)
     """
-    from .defer import HEADER, parse_header
+    from .defer import HEADER, PARKED_AT_HEADER, parse_header
 
     value = getattr(request, HEADER, None)
     headers = getattr(request, "headers", None)
     if isinstance(headers, dict):
         found = headers.pop(HEADER, None)
+        headers.pop(PARKED_AT_HEADER, None)  # the grant's, not a retry's
         value = found if value is None else value
     return parse_header(value)
 

@@ -767,7 +767,7 @@ def test_a_withdrawn_grant_deadline_hands_the_lock_to_the_next_waiter_in_the_sam
     dispatcher.upkeep()
     # t1's grant went to t2 inside the upkeep's script; t1 is parked behind.
     assert rs.hget(f"{P}defer:t2", "state") == "granted"
-    assert list(rs.hgetall(f"{P}lock:a")) == ["task:t2|task:t2"]
+    assert list(rs.hgetall(f"{P}lock:a")) == ["defer:t2|task:t2"]
     record = rs.hgetall(f"{P}defer:t1")
     assert record["state"] == "parked" and record["life"] == "1"
     assert rs.zrange(f"{P}q:a", 0, -1) == ["x" + record["token"]]
@@ -818,7 +818,7 @@ def _granted_with_a_waiter_behind(
     (waiter,) = queue_requests(managers(), 1, exclusive="a")
     holder.release()
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
-    assert rs.hkeys(f"{P}lock:a") == ["task:t1|task:t1"]
+    assert rs.hkeys(f"{P}lock:a") == ["defer:t1|task:t1"]
     return mgr, waiter
 
 
@@ -828,7 +828,7 @@ def _handed_to(rs: redis.Redis, token: str) -> None:
     assert rs.hkeys(f"{P}lock:a") == [token]
     fence = rs.hget(f"{P}lock:a", token)
     assert fence is not None and rs.lrange(f"{P}wake:{token}", 0, -1) == ["g" + fence[1:]]
-    assert rs.zcard(f"{P}q:a") == 0 or rs.zrange(f"{P}q:a", 0, 0)[0].startswith("xtask+1:t1|")
+    assert rs.zcard(f"{P}q:a") == 0 or rs.zrange(f"{P}q:a", 0, 0)[0].startswith("xdefer+1:t1|")
 
 
 @pytest.mark.parametrize("why", ["revoked", "expired-message", "grant-ttl"])
@@ -963,7 +963,9 @@ def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out
         publish=_Sent(),
         on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
     )
-    wait_until(lambda: not rs.exists(f"{P}alive:defer:t1", f"{P}alive:defer:t2"), what="parks ended")
+    wait_until(
+        lambda: not rs.exists(f"{P}alive:defer:t1", f"{P}alive:defer:t2"), what="parks ended"
+    )
     dispatcher.upkeep()
     assert sorted(withdrawn) == [("t1", "expired-message"), ("t2", "expired")]
     assert not rs.exists(f"{P}defer:t1", f"{P}defer:t2") and rs.zcard(f"{P}q:a") == 0

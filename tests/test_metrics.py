@@ -321,7 +321,7 @@ def test_a_parked_task_whose_time_runs_out_counts_as_a_timeout(
     )
     probe = redis.Redis.from_url(redis_url)
     try:
-        wait_until(lambda: not probe.exists(f"{{{NS}}}:alive:task:t1"), what="park TTL ran out")
+        wait_until(lambda: not probe.exists(f"{{{NS}}}:alive:defer:t1"), what="park TTL ran out")
         wait_until(lambda: dispatcher.upkeep() or withdrawn, what="the upkeep to withdraw it")
     finally:
         probe.close()
