@@ -504,6 +504,25 @@ def test_celery_a_task_failed_by_a_lock_server_outage_is_counted_not_reported(
     assert kinds(ch.check()) == ["never_ran", "resource_idle"]
 
 
+def test_celery_a_message_lost_by_the_broker_at_a_main_process_kill_is_counted_not_reported(
+    ch: CeleryHistory,
+) -> None:
+    ch.send("a", 10.0, state="PENDING")
+    ch.fault("kill_main", 10.3, 10.3, node="cw0@e2e")
+    ch.end = 12.0
+    assert ch.check() == []
+    assert checker.check_celery(ch.folder).stats["broker_lost"] == 1
+    ch.faults[-1]["t0"] = ch.faults[-1]["t1"] = 11.5  # the kill came too late to explain it
+    assert {"left_pending", "never_ran"} <= set(kinds(ch.check()))
+    ch.faults[-1]["t0"] = ch.faults[-1]["t1"] = 10.3
+    ch.states["a"] = "DEFERRED"  # it reached @locked: not the broker's loss
+    assert {"left_pending", "never_ran"} <= set(kinds(ch.check()))
+    ch.states["a"] = "PENDING"
+    ch.stamp(11, "prerun", 10.2, id="a", task="chaos.defer_x", retries=0, node="cw0@e2e",
+             res="r0", redispatch=False)  # fmt: skip
+    assert "left_pending" in kinds(ch.check())  # a pool child had it
+
+
 def test_celery_a_task_that_retries_must_run_its_second_attempt(ch: CeleryHistory) -> None:
     ch.send("a", 10.0, kind="retry", state="RETRY")
     ch.body("a", 10.05, 10.3, retrying=True)

@@ -628,9 +628,14 @@ def render(report: Report, limit: int = MAX_TRACES) -> str:
 # ``unexpected_run``
 #     A body ran for a task that was never sent, or an attempt the task
 #     never makes (a retry of a task that does not retry).
+#     A task whose message the broker lost before any pool child got it (a
+#     kill of a worker's main process between kombu's BRPOP and its unacked
+#     bookkeeping, within BROKER_SLACK of the send; PENDING, never in a
+#     child) is counted (``broker_lost``): the Redis transport's own window,
+#     before Celery or the locks see the message.
 # ``left_pending``
 #     After the drain (bounded), a sent task is not SUCCESS, FAILURE or
-#     REVOKED (PENDING, DEFERRED, RETRY, STARTED...).
+#     REVOKED (PENDING, DEFERRED, RETRY, STARTED...), unless ``broker_lost``.
 # ``body_overlap`` / ``fence_order``
 #     Two bodies on one resource, at least one exclusive, both ended with
 #     their lease not lost: they overlapped in time, or the one with the
@@ -865,11 +870,45 @@ def failed_lock_down(run: CeleryRun, s: Sent) -> bool:
     )
 
 
+#: Seconds after a send in which a SIGKILL of a worker's main process may
+#: still catch its message between the broker's BRPOP and kombu's unacked
+#: bookkeeping (see :func:`broker_lost`).
+BROKER_SLACK = 1.0
+
+
+def broker_lost(run: CeleryRun, s: Sent) -> bool:
+    """Whether the broker lost ``s``'s message before any pool child got it.
+
+    kombu's Redis transport takes a message off its queue (BRPOP) and only
+    then records it as unacked (its visibility-timeout restore reads that
+    record): a worker's main process SIGKILLed in between loses the message
+    for good, before Celery or this library sees it. Counted
+    (``broker_lost``), not reported, when the task never reached a pool
+    child (no prerun, no body), has no result at all (PENDING), and a kill
+    of a worker's main process (or its whole worker) came between its send
+    and BROKER_SLACK after it.
+    """
+    return (
+        run.final.get("states", {}).get(s.id, "PENDING") == "PENDING"
+        and not any(u.id == s.id for u in run.slots)
+        and not any(b.id == s.id for b in run.bodies)
+        and any(
+            f["kind"] in ("kill_main", "kill_worker") and s.t0 <= f["t0"] <= s.t1 + BROKER_SLACK
+            for f in run.faults
+        )
+    )
+
+
+def _counted_apart(run: CeleryRun, s: Sent) -> bool:
+    """A task whose missing run is a documented outcome, counted apart."""
+    return failed_lock_down(run, s) or broker_lost(run, s)
+
+
 def check_exactly_once(run: CeleryRun) -> list[Violation]:
     runs = _runs(run)
     out = []
     for s in run.sent.values():
-        if failed_lock_down(run, s):
+        if _counted_apart(run, s):
             continue
         for a in _attempts(s):
             rs = runs.get((s.id, a), [])
@@ -926,7 +965,7 @@ def check_left_pending(run: CeleryRun) -> list[Violation]:
     out = []
     for s in run.sent.values():
         state = states.get(s.id, "PENDING")
-        if state in CELERY_FINAL:
+        if state in CELERY_FINAL or broker_lost(run, s):
             continue
         out.append(Violation(
             "left_pending",
@@ -1023,7 +1062,7 @@ def _idle_events(
             ev.append((hi, what, -1, tag))
 
     for s in run.sent.values():
-        if s.res != res or failed_lock_down(run, s):
+        if s.res != res or _counted_apart(run, s):
             continue
         for a in _attempts(s):
             start = s.t1
@@ -1191,6 +1230,7 @@ def celery_stats(run: CeleryRun, violations: list[Violation]) -> dict[str, Any]:
         "bodies_lost": sum(bool(b.lost) for b in run.bodies),
         "at_least_once": at_least_once_corners(run),
         "failed_lock_down": sum(failed_lock_down(run, s) for s in run.sent.values()),
+        "broker_lost": sum(broker_lost(run, s) for s in run.sent.values()),
         "states": dict(Counter(states.get(i, "PENDING") for i in run.sent)),
         "drained": run.final.get("drained"),
         "drain_s": round(float(run.final.get("drain_s") or 0.0), 1),
