@@ -593,6 +593,13 @@ def _send_guard(
         )
 
 
+def _redelivered(request: Any) -> bool:
+    """Whether the broker delivered ``request``'s message before (kombu marks a
+    message it restores after its consumer died ``redelivered``)."""
+    info = getattr(request, "delivery_info", None) or {}
+    return bool(isinstance(info, dict) and info.get("redelivered"))
+
+
 def _parked_at(request: Any) -> float | None:
     """When a re-dispatched deferred task parked (its header), or None."""
     from .defer import PARKED_AT_HEADER, parse_parked_at
@@ -855,6 +862,12 @@ def _run_deferred(
         # A guard's recovery copy (D12): the park record decides, as for a
         # stale grant's copy: none makes it a new arrival, any a duplicate.
         log.info("defer.recovery-copy task=%s id=%s: parking this copy", label, task_id)
+        lease = None
+    elif _redelivered(request):
+        # The broker gave the message back (its worker died before the ack):
+        # the task may have parked, and even run, meanwhile (D2). The park
+        # record decides, as for a recovery copy; only redeliveries pay for it.
+        log.info("defer.redelivered task=%s id=%s: parking this copy", label, task_id)
         lease = None
     else:
         # A new arrival: try once, as on_busy="raise" does (busy is no

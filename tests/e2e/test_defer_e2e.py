@@ -225,6 +225,52 @@ def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> No
     assert c.data.lrange("e2e:order:rv", 0, -1) == ["rv-h", "rv-after"]
 
 
+def _redeliver(c: Cluster, payload: bytes) -> None:
+    """Put a task message back on the shared queue as kombu's Redis transport
+    does for a message whose worker died before the ack (``redelivered``)."""
+    msg = json.loads(payload)
+    msg["headers"]["redelivered"] = True
+    info = msg["properties"]["delivery_info"]
+    info.update({"redelivered": True, "routing_key": c.queue, "exchange": ""})
+    c.data.lpush(c.queue, json.dumps(msg))
+
+
+def test_a_redelivered_copy_of_a_task_that_parked_and_ran_is_dropped_not_run_again(
+    shared: Cluster,
+) -> None:
+    """D2: the broker gives back a message that parked (its worker died before
+    the ack) after the parked task ran; the lock is free, yet the copy must not
+    run the task again: the park record (done) says it ran."""
+    c = shared
+    c.send("dhold", "rd", "rd-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:rd-h"), 60, "holder", on_timeout=c.report)
+    task = c.send("dwrite", "rd", "rd-1")
+    wait_for(lambda: _deferred(c, task), 60, "parked", on_timeout=c.report)
+    # The message as the broker held it: the same task id sent to a queue no
+    # worker consumes, taken off it raw.
+    c.producer.send_task("e2e.dwrite", args=("rd", "rd-1"), task_id=task.id, queue="rd-capture")
+    payload = wait_for(lambda: c.data.rpop("rd-capture"), 30, "the captured message")
+    c.go("rd-h")
+    assert task.get(timeout=60)
+    record = c.key("defer", task.id)
+    wait_for(lambda: c.lock_redis.hget(record, "state") == "done", 30, "record done")
+    assert _runs(c, "rd-1") == 1
+    _redeliver(c, payload)
+    # The lock is free: a copy that tries it first runs the task again; one
+    # that asks the park record is dropped as a duplicate of the done task.
+    worker = c.processes[0]
+
+    def handled() -> bool:
+        dropped = worker.log_lines("defer.duplicate", task.id)
+        return bool(dropped) or _runs(c, "rd-1") > 1
+
+    wait_for(handled, 60, "the redelivered copy handled", on_timeout=c.report)
+    assert _runs(c, "rd-1") == 1
+    assert worker.log_lines("defer.redelivered", task.id)
+    assert c.lock_redis.hget(record, "state") == "done"
+    assert task.state == "SUCCESS"
+
+
 def test_a_parked_task_whose_expires_passes_is_revoked_as_expired_and_one_granted_in_time_runs(
     shared: Cluster,
 ) -> None:
