@@ -32,19 +32,8 @@ FAULT_PARTICIPANTS = ("adopt_deadline", "lock_restart", "kill_child", "kill_main
 #: ``make chaos`` runs every participant. Remove one from here once its fix
 #: is merged and the short run passes with it.
 KNOWN_TO_FAIL: dict[str, str] = {
-    # retry and unique find no violation of their own any more; with their
-    # load in the short run, kill_main's corner (a task sent as a worker's
-    # main process dies stays PENDING: never_ran/left_pending) fails about a
-    # third of the short runs, so they stay out until that corner is fixed.
-    "retry": "left_pending (kill_main, with the short run's other participants): a task "
-    "sent as a worker's main process is killed is never run",
-    "unique": "left_pending (kill_main, with the short run's other participants): a task "
-    "sent as a worker's main process is killed is never run",
     "mixed": "resource_idle/never_ran: waiting tasks in every pool slot leave a deferred "
     "grant idle for the grant TTL",
-    "kill_worker": "ran_twice: a worker killed after its child parked a task and before the "
-    "message was acked: the message comes back after the visibility timeout, when the "
-    "parked task has run, finds the lock free and runs it again (docs/defer.md, D2)",
 }
 
 #: The short run's participants (``CHAOS_CELERY_SHORT`` overrides).
