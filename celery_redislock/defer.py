@@ -31,7 +31,7 @@ from kombu.utils import json as kjson
 from ._threads import real_sleep, start_os_thread
 from .connect import clone_client
 from .exceptions import LockError, RedisUnavailable, ReplicationTimeout
-from .keys import defer_owner_id
+from .keys import defer_owner_id, holder_record, task_token
 from .lease import Lease
 from .manager import REDIS_DOWN_ERRORS, LockManager, _Request, _text
 from .node import free_dead_member
@@ -213,6 +213,88 @@ def park(
         raise
     if adopt_now:
         mgr._note_parked()
+    return ParkResult("parked", life=life)
+
+
+def take_over(
+    mgr: LockManager,
+    task_id: str,
+    waiting: str,
+    req: _Request,
+    message: dict[str, Any],
+    *,
+    park_ttl: float,
+    grant_ttl: float,
+    label: str = "",
+    holder: str = "",
+) -> ParkResult:
+    """Park a waiting task in its place: its queued request ``waiting`` (a
+    token) becomes the task owner's (docs/defer.md, "Waiting tasks behind a
+    grant in transit", T3).
+
+    Two round trips, as :func:`park`: ``defer_park.lua`` writes the record
+    and moves the request (same arrival number in every queue), then
+    ``acquire.lua`` runs as the task owner; granted, the grant is adopted
+    here. Returns ``parked``, ``granted`` (with the leases), ``duplicate``
+    (a record holds the task: ``state`` says which) or ``not-queued`` (the
+    request is no longer queued: nothing changed, the caller goes on
+    waiting). TypeError when the message does not encode as JSON (nothing
+    written); on any error after the record was written the task is
+    withdrawn again and the error raised.
+    """
+    task_owner(task_id)  # validates the id before anything is written
+    if holder:
+        message = {**message, "holder": holder}
+    if message.get("parked_at") is None:
+        message = {**message, "parked_at": time.time()}
+    msg = kjson.dumps(message)
+    owner = task_owner(task_id)  # life 0; the script names the life it picked
+    reply = mgr._call(
+        "defer_park",
+        [record_key(mgr, task_id), deferred_key(mgr)],
+        [
+            task_id,
+            "0",
+            req.modes,
+            "\n".join(req.resources),
+            msg,
+            _ms(grant_ttl),
+            mgr.keys.prefix,
+            _ms(min(park_ttl, mgr.owner_ttl)),
+            _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
+            _ms(park_ttl),
+            str(int((message.get("options") or {}).get("retries") or 0)),
+            waiting,
+            f"task {label}",
+            # The holder record names the request id, the same in every life.
+            holder_record(task_token(owner, task_id), holder) if holder else "",
+        ],
+    )
+    if int(reply[0]) == 0:
+        state = _text(reply[1])
+        return ParkResult("not-queued" if state == "not-queued" else "duplicate", state=state)
+    token, life = _text(reply[2]), int(reply[3])
+    try:
+        got = _attempt_as_task(
+            mgr, token, req, liveness_ms=_ms(park_ttl), register=f"task {label}", holder=holder
+        )
+        code = int(got[0])
+        if code == 1:
+            outcome, leases = adopt(
+                mgr, task_id, life, holder=holder or None, parked_at=message["parked_at"]
+            )
+            if not leases:
+                raise LockError(f"deferred task {task_id}: immediate grant not adopted ({outcome})")
+            return ParkResult("granted", leases=leases, life=life)
+        if code == -1:
+            raise LockError(f"deferred task {task_id}: its task owner is tombstoned")
+    except BaseException:
+        try:
+            withdraw(mgr, task_id)
+        except Exception as exc:  # its park TTL ends it
+            log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
+        raise
+    mgr._note_parked()
     return ParkResult("parked", life=life)
 
 
@@ -707,6 +789,10 @@ class Dispatcher:
                 pipe.execute()
                 raise
             self.dispatched += 1
+            try:
+                self.nudge(task_id, fence)
+            except Exception as exc:  # the waiters see the grant at their next look
+                log.warning("defer.nudge-error id=%s error=%r", task_id, exc)
         elif kind == "parked":
             token, modes, res = (_text(x) for x in reply[1:4])
             pttl, message = int(reply[4]), _loads(_text(reply[5]))
@@ -717,6 +803,25 @@ class Dispatcher:
                 return
             holder = str((message or {}).get("holder") or "")
             self._attempt(task_id, token, modes, res, pttl, holder)
+
+    def nudge(self, task_id: str, fence: int) -> int:
+        """Tell the waiting requests that wait for the grant ``fence`` of
+        ``task_id``, now in transit, that it needs a pool slot
+        (``defer_nudge.lua``, one round trip): a waiting task among them
+        gives its slot up and is parked in its place (docs/defer.md, T2).
+        Returns how many were told."""
+        mgr = self.manager
+        told = int(
+            mgr._call(
+                "defer_nudge",
+                [record_key(mgr, task_id)],
+                [mgr.keys.prefix, str(fence), str(mgr._req_ttl_ms), str(mgr.queue_scan_limit)],
+                client=self._redis(),
+            )
+        )
+        if told:
+            log.info("defer.nudged id=%s waiters=%d", task_id, told)
+        return told
 
     def _attempt(
         self, task_id: str, token: str, modes: str, res: str, pttl: int, holder: str = ""
@@ -821,6 +926,7 @@ __all__ = [
     "capture_message",
     "mark_done",
     "park",
+    "take_over",
     "task_owner",
     "withdraw",
 ]

@@ -118,6 +118,10 @@ _POLL: Any = getattr(select, "poll", None)
 #: state (no Redis traffic): a lease granted meanwhile is watched this late
 #: (at most half the heartbeat interval, like the watcher's BLPOP).
 _WATCH_IDLE_SLICE = 0.05
+#: What ``_block`` returns for a ``t`` on the wake list (``defer_nudge.lua``):
+#: a grant in transit to a parked task waits for a pool slot ahead of this
+#: request (docs/defer.md, "Waiting tasks behind a grant in transit").
+_TRANSIT_WAKE = -2
 #: Values of ``LockManager(eviction_check=...)``.
 EVICTION_CHECK_MODES = ("warn", "raise", "ignore")
 
@@ -479,6 +483,21 @@ def _names(value: str | Iterable[str] | None, kind: str) -> tuple[str, ...]:
         if name not in out:
             out.append(name)
     return tuple(out)
+
+
+class RequestMoved(Exception):
+    """Raised by :meth:`LockManager.acquire` when the thread's
+    ``park_behind_transit`` hook (set by ``@locked`` around a task's own
+    wait) took the queued request over: it waits on as a parked task's
+    request, in its place (docs/defer.md, "Waiting tasks behind a grant in
+    transit"). Nothing of the acquire's own token is left to release.
+    ``behind``: the task id of the grant in transit named by the script's
+    reply ('' when a nudge told it)."""
+
+    def __init__(self, resources: Iterable[str], behind: str) -> None:
+        self.resources = tuple(resources)
+        self.behind = behind
+        super().__init__(self.resources, behind)
 
 
 class LockManager:
@@ -1028,6 +1047,14 @@ class LockManager:
         # worker shutdown; a body's later or nested acquire is never cut short.
         haltable = not nested and getattr(self._local, "halt_ok", False)
         block_call = functools.partial(self._block, halt=True) if haltable else self._block
+        # A @locked task's own wait may turn into a park in its place when a
+        # grant in transit waits ahead of it (docs/defer.md, T3): the hook
+        # takes the queued request over and returns True, or returns False
+        # (the request is left as it was: keep waiting).
+        take_over: Callable[[str, _Request], bool] | None = (
+            None if nested else getattr(self._local, "park_behind_transit", None)
+        )
+        told_transit = False  # woken by defer_nudge.lua since the last script run
         # A task's own request id (``task:<id>``, set by UniqueTask around
         # the call) makes the grant name its task, like acquire_for_task's.
         request_id = getattr(self._local, "request_id", None)
@@ -1161,6 +1188,13 @@ class LockManager:
                     raise LockTimeout(req.resources, timeout)
                 if haltable and self._halted:
                     raise ShuttingDown(req.resources)
+                transit = _text(reply[4]) if len(reply) > 4 else ""
+                if take_over is not None and (transit or told_transit):
+                    # Blocked behind a grant in transit: give the slot up.
+                    if take_over(token, req):
+                        raise RequestMoved(req.resources, transit)
+                    take_over = None  # not taken over: wait as before
+                told_transit = False
                 wait_ms = int(reply[1])
                 block = min(remaining, self._block_cap, self.owner_ttl)
                 if wait_ms >= 0:
@@ -1179,9 +1213,12 @@ class LockManager:
                     fence = self._riding_out(outage, token, block_call, token, max(block, 0.001))
                 finally:
                     self._waiting.discard(token)
-                if fence is not None and fence < 0:
+                if fence == -1:
                     raise ShuttingDown(req.resources)
-                reply = None if fence is None else (1, fence)
+                told_transit = fence == _TRANSIT_WAKE
+                reply = None if fence is None or told_transit else (1, fence)
+        except RequestMoved:
+            raise  # the request is a task owner's now: nothing of this token is left
         except BaseException as exc:
             with self._state_lock:
                 gone = self._leases.pop(token, None)
@@ -1588,7 +1625,8 @@ class LockManager:
 
         With ``halt`` (``@locked``'s wait in a worker), the same BLPOP also
         watches the worker's halt list: popped, its entry is pushed back for
-        the next waiter and -1 is returned (shutting down).
+        the next waiter and -1 is returned (shutting down). A ``t`` (a grant
+        in transit waits ahead, ``defer_nudge.lua``) returns ``_TRANSIT_WAKE``.
         """
         keys = [self.keys.wake(token)]
         halt_key = self._halt_key if halt else None
@@ -1616,6 +1654,8 @@ class LockManager:
         if got is None:
             return None
         msg = _text(got[1])
+        if msg == "t":
+            return _TRANSIT_WAKE
         return int(msg[1:]) if msg.startswith("g") else None
 
     @contextmanager

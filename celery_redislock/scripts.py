@@ -51,6 +51,7 @@ SCRIPT_NAMES = (
     "defer_withdraw",
     "defer_tick",
     "defer_guard",
+    "defer_nudge",
 )
 
 

@@ -44,6 +44,7 @@ from .exceptions import (
     ShuttingDown,
 )
 from .lease import Lease
+from .manager import RequestMoved
 from .settings import ON_BUSY_MODES, ON_LOST_MODES
 
 log = logging.getLogger("celery_redislock.task")
@@ -685,6 +686,143 @@ def defers(task: Any, fun: Any) -> bool:
     return bool(mode == "defer")
 
 
+def _carries_grant(task: Any) -> bool:
+    """Whether the task's message carries a deferred grant's header."""
+    request = getattr(task, "request", None) if task is not None else None
+    return request is not None and _grant_header(request) is not None
+
+
+def _transit_hook(
+    task: Any, locks: RedisLock, label: str, wait: float | None, parked: list[Any]
+) -> Callable[[str, Any], bool]:
+    """The ``park_behind_transit`` hook of an ``on_busy="wait"`` task's own
+    wait (docs/defer.md, "Waiting tasks behind a grant in transit", T3).
+
+    Called by :meth:`LockManager.acquire` with the queued request's token
+    when a grant in transit waits ahead of it: parks the task in the
+    request's place (:func:`defer.take_over`) and returns True, the result
+    appended to ``parked``; returns False to go on waiting (the request is
+    no longer queued, a finished record holds the task, the timeout is
+    spent, or the arguments do not survive JSON). A copy of a task that is
+    parked, in transit or running elsewhere raises ``Ignore`` (dropped).
+    """
+    from celery.exceptions import Ignore
+
+    from . import defer
+
+    started = time.monotonic()
+    cfg = locks.config
+    task_id = str(task.request.id)
+    guarded = guard.enabled(locks.app, cfg.defer_guard_interval)
+
+    def hook(token: str, req: Any) -> bool:
+        park_ttl = cfg.defer_ttl if wait is None else wait - (time.monotonic() - started)
+        try:
+            message = defer.capture_message(task)
+            left = defer.expires_in(message["options"].get("expires"))
+            if left is not None:
+                park_ttl = min(park_ttl, left)
+            if park_ttl <= 0.001:
+                return False
+            # What a park record's message holds (as _run_deferred builds it).
+            message["modes"] = req.modes
+            message["resources"] = list(req.resources)
+            message["park_ttl"] = park_ttl
+            message["grant_ttl"] = cfg.defer_grant_ttl
+            result = defer.take_over(
+                locks.manager,
+                task_id,
+                token,
+                req,
+                message,
+                park_ttl=park_ttl,
+                grant_ttl=cfg.defer_grant_ttl,
+                label=f"{task.name} {task_id}",
+                holder=holder_info(task, label, locks.nodename),
+            )
+        except (TypeError, ValueError) as exc:
+            log.info(
+                "locked.wait-not-parked task=%s id=%s error=%r: waiting in the pool slot",
+                label,
+                task_id,
+                exc,
+            )
+            return False
+        if result.outcome == "duplicate" and result.state != "done":
+            log.warning(
+                "defer.duplicate task=%s id=%s state=%s: this task is already deferred; "
+                "dropping this copy",
+                label,
+                task_id,
+                result.state,
+            )
+            if guarded and result.state in ("parked", "granted"):
+                # As _run_deferred's copy does: a spare guard (D2, D3).
+                _store_deferred(task, task_id, list(req.resources))
+                _send_guard(locks, task_id, message, 0, guarded)
+            raise Ignore()
+        if result.outcome not in ("parked", "granted"):
+            return False
+        parked.append((result, message))
+        return True
+
+    return hook
+
+
+def _parked_behind_transit(
+    task: Any,
+    locks: RedisLock,
+    label: str,
+    resources: list[str],
+    lost_mode: str,
+    fun: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    parked: tuple[Any, dict[str, Any]],
+    moved: RequestMoved,
+) -> Any:
+    """The wait was parked in its place (:func:`_transit_hook`): run the
+    body with the grant adopted at once, or free the pool slot, as a parked
+    task does (``DEFERRED``, its guard, ``Ignore``)."""
+    from celery.exceptions import Ignore
+
+    result, message = parked
+    guarded = guard.enabled(locks.app, locks.config.defer_guard_interval)
+    mgr = locks.manager
+    task_id = str(task.request.id)
+    log.info(
+        "locked.wait-parked task=%s id=%s resources=%s behind=%s: a grant in transit "
+        "waits for a pool slot; parked in this task's place in line",
+        label,
+        task_id,
+        ",".join(resources),
+        moved.behind or "-",
+    )
+    if result.outcome == "granted":
+        holder = holder_info(task, label, locks.nodename)
+        run = _BodyRun(
+            mgr,
+            label,
+            str(getattr(task, "name", None) or label),
+            task_id,
+            lost_mode,
+            True,
+            locks._pool_child_pid,
+            holder if getattr(mgr._local, "holder", None) is None else None,
+        )
+        leases = result.leases
+
+        def mark() -> None:  # done once the result is stored, as _run_deferred's
+            _mark_done_after_store(task, mgr, task_id, leases[0].owner_id)
+
+        if guarded:  # a guard that later finds no record must not recover a started task
+            guard.mark_adopted(locks.app, task_id, result.life)
+        return _run_adopted(leases, resources, run, fun, args, kwargs, mark)
+    _store_deferred(task, task_id, resources)
+    _send_guard(locks, task_id, message, result.life, guarded)
+    raise Ignore()
+
+
 def _run_adopted(
     leases: list[Lease],
     resources: list[str],
@@ -1146,7 +1284,9 @@ def locked(
             mode = locks.config.default_on_busy if on_busy is _DEFAULT else on_busy
             hooks = _task_hooks(task)
             body = fun if hooks is None else _after_hook(fun, hooks.before_body)
-            if mode == "defer" and _deferrable(task):
+            # A message carrying a grant (a waiting task parked behind a grant
+            # in transit, then dispatched) adopts it whatever on_busy says.
+            if (mode == "defer" or _carries_grant(task)) and _deferrable(task):
                 lost = locks.config.on_lost if on_lost is _DEFAULT else on_lost
                 return _run_deferred(
                     task,
@@ -1186,6 +1326,11 @@ def locked(
             )
             if holder is not None:
                 mgr._local.holder = holder
+            # A waiting task run by a worker gives its pool slot up when a
+            # grant in transit waits ahead of it (docs/defer.md, T3).
+            parked: list[Any] = []
+            if mode == "wait" and _deferrable(task):
+                mgr._local.park_behind_transit = _transit_hook(task, locks, label, wait, parked)
             try:
                 # The body has not started: this wait may give way to a
                 # warm shutdown (ShuttingDown, below).
@@ -1194,8 +1339,22 @@ def locked(
                     lease = mgr.acquire(exclusive_names, shared_names, timeout=wait)
                 finally:
                     mgr._local.halt_ok = False
+                    mgr._local.park_behind_transit = None
                     if holder is not None:
                         mgr._local.holder = None
+            except RequestMoved as moved:
+                return _parked_behind_transit(
+                    task,
+                    locks,
+                    label,
+                    exclusive_names + shared_names,
+                    lost_mode,
+                    body,
+                    args,
+                    kwargs,
+                    parked[0],
+                    moved,
+                )
             except ShuttingDown as exc:
                 _hand_back(task, label, exc)
                 raise

@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager
+from celery_redislock import LockManager, defer
 from celery_redislock.defer import Dispatcher, adopt, mark_done, park, park_limit, withdraw
+from celery_redislock.identity import new_request_id
 from celery_redislock.inspect import Inspector
+from celery_redislock.manager import RequestMoved
 from engine_helpers import Managers, namespace_keys, queue_requests, wait_until
 
 NS = "t"
@@ -1092,3 +1094,212 @@ def test_the_grant_header_is_taken_off_the_request_so_a_retry_does_not_carry_it(
     assert _grant_header(request) == (0, 7)
     assert request.as_execution_options()["headers"] == {}  # what a retry sends
     assert request.redislock_defer == "0:7"  # the body may still read it
+
+
+# -- waiting tasks behind a grant in transit (docs/defer.md, T1-T4, M1-M7) ------
+
+
+def _enqueue(
+    mgr: LockManager, exclusive: tuple[str, ...] = (), shared: tuple[str, ...] = ()
+) -> Any:
+    """Queue one request of ``mgr`` (one acquire.lua run, no wait): (token, reply)."""
+    req = mgr._request(list(exclusive), list(shared))
+    ident = mgr._identity.current()
+    token = f"{ident.owner_id}|{new_request_id()}"
+    return token, mgr._attempt(ident, token, req, True, False)
+
+
+def _message(*res: str) -> dict[str, Any]:
+    return {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": list(res)}
+
+
+def _in_transit(managers: Managers, rs: redis.Redis, task_id: str, *res: str) -> LockManager:
+    """Park ``task_id`` behind a holder, then release: its grant is in transit."""
+    mgr = managers()
+    holder = mgr.acquire(list(res))
+    assert _park(mgr, task_id, *res) == "parked"
+    holder.release()
+    assert rs.hget(f"{P}defer:{task_id}", "state") == "granted"
+    return mgr
+
+
+def test_a_blocked_reply_names_the_grant_in_transit_that_blocks_it(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    _park(mgr, "t1", "a")
+    _, reply = _enqueue(managers(), ("a",))
+    assert int(reply[0]) == 0 and reply[4] == ""  # a process holds: no grant in transit
+    holder.release()  # handed to t1 (in transit); the waiter is next
+    _, reply = _enqueue(managers(), ("a",))
+    assert int(reply[0]) == 0 and reply[4] == "t1"
+    _, reply = _enqueue(managers(), (), ("a",))  # shared behind it too
+    assert int(reply[0]) == 0 and reply[4] == "t1"
+    _, leases = adopt(managers(), "t1", 0)  # adopted: a process holds it now
+    _, reply = _enqueue(managers(), ("a",))
+    assert int(reply[0]) == 0 and reply[4] == ""
+    leases[0].release()
+
+
+def test_the_nudge_tells_the_waiting_processes_that_wait_for_a_grant_in_transit(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr, other = managers(), managers()
+    holder, b = mgr.acquire("a"), other.acquire("b")
+    req = mgr._request([], ["a"])  # t1 asks for 'a' shared
+    assert park(mgr, "t1", req, _message("a"), park_ttl=600, grant_ttl=60).outcome == "parked"
+    # 's1' waits shared on 'a' and exclusive on 'b' (blocked by 'b' only);
+    # 'x1' exclusive on 'a'; then a parked request; then 's2' shared.
+    s1, _ = _enqueue(managers(), ("b",), ("a",))
+    x1, _ = _enqueue(managers(), ("a",))
+    assert _park(mgr, "t2", "a") == "parked"
+    s2, _ = _enqueue(managers(), (), ("a",))
+    holder.release()
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    for token in (s1, x1, s2):
+        rs.delete(f"{P}wake:{token}")  # the release's own wake-ups
+    dispatcher, sent = _dispatcher(mgr)
+    dispatcher.handle("t1")
+    fence = int(rs.hget(f"{P}defer:t1", "fence") or 0)
+    assert sent.sent == [("t1", f"0:{fence}")]
+    told = {t for t in (s1, x1, s2) if rs.lrange(f"{P}wake:{t}", 0, -1) == ["t"]}
+    # s1 is ahead of every exclusive entry on 'a', which t1 holds shared: it
+    # does not wait for t1. The parked t2 holds no pool slot: not told.
+    assert told == {x1, s2}
+    assert not rs.exists(f"{P}wake:defer:t2|task:t2")
+    assert rs.lrange(f"{P}dispatch", 0, -1) == ["t1"]  # (handle() pops nothing)
+    # Adopted: nobody is told any more.
+    for token in told:
+        rs.delete(f"{P}wake:{token}")
+    _, leases = adopt(managers(), "t1", 0)
+    assert dispatcher.nudge("t1", fence) == 0
+    assert not any(rs.exists(f"{P}wake:{t}") for t in (x1, s2))
+    for lease in leases:
+        lease.release()
+    b.release()
+
+
+def test_a_waiting_request_taken_over_keeps_its_place_and_its_arrival_number(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    _in_transit(managers, rs, "t1", "a", "b")
+    waiter = managers()
+    token, reply = _enqueue(waiter, ("a",), ("b",))
+    assert reply[4] == "t1"
+    after, _ = _enqueue(managers(), ("a",))
+    score = rs.zscore(f"{P}q:a", "x" + token)
+    req = waiter._request(["a"], ["b"])
+    # Not queued (a made-up token): nothing is written.
+    assert (
+        defer.take_over(
+            waiter,
+            "w1",
+            f"{waiter.owner_id}|nope",
+            req,
+            _message("a", "b"),
+            park_ttl=600,
+            grant_ttl=60,
+        ).outcome
+        == "not-queued"
+    )
+    assert not rs.exists(f"{P}defer:w1")
+
+    result = defer.take_over(
+        waiter,
+        "w1",
+        token,
+        req,
+        _message("a", "b"),
+        park_ttl=600,
+        grant_ttl=60,
+        holder="t.task\nw1\nnode",
+    )
+    assert result.outcome == "parked"
+    new = "defer:w1|task:w1"
+    assert rs.zrange(f"{P}q:a", 0, -1, withscores=True) == [
+        ("x" + new, score),
+        ("x" + after, rs.zscore(f"{P}q:a", "x" + after)),
+    ]
+    assert rs.zrange(f"{P}q:b", 0, -1, withscores=True) == [("s" + new, score)]
+    assert not rs.exists(f"{P}req:{token}") and not rs.hexists(f"{P}waits:{waiter.owner_id}", token)
+    assert rs.hget(f"{P}waits:defer:w1", new) == "xs\na\nb"
+    state = rs.hgetall(f"{P}req:{new}")
+    assert (state["state"], float(state["seq"]), state["nested"]) == ("q", score, "0")
+    assert state["holder"] == "task:w1\nt.task\nw1\nnode"
+    assert 0 < rs.pttl(f"{P}alive:defer:w1") <= 600_000
+    assert rs.hget(f"{P}defer:w1", "state") == "parked"
+    # A second take-over (a copy of the message): the record holds the task.
+    again, _ = _enqueue(managers(), ("a",), ("b",))
+    dup = defer.take_over(
+        managers(), "w1", again, req, _message("a", "b"), park_ttl=600, grant_ttl=60
+    )
+    assert (dup.outcome, dup.state) == ("duplicate", "parked")
+
+    # FIFO: t1 runs, then the parked w1 (dispatched), then the waiter after it.
+    _, leases = adopt(managers(), "t1", 0)
+    for lease in leases:
+        lease.release()
+    assert rs.hget(f"{P}defer:w1", "state") == "granted"
+    assert rs.lindex(f"{P}dispatch", 0) == "w1"
+    _, leases = adopt(managers(), "w1", 0)
+    assert len(leases) == 1 and set(leases[0].resources) == {"a", "b"}
+    for lease in leases:
+        lease.release()
+    assert rs.hkeys(f"{P}lock:a") == [after]
+
+
+def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain_waiter_keeps_waiting(
+    managers: Managers, rs: redis.Redis
+) -> None:
+    mgr = managers()
+    holder = mgr.acquire("a")
+    assert _park(mgr, "t1", "a") == "parked"
+    outcomes: dict[str, Any] = {}
+
+    def wait_as_task(name: str) -> None:
+        m = managers()
+        parked: list[Any] = []
+
+        def hook(token: str, req: Any) -> bool:
+            result = defer.take_over(m, name, token, req, _message("a"), park_ttl=600, grant_ttl=60)
+            parked.append(result)
+            return result.outcome in ("parked", "granted")
+
+        m._local.park_behind_transit = hook
+        try:
+            outcomes[name] = m.acquire("a", timeout=30)
+        except RequestMoved as exc:
+            outcomes[name] = (exc.behind, parked[0].outcome)
+
+    def wait_directly() -> None:
+        outcomes["plain"] = managers().acquire("a", timeout=30)
+
+    w1 = threading.Thread(target=wait_as_task, args=("w1",))
+    w1.start()
+    wait_until(lambda: rs.zcard(f"{P}q:a") == 2, what="w1 queued")
+    plain = threading.Thread(target=wait_directly)
+    plain.start()
+    wait_until(lambda: rs.zcard(f"{P}q:a") == 3, what="the plain waiter queued")
+    holder.release()  # to t1: in transit; both wait in their BLPOP
+    assert rs.hget(f"{P}defer:t1", "state") == "granted"
+    dispatcher, _ = _dispatcher(mgr)
+    dispatcher.step()  # publish t1, then the nudge
+    w1.join(20)
+    assert outcomes["w1"] == ("t1", "parked")
+    # A task arriving now sees the grant in its first reply: parked at once.
+    w2 = threading.Thread(target=wait_as_task, args=("w2",))
+    w2.start()
+    w2.join(20)
+    assert outcomes["w2"] == ("t1", "parked")
+    queue = rs.zrange(f"{P}q:a", 0, -1)
+    assert queue[0] == "xdefer:w1|task:w1" and queue[2] == "xdefer:w2|task:w2"
+    assert not queue[1].startswith("xdefer") and "plain" not in outcomes  # still waiting
+
+    for task_id in ("t1", "w1"):
+        _, leases = adopt(managers(), task_id, 0)
+        assert leases, task_id
+        leases[0].release()
+    plain.join(20)
+    outcomes["plain"].release()
+    assert rs.hget(f"{P}defer:w2", "state") == "granted"

@@ -244,6 +244,29 @@ local function parked_task(prefix, token)
   return tid
 end
 
+-- Whether OWNER is a task owner, not a process: a parked task's
+-- ('defer:<task id>', 'defer+<n>:<task id>'; an earlier release's 'task:',
+-- 'task+<n>:') or UniqueTask's ('task:<task id>', 'task+<n>:<task id>'). A
+-- process's owner id starts with its pid.
+local function is_task_owner(owner)
+  local head = string.sub(owner, 1, 5)
+  return head == 'task:' or head == 'task+' or head == 'defer'
+end
+
+-- The task id of a grant in transit: TOKEN holds a lock as a parked
+-- request's task owner whose task has not adopted the grant yet (its park
+-- record names TOKEN and is 'granted'); nil for any other holder. Costs one
+-- HMGET, only for a task owner's token.
+local function transit_task(prefix, token)
+  if not is_task_owner(owner_of(token)) then return nil end
+  local i = string.find(token, '|task:', 1, true)
+  if not i then return nil end
+  local tid = string.sub(token, i + 6)
+  local rec = redis.call('HMGET', prefix .. 'defer:' .. tid, 'token', 'state')
+  if rec[1] ~= token or rec[2] ~= 'granted' then return nil end
+  return tid
+end
+
 -- Redis TIME in milliseconds plus ADD_MS (a string), as a decimal string.
 local function time_ms_plus(add_ms)
   local t = redis.call('TIME')
@@ -352,14 +375,15 @@ end
 -- LOCK when the caller has it; nil: the first HSCAN page is read at once
 -- (one call where HLEN, then the page, would be two; a hash of up to 128
 -- fields, a listpack, comes whole in one page).
--- Returns (ms, freed): ms = the live holder's remaining liveness (it blocks
--- MODE), 0 when the purge budget ran out first (treat as blocked, try again
--- soon), or nil when no conflicting holder is left.
+-- Returns (ms, freed, by): ms = the live holder's remaining liveness (it
+-- blocks MODE), 0 when the purge budget ran out first (treat as blocked,
+-- try again soon), or nil when no conflicting holder is left; by = that
+-- live holder's token (nil when none was met).
 local function reclaim_holders(prefix, lock, mode, limit, n)
   if n == 0 or (mode == 's' and n ~= nil and n > 1) then return nil, 0 end
   local budget = purge_budget(limit)
   local freed, dead_owners, seen = 0, {}, 0
-  local cursor, ms = '0', nil
+  local cursor, ms, by = '0', nil, nil
   repeat
     local kv
     if n == 1 then
@@ -378,7 +402,7 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
         local o = owner_of(t)
         local left = owner_pttl(prefix, o)
         if left >= 0 then
-          ms = left
+          ms, by = left, t
           break
         end
         if redis.call('HDEL', lock, t) == 1 then
@@ -398,7 +422,7 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
       registry_del(prefix, o, {name_of(prefix, lock)})
     end
   end
-  return ms, freed
+  return ms, freed, by
 end
 
 local wake_front

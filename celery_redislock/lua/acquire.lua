@@ -70,7 +70,8 @@
 --      if it was the owner's last token there, the resource removed from
 --      that owner's registry); the live one blocks, and the resource's
 --      contended stream, if a holder watches it (wait_for_contender), gets
---      an entry.
+--      an entry. A blocking task owner's park record is read: a grant in
+--      transit is named in the reply.
 --   5. Queue (not for nested requests): earlier entries are read in pages.
 --      One that conflicts blocks, unless its owner is dead or its state has
 --      expired, in which case the request is removed from every queue
@@ -103,9 +104,13 @@
 --   {1, fence}         granted earlier (step 3: same fence); a hand-off's
 --                      grant keeps its request state and wake list until
 --                      release.lua deletes them
---   {0, wait_ms, why, reclaimed}
+--   {0, wait_ms, why, reclaimed, transit}
 --                      blocked; wait_ms = soonest a blocking owner's liveness
---                      runs out (-1 if unknown); why = 'held' | 'queued'
+--                      runs out (-1 if unknown); why = 'held' | 'queued';
+--                      transit = the task id of a grant in transit (a
+--                      parked task's grant not adopted yet: _common.lua
+--                      transit_task) that step 4 met as a live conflicting
+--                      holder, else '' (docs/defer.md, T1)
 --   reclaimed = dead holders' grants step 4 freed (for the metrics)
 --   {-1}               this owner's liveness is gone, or it is tombstoned:
 --                      use a new identity
@@ -178,11 +183,12 @@ local function note_wait(ms)
 end
 local rewake = {}
 local reclaimed = 0
+local transit = ''
 
 -- 4. holders
 for i = 1, n do
   local lock = KEYS[i]
-  local ms, freed = reclaim_holders(prefix, lock, string.sub(modes, i, i), limit)
+  local ms, freed, by = reclaim_holders(prefix, lock, string.sub(modes, i, i), limit)
   if freed > 0 then
     rewake[i] = true
     reclaimed = reclaimed + freed
@@ -191,6 +197,8 @@ for i = 1, n do
     blocked = true
     note_wait(ms)
     contended(prefix, lock)
+    -- A grant in transit blocks: a waiting task may give its slot up.
+    if transit == '' and by then transit = transit_task(prefix, by) or '' end
   end
 end
 
@@ -310,4 +318,4 @@ if want_queue then
   end
   redis.call('PEXPIRE', req_key, req_ttl)
 end
-return {0, wait_ms, why, reclaimed}
+return {0, wait_ms, why, reclaimed, transit}

@@ -24,6 +24,15 @@
 --  10 park TTL, ms (the task owner's liveness once queued: its deadline)
 --  11 (optional) the message's retry number (Celery's request.retries);
 --     '' or absent: 0
+--  12 (optional) token of a queued request to take over: a waiting task
+--     parked in its place (docs/defer.md, T3); '' or absent: none
+--  13 (with 12) the task owner's liveness value (who it is, for operators)
+--  14 (with 12) the moved request's holder record under the task owner's
+--     token ('' for none)
+-- With ARGV[12], the queues {ns}:q:<res> of ARGV[4], that request's
+-- {ns}:req|wake:<token>, its owner's {ns}:waits:<owner>, the task owner's
+-- {ns}:req:<token>, {ns}:waits|alive:<task owner> and {ns}:owners are built
+-- from ARGV[7] too.
 --
 -- Atomic steps:
 --   1. A record exists: it is replaced when it is 'adopted' by an owner
@@ -44,9 +53,19 @@
 --      msg, gttl), PEXPIRE it, delete that owner's old tombstone, schedule the
 --      first re-attempt in {ns}:deferred and the park deadline in
 --      {ns}:deadlines.
+--   4. Take over (ARGV[12]; checked before step 2 writes anything: the
+--      request must still be in its first queue, else reply
+--      {0, 'not-queued'}): in every queue its entry is replaced by the task
+--      owner's token with the same score (its arrival number), the request
+--      state moves to the task owner's token (state, seq, modes, res,
+--      holder record; TTL ARGV[10]), its line moves from its owner's waits
+--      hash to the task owner's, its wake list goes, and the task owner
+--      gets its liveness (ARGV[10], value ARGV[13]) and joins {ns}:owners.
+--      The caller runs acquire.lua as the task owner next, as for any park.
 --
 -- Reply: {1, task owner, token, life} written | {0, state} a record holds
--- the task already
+-- the task already | {0, 'not-queued'} the request to take over is not
+-- queued (granted meanwhile, or gone): nothing written
 
 local rec = KEYS[1]
 local prefix, tid = ARGV[7], ARGV[1]
@@ -60,8 +79,17 @@ if cur[1] then
   local retry = ran and retries > (tonumber(cur[4]) or 0)
   if not dead_adopter and not retry then return {0, cur[1]} end
   life = math.max(life, (tonumber(cur[3]) or 0) + 1)
-  redis.call('DEL', rec)
 end
+local from = ARGV[12] or ''
+local names
+if from ~= '' then
+  names = split_names(ARGV[4])
+  local q1 = prefix .. 'q:' .. names[1]
+  if not redis.call('ZSCORE', q1, string.sub(ARGV[3], 1, 1) .. from) then
+    return {0, 'not-queued'}
+  end
+end
+if cur[1] then redis.call('DEL', rec) end
 local owner = 'defer:' .. tid
 if life > 0 then owner = 'defer+' .. int(life) .. ':' .. tid end
 local token = owner .. '|task:' .. tid
@@ -71,4 +99,28 @@ redis.call('PEXPIRE', rec, ARGV[9])
 redis.call('DEL', prefix .. 'dead:' .. owner)
 redis.call('ZADD', KEYS[2], time_ms_plus(ARGV[8]), tid)
 redis.call('ZADD', prefix .. 'deadlines', time_ms_plus(ARGV[10]), tid)
+if from ~= '' then
+  -- 4. take over the waiting request, in its place in every queue
+  local modes = ARGV[3]
+  local seq = nil
+  for i = 1, #names do
+    local q, mode = prefix .. 'q:' .. names[i], string.sub(modes, i, i)
+    local score = redis.call('ZSCORE', q, mode .. from)
+    if score then
+      seq = seq or score
+      redis.call('ZREM', q, mode .. from)
+      redis.call('ZADD', q, score, mode .. token)
+    end
+  end
+  local req = prefix .. 'req:' .. token
+  redis.call('HSET', req, 'state', 'q', 'seq', seq, 'modes', modes, 'res', ARGV[4],
+    'nested', '0')
+  if (ARGV[14] or '') ~= '' then redis.call('HSET', req, 'holder', ARGV[14]) end
+  redis.call('PEXPIRE', req, ARGV[10])
+  redis.call('HDEL', prefix .. 'waits:' .. owner_of(from), from)
+  redis.call('HSET', prefix .. 'waits:' .. owner, token, modes .. '\n' .. ARGV[4])
+  redis.call('DEL', prefix .. 'req:' .. from, prefix .. 'wake:' .. from)
+  redis.call('SET', prefix .. 'alive:' .. owner, ARGV[13], 'PX', ARGV[10])
+  redis.call('SADD', prefix .. 'owners', owner)
+end
 return {1, owner, token, int(life)}
