@@ -177,6 +177,23 @@ def test_defer_benchmark_runs_each_mode_against_a_real_worker(
 
 
 @pytest.mark.e2e
+def test_defer_idle_benchmark_runs_mixed_wait_and_defer_tasks_against_a_real_worker(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from benchmarks import defer_idle
+
+    [result] = defer_idle.run(
+        redis_url, tmp_path, tasks=6, resources=2, wait_share=0.5, work=0.01, grant_ttl=30
+    )
+    assert (result.finished, result.tasks, result.left) == (6, 6, {})
+    assert result.regrants == 0  # no grant waited for a pool slot until its TTL
+    assert result.idle == pytest.approx(sum(result.gaps))
+    assert "| 6/6 |" in defer_idle.markdown([result], "x")
+    # The idle stretches: nobody runs a body although a task was sent and not ended.
+    assert defer_idle._idle([0.0, 0.0], [1.0, 3.0], 0.5) == [(0.0, 0.5), (1.0, 2.5)]
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_celery_contention_benchmark_reports_waits_and_exact_counts_of_a_real_worker(
     redis_url: str, tmp_path: Path

@@ -22,7 +22,10 @@ docs/defer.md gives the algorithm and its races (D1-D11). Pinned here:
   again while its resource is busy;
 - a ``UniqueTask`` that parks keeps its unique key while parked (a duplicate
   gets its id), runs as soon as the lock is handed to it, and a withdrawn one
-  frees its key.
+  frees its key;
+- waiting tasks (``on_busy="wait"``) in every pool slot (``-c 2``; solo's
+  only slot) give their slots up to a grant in transit: parked in their
+  places, they run after it, and the grant is adopted in its first life.
 
 The tests that kill nothing share one worker (module fixture); the stall
 and SIGKILL tests start their own.
@@ -102,6 +105,24 @@ def unique_defer(shared: Cluster) -> Iterator[Any]:
         if consumer is not None:
             consumer.stop()
         app.close()
+
+
+@pytest.fixture(scope="module")
+def pair(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One prefork worker with two pool slots and a grant TTL of 30 s, for
+    waiting tasks mixed with deferred ones."""
+    c = Cluster(
+        redis_server.url,
+        tmp_path_factory.mktemp("defer-pair"),
+        owner_ttl=5,
+        heartbeat=0.5,
+        defer_grant_ttl=30,
+    )
+    try:
+        c.start_worker("defer-pair", concurrency=2)
+        yield c
+    finally:
+        c.close()
 
 
 def _deferred(c: Cluster, result: Any) -> bool:
@@ -449,6 +470,56 @@ def test_a_parked_unique_task_keeps_its_key_runs_at_the_hand_off_and_frees_it_wh
     assert _runs(c, "v1") == 1
 
 
+def test_waiting_tasks_in_every_pool_slot_give_them_up_to_a_grant_in_transit(
+    pair: Cluster,
+) -> None:
+    """-c 2: H holds; D parks; W1 (on_busy="wait") waits in the other slot;
+    W2 (wait) is still in the broker. H ends: the lock is handed to D, whose
+    message is published behind W2; the freed slot takes W2. Both slots
+    would wait for D while D's message waits for a slot, until the grant
+    TTL. The waiters park in their places instead: D runs at once, then W1,
+    then W2, and D's grant is never handed on unadopted."""
+    c = pair
+    h = c.send("dhold", "mix", "mix-h")
+    wait_for(lambda: c.data.llen("e2e:held-log:mix-h"), 60, "holder", on_timeout=c.report)
+    d = c.send("dwrite", "mix", "mix-d")
+    wait_for(lambda: _deferred(c, d), 60, "D parked", on_timeout=c.report)
+    w1 = c.send("wwrite", "mix", "mix-w1")
+    wait_for(lambda: len(_queue(c, "res:mix")) == 2, 60, "W1 waits", on_timeout=c.report)
+    w2 = c.send("wwrite", "mix", "mix-w2")
+    # Both slots are taken (H, W1; prefetch 1 with acks_late): W2 stays in the broker.
+    assert w2.state == "PENDING" and _runs(c, "mix-w2") == 0
+
+    c.go("mix-h")
+    results = (h, d, w1, w2)
+    wait_for(
+        lambda: all(r.state == "SUCCESS" for r in results),
+        90,
+        "all four SUCCESS",
+        on_timeout=c.report,
+    )
+    assert c.data.lrange("e2e:order:mix", 0, -1) == ["mix-h", "mix-d", "mix-w1", "mix-w2"]
+    assert [_runs(c, t) for t in ("mix-d", "mix-w1", "mix-w2")] == [1, 1, 1]
+    [worker] = c.processes
+    # D's grant was adopted in its first life: never freed unadopted and
+    # parked again (which only the grant TTL does).
+    assert not worker.log_lines("defer.regrant"), worker.tail()
+    assert c.lock_redis.hget(c.key("defer", d.id), "life") == "0"
+    # W2 met the grant in transit (or W1's, parked after it) on arrival.
+    for waiter in (w1, w2):
+        assert worker.log_lines("locked.wait-parked", waiter.id), worker.tail()
+    # Marked done once its result is stored (task_postrun, just after).
+    wait_for(
+        lambda: c.lock_redis.hget(c.key("defer", w1.id), "state") == "done",
+        30,
+        "W1's record done",
+        on_timeout=c.report,
+    )
+    assert c.data.lrange("e2e:violations", 0, -1) == []
+    wait_for(lambda: not c.namespace_keys("lock"), 30, "locks released", on_timeout=c.report)
+    assert c.lock_redis.zcard(c.key("deferred")) == 0
+
+
 def test_parked_task_outlives_its_sigkilled_worker_and_runs_once_on_another(
     cluster: Callable[..., Cluster],
 ) -> None:
@@ -570,11 +641,16 @@ def test_other_pools_park_dispatch_and_adopt_deferred_tasks(
             parked.append(c.send("dwrite", "p", f"{pool}-{i}"))
             wait_for(lambda: _deferred(c, parked[-1]), 60, "parked", on_timeout=c.report)
             since.append(float(parked[-1].info["parked_at"]))
+        # A waiting task behind them holds a slot (solo: the only one); once
+        # the first grant is in transit it gives the slot up and parks.
+        waiting = c.send("wwrite", "p", f"{pool}-w")
+        wait_for(lambda: len(_queue(c, "res:p")) == 3, 60, "waiting", on_timeout=c.report)
         lease.release()
         # Dispatched by push (the release's hand-off), not by a re-attempt.
         for r, at in zip(parked, since):
             r.get(timeout=_by(at))
+        waiting.get(timeout=60)
     finally:
         holder.close()
-    assert c.data.lrange("e2e:order:p", 0, -1) == [f"{pool}-0", f"{pool}-1"]
-    assert [_runs(c, f"{pool}-{i}") for i in range(2)] == [1, 1]
+    assert c.data.lrange("e2e:order:p", 0, -1) == [f"{pool}-0", f"{pool}-1", f"{pool}-w"]
+    assert [_runs(c, f"{pool}-{t}") for t in ("0", "1", "w")] == [1, 1, 1]
