@@ -1258,7 +1258,10 @@ def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain
     outcomes: dict[str, Any] = {}
 
     def wait_as_task(name: str) -> None:
-        m = managers()
+        # A long owner_ttl and socket timeout: its wait re-runs its script
+        # only when its blocker's liveness could run out (~30 s), so only
+        # the nudge makes it look again meanwhile.
+        m = managers(f"{managers.url}?socket_timeout=90", owner_ttl=600)
         parked: list[Any] = []
 
         def hook(token: str, req: Any) -> bool:
@@ -1268,7 +1271,7 @@ def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain
 
         m._local.park_behind_transit = hook
         try:
-            outcomes[name] = m.acquire("a", timeout=30)
+            outcomes[name] = m.acquire("a", timeout=60)
         except RequestMoved as exc:
             outcomes[name] = (exc.behind, parked[0].outcome)
 
@@ -1285,7 +1288,7 @@ def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
     dispatcher, _ = _dispatcher(mgr)
     dispatcher.step()  # publish t1, then the nudge
-    w1.join(20)
+    wait_until(lambda: "w1" in outcomes, timeout=10, what="w1 told, and parked")
     assert outcomes["w1"] == ("t1", "parked")
     # A task arriving now sees the grant in its first reply: parked at once.
     w2 = threading.Thread(target=wait_as_task, args=("w2",))
