@@ -107,7 +107,7 @@ def _attempt_as_task(
     holder: str = "",
 ) -> Any:
     """acquire.lua as the task owner of ``token`` (queue when blocked); its raw reply:
-    ``{1, fence, ...}``, ``{0, wait_ms, why, reclaimed}`` or ``{-1}``.
+    ``{1, fence, ...}``, ``{0, wait_ms, why, reclaimed, transit}`` or ``{-1}``.
 
     ``holder``: who the task is (task name, id, node), kept with the queued
     request and, once granted, as its holder record in the registry."""
