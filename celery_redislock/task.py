@@ -1284,9 +1284,12 @@ def locked(
             mode = locks.config.default_on_busy if on_busy is _DEFAULT else on_busy
             hooks = _task_hooks(task)
             body = fun if hooks is None else _after_hook(fun, hooks.before_body)
-            # A message carrying a grant (a waiting task parked behind a grant
-            # in transit, then dispatched) adopts it whatever on_busy says.
-            if (mode == "defer" or _carries_grant(task)) and _deferrable(task):
+            # The task's own @locked (not one called in a @locked body: that
+            # one re-enters the adopted grant) adopts a message's grant
+            # whatever on_busy says: a waiting task parked behind a grant in
+            # transit, then dispatched.
+            outermost = not _leases.get()
+            if (mode == "defer" or (outermost and _carries_grant(task))) and _deferrable(task):
                 lost = locks.config.on_lost if on_lost is _DEFAULT else on_lost
                 return _run_deferred(
                     task,
@@ -1329,7 +1332,7 @@ def locked(
             # A waiting task run by a worker gives its pool slot up when a
             # grant in transit waits ahead of it (docs/defer.md, T3).
             parked: list[Any] = []
-            if mode == "wait" and _deferrable(task):
+            if mode == "wait" and outermost and _deferrable(task):
                 mgr._local.park_behind_transit = _transit_hook(task, locks, label, wait, parked)
             try:
                 # The body has not started: this wait may give way to a
