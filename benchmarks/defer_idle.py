@@ -25,7 +25,7 @@ Usage::
         [--wait-share 0.3] [--work 0.05] [--grant-ttl 5] [--interval 0]
         [--deadline 90] [--rounds 1] [--seed 1]
 
-Starts its own redis-server and one worker. Run from another checkout (a
+Starts its own redis-server and one worker per round. Run from another checkout (a
 git worktree of an older commit, with this file copied in) it measures
 that checkout's library: the worker runs the package of the checkout the
 file sits in. Not a timed test: tests/test_benchmarks_smoke.py runs it small.
@@ -177,25 +177,31 @@ def run(
     rounds: int = 1,
     seed: int = 1,
 ) -> list[IdleResult]:
-    """Start one prefork worker (-c 2) and run the scenario ``rounds`` times."""
-    c = Cluster(redis_url, workdir, owner_ttl=10, heartbeat=1, defer_grant_ttl=grant_ttl)
-    try:
-        c.start_worker("bench-idle", concurrency=2)
-        return [
-            run_once(
-                c,
-                tasks=tasks,
-                resources=resources,
-                wait_share=wait_share,
-                work=work,
-                interval=interval,
-                deadline=deadline,
-                seed=seed + i,
+    """Run the scenario ``rounds`` times, each on a prefork worker (-c 2) of
+    its own (a fresh namespace and queue: a round given up leaves tasks
+    behind, which must not run into the next)."""
+    out = []
+    for i in range(rounds):
+        c = Cluster(
+            redis_url, workdir / f"round{i}", owner_ttl=10, heartbeat=1, defer_grant_ttl=grant_ttl
+        )
+        try:
+            c.start_worker("bench-idle", concurrency=2)
+            out.append(
+                run_once(
+                    c,
+                    tasks=tasks,
+                    resources=resources,
+                    wait_share=wait_share,
+                    work=work,
+                    interval=interval,
+                    deadline=deadline,
+                    seed=seed + i,
+                )
             )
-            for i in range(rounds)
-        ]
-    finally:
-        c.close()
+        finally:
+            c.close()
+    return out
 
 
 def checkout() -> str:
