@@ -31,10 +31,7 @@ FAULT_PARTICIPANTS = ("adopt_deadline", "lock_restart", "kill_child", "kill_main
 #: The short run in ``make test`` leaves them out until the fix lands;
 #: ``make chaos`` runs every participant. Remove one from here once its fix
 #: is merged and the short run passes with it.
-KNOWN_TO_FAIL: dict[str, str] = {
-    "mixed": "resource_idle/never_ran: waiting tasks in every pool slot leave a deferred "
-    "grant idle for the grant TTL",
-}
+KNOWN_TO_FAIL: dict[str, str] = {}
 
 #: The short run's participants (``CHAOS_CELERY_SHORT`` overrides).
 SHORT_RUN_PARTICIPANTS: tuple[str, ...] = tuple(
