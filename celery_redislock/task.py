@@ -1332,7 +1332,14 @@ def locked(
             # A waiting task run by a worker gives its pool slot up when a
             # grant in transit waits ahead of it (docs/defer.md, T3).
             parked: list[Any] = []
-            if mode == "wait" and outermost and _deferrable(task):
+            # Not a UniqueTask holding its key: the key lives with this
+            # process, and parking would free it while the task is parked.
+            if (
+                mode == "wait"
+                and outermost
+                and _deferrable(task)
+                and getattr(task, "unique_lease", None) is None
+            ):
                 mgr._local.park_behind_transit = _transit_hook(task, locks, label, wait, parked)
             try:
                 # The body has not started: this wait may give way to a
