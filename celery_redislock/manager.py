@@ -1948,7 +1948,7 @@ class LockManager:
         (adopting never waits). The adoption itself stays recorded.
 
         ``owner``: the task owner to adopt when it is not ``task_id``'s own
-        (:func:`~.keys.task_owner_id`); a deferred task's park record has
+        (``keys.task_owner_id``); a deferred task's park record has
         owners of its own (``defer:<task id>``, docs/defer.md).
         """
         if owner is None:

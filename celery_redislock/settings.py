@@ -287,7 +287,7 @@ class Config:
     default_on_busy: str = "wait"
     defer_ttl: float = 86400.0
     defer_grant_ttl: float = 300.0
-    #: Seconds between a parked task's guard checks; None: no guards.
+    #: Seconds between a parked task's guard checks (None for no guards).
     defer_guard_interval: float | None = None
 
 

@@ -242,6 +242,7 @@ def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> No
     c.go("rv-h")
     after = c.send("dwrite", "rv", "rv-after")
     after.get(timeout=60)
+    assert _runs(c, "rv-after") == 1  # the counter is read where the task writes it
     assert _runs(c, "rv-doomed") == 0
     assert c.data.lrange("e2e:order:rv", 0, -1) == ["rv-h", "rv-after"]
 
