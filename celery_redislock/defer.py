@@ -125,6 +125,93 @@ def _attempt_as_task(
     return reply
 
 
+def _park_fields(message: dict[str, Any], holder: str) -> dict[str, Any]:
+    """``message`` with the task's holder record (when given) and ``parked_at``
+    (when it first parked, unless it has it already)."""
+    if holder:
+        message = {**message, "holder": holder}
+    if message.get("parked_at") is None:
+        message = {**message, "parked_at": time.time()}
+    return message
+
+
+def _record_args(
+    mgr: LockManager,
+    task_id: str,
+    min_life: int,
+    req: _Request,
+    message: dict[str, Any],
+    *,
+    park_ttl: float,
+    grant_ttl: float,
+) -> list[str]:
+    """ARGV 1-11 of ``defer_park.lua``; TypeError when the message does not
+    encode as JSON (before anything is written)."""
+    return [
+        task_id,
+        str(min_life),
+        req.modes,
+        "\n".join(req.resources),
+        kjson.dumps(message),
+        _ms(grant_ttl),
+        mgr.keys.prefix,
+        _ms(min(park_ttl, mgr.owner_ttl)),
+        _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
+        _ms(park_ttl),
+        # A retry the adopted run sent is a new life, not a duplicate.
+        str(int((message.get("options") or {}).get("retries") or 0)),
+    ]
+
+
+def _queue_parked(
+    mgr: LockManager,
+    task_id: str,
+    token: str,
+    life: int,
+    req: _Request,
+    message: dict[str, Any],
+    *,
+    park_ttl: float,
+    label: str,
+    holder: str,
+    adopt_now: bool,
+) -> ParkResult:
+    """The second round trip of a park: ``acquire.lua`` as the task owner of
+    the record just written. Granted at once: adopted here, or (``adopt_now``
+    False: a dispatcher parking a task again) dispatched. On any error the
+    task is withdrawn again and the error raised."""
+    try:
+        got = _attempt_as_task(
+            mgr, token, req, liveness_ms=_ms(park_ttl), register=f"task {label}", holder=holder
+        )
+        code = int(got[0])
+        if code == 1 and not adopt_now:  # a dispatcher re-parking: dispatch it
+            mgr._call(
+                "defer_granted",
+                [record_key(mgr, task_id)],
+                [task_id, mgr.keys.prefix, _text(got[1])],
+            )
+            return ParkResult("granted", life=life)
+        if code == 1:
+            outcome, leases = adopt(
+                mgr, task_id, life, holder=holder or None, parked_at=message["parked_at"]
+            )
+            if not leases:
+                raise LockError(f"deferred task {task_id}: immediate grant not adopted ({outcome})")
+            return ParkResult("granted", leases=leases, life=life)
+        if code == -1:
+            raise LockError(f"deferred task {task_id}: its task owner is tombstoned")
+    except BaseException:
+        try:
+            withdraw(mgr, task_id)
+        except Exception as exc:  # its park TTL ends it
+            log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
+        raise
+    if adopt_now:
+        mgr._note_parked()
+    return ParkResult("parked", life=life)
+
+
 def park(
     mgr: LockManager,
     task_id: str,
@@ -158,62 +245,27 @@ def park(
     task_owner(task_id)  # validates the id before anything is written
     if holder is None:
         holder = str(message.get("holder") or "")
-    elif holder:
-        message = {**message, "holder": holder}
-    if message.get("parked_at") is None:
-        message = {**message, "parked_at": time.time()}
-    msg = kjson.dumps(message)
+    message = _park_fields(message, holder)
     reply = mgr._call(
         "defer_park",
         [record_key(mgr, task_id), deferred_key(mgr)],
-        [
-            task_id,
-            str(min_life),
-            req.modes,
-            "\n".join(req.resources),
-            msg,
-            _ms(grant_ttl),
-            mgr.keys.prefix,
-            _ms(min(park_ttl, mgr.owner_ttl)),
-            _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
-            _ms(park_ttl),
-            # A retry the adopted run sent is a new life, not a duplicate.
-            str(int((message.get("options") or {}).get("retries") or 0)),
-        ],
+        _record_args(mgr, task_id, min_life, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl),
     )
     if int(reply[0]) == 0:
         return ParkResult("duplicate", state=_text(reply[1]))
     token, life = _text(reply[2]), int(reply[3])
-    try:
-        got = _attempt_as_task(
-            mgr, token, req, liveness_ms=_ms(park_ttl), register=f"task {label}", holder=holder
-        )
-        code = int(got[0])
-        if code == 1 and not adopt_now:  # a dispatcher re-parking: dispatch it
-            mgr._call(
-                "defer_granted",
-                [record_key(mgr, task_id)],
-                [task_id, mgr.keys.prefix, _text(got[1])],
-            )
-            return ParkResult("granted", life=life)
-        if code == 1:
-            outcome, leases = adopt(
-                mgr, task_id, life, holder=holder or None, parked_at=message["parked_at"]
-            )
-            if not leases:
-                raise LockError(f"deferred task {task_id}: immediate grant not adopted ({outcome})")
-            return ParkResult("granted", leases=leases, life=life)
-        if code == -1:
-            raise LockError(f"deferred task {task_id}: its task owner is tombstoned")
-    except BaseException:
-        try:
-            withdraw(mgr, task_id)
-        except Exception as exc:  # its park TTL ends it
-            log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
-        raise
-    if adopt_now:
-        mgr._note_parked()
-    return ParkResult("parked", life=life)
+    return _queue_parked(
+        mgr,
+        task_id,
+        token,
+        life,
+        req,
+        message,
+        park_ttl=park_ttl,
+        label=label,
+        holder=holder,
+        adopt_now=adopt_now,
+    )
 
 
 def take_over(
@@ -243,27 +295,13 @@ def take_over(
     withdrawn again and the error raised.
     """
     task_owner(task_id)  # validates the id before anything is written
-    if holder:
-        message = {**message, "holder": holder}
-    if message.get("parked_at") is None:
-        message = {**message, "parked_at": time.time()}
-    msg = kjson.dumps(message)
+    message = _park_fields(message, holder)
     owner = task_owner(task_id)  # life 0; the script names the life it picked
     reply = mgr._call(
         "defer_park",
         [record_key(mgr, task_id), deferred_key(mgr)],
         [
-            task_id,
-            "0",
-            req.modes,
-            "\n".join(req.resources),
-            msg,
-            _ms(grant_ttl),
-            mgr.keys.prefix,
-            _ms(min(park_ttl, mgr.owner_ttl)),
-            _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
-            _ms(park_ttl),
-            str(int((message.get("options") or {}).get("retries") or 0)),
+            *_record_args(mgr, task_id, 0, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl),
             waiting,
             f"task {label}",
             # The holder record names the request id, the same in every life.
@@ -274,28 +312,18 @@ def take_over(
         state = _text(reply[1])
         return ParkResult("not-queued" if state == "not-queued" else "duplicate", state=state)
     token, life = _text(reply[2]), int(reply[3])
-    try:
-        got = _attempt_as_task(
-            mgr, token, req, liveness_ms=_ms(park_ttl), register=f"task {label}", holder=holder
-        )
-        code = int(got[0])
-        if code == 1:
-            outcome, leases = adopt(
-                mgr, task_id, life, holder=holder or None, parked_at=message["parked_at"]
-            )
-            if not leases:
-                raise LockError(f"deferred task {task_id}: immediate grant not adopted ({outcome})")
-            return ParkResult("granted", leases=leases, life=life)
-        if code == -1:
-            raise LockError(f"deferred task {task_id}: its task owner is tombstoned")
-    except BaseException:
-        try:
-            withdraw(mgr, task_id)
-        except Exception as exc:  # its park TTL ends it
-            log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
-        raise
-    mgr._note_parked()
-    return ParkResult("parked", life=life)
+    return _queue_parked(
+        mgr,
+        task_id,
+        token,
+        life,
+        req,
+        message,
+        park_ttl=park_ttl,
+        label=label,
+        holder=holder,
+        adopt_now=True,
+    )
 
 
 def adopt(

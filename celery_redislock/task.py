@@ -769,6 +769,25 @@ def _transit_hook(
     return hook
 
 
+def _deferred_body_run(
+    task: Any, locks: RedisLock, label: str, task_id: str, lost_mode: str
+) -> _BodyRun:
+    """How a deferred task's adopted body runs: the body's own acquires carry
+    this task's holder record, unless an outer ``@locked`` already set one."""
+    mgr = locks.manager
+    holder = holder_info(task, label, locks.nodename)
+    return _BodyRun(
+        mgr,
+        label,
+        str(getattr(task, "name", None) or label),
+        task_id,
+        lost_mode,
+        True,
+        locks._pool_child_pid,
+        holder if getattr(mgr._local, "holder", None) is None else None,
+    )
+
+
 def _parked_behind_transit(
     task: Any,
     locks: RedisLock,
@@ -799,17 +818,7 @@ def _parked_behind_transit(
         moved.behind or "-",
     )
     if result.outcome == "granted":
-        holder = holder_info(task, label, locks.nodename)
-        run = _BodyRun(
-            mgr,
-            label,
-            str(getattr(task, "name", None) or label),
-            task_id,
-            lost_mode,
-            True,
-            locks._pool_child_pid,
-            holder if getattr(mgr._local, "holder", None) is None else None,
-        )
+        run = _deferred_body_run(task, locks, label, task_id, lost_mode)
         leases = result.leases
 
         def mark() -> None:  # done once the result is stored, as _run_deferred's
@@ -936,16 +945,7 @@ def _run_deferred(
     # grants and the body's own acquires carry this task's holder record.
     holder = holder_info(task, label, locks.nodename)
     outer_holder = getattr(mgr._local, "holder", None)
-    run = _BodyRun(
-        mgr,
-        label,
-        str(getattr(task, "name", None) or label),
-        task_id,
-        lost_mode,
-        True,
-        locks._pool_child_pid,
-        holder if outer_holder is None else None,
-    )
+    run = _deferred_body_run(task, locks, label, task_id, lost_mode)
 
     def acquire(timeout: Any) -> Lease:
         if outer_holder is None:
