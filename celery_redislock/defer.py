@@ -633,7 +633,7 @@ class Dispatcher:
 
         The pop blocks until the next upkeep is due, except while the last
         upkeep pass left due entries behind (a limit of the pass was
-        reached): then it waits 1 ms at most, and the next step runs the
+        reached): then it waits 10 ms at most, and the next step runs the
         upkeep again at once, so a backlog is worked off pass after pass
         (with dispatches in between) rather than one pass per interval.
         """
@@ -643,7 +643,9 @@ class Dispatcher:
             if self.upkeep():
                 self._next_upkeep = now  # more is due: the next step goes on at once
         if self._next_upkeep <= now:
-            block = 0.001  # BLMOVE's least wait (0 waits for ever; LMOVE needs another ACL)
+            # BLMOVE's least wait that every server keeps: 0 waits for ever,
+            # and Redis 6.2 reads 0.001 as 0 too (LMOVE would need another ACL).
+            block = 0.01
         else:
             block = max(0.05, min(self.manager._block_cap, self._next_upkeep - time.monotonic()))
         got = self._redis().blmove(
