@@ -19,7 +19,7 @@ PARTICIPANTS ?= all
 CELERY_MODE = $(if $(filter 0,$(CELERY)),no,$(if $(filter only,$(CELERY)),only,also))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-redis7 test-redis62 test-acl lint format docs docs-shots dist ci demo bench bench-celery bench-server chaos clean
+.PHONY: help venv test test-fast test-redis7 test-redis7-e2e test-redis7-rest test-redis62 test-acl lint format docs docs-shots dist ci demo bench bench-celery bench-server chaos clean
 
 help:
 	@echo "make demo       run the example (embedded Redis, no install needed)"
@@ -52,13 +52,21 @@ $(STAMP): pyproject.toml
 # (which makes the same checks on both versions) and REDIS62_SKIP against
 # Redis 6.2.
 # A pytest exit code other than 0 (including 5, "no tests collected") fails.
-# The three runs use their own redis-servers and mostly wait on I/O, so they
-# run side by side (each one's output is printed whole when it ends).
+# The runs use their own redis-servers and mostly wait on I/O, so they run
+# side by side (each one's output is printed whole when it ends); the suite
+# on Redis 7 runs as two halves, the worker subprocess (e2e) tests and the
+# rest, which together are exactly `make test-redis7`.
 test: venv
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-redis7 test-redis62 test-acl
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-redis7-e2e test-redis7-rest test-redis62 test-acl
 
 test-redis7: venv
 	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
+
+test-redis7-e2e: venv
+	$(BIN)/python -m pytest -m e2e --durations=15 $(PYTEST_ARGS)
+
+test-redis7-rest: venv
+	$(BIN)/python -m pytest -m "not e2e" --durations=15 $(PYTEST_ARGS)
 
 # Modules whose behaviour does not depend on the server version run once,
 # on the main Redis: settings and input validation, password masking, the

@@ -32,6 +32,7 @@ from celery_redislock import (
 )
 from celery_redislock.settings import SETTINGS, load_config, markdown_table
 from engine_helpers import wait_until as wait_for
+from redis_server import RedisServer
 
 NS = "quick"
 PREFIX = "{" + NS + "}:"
@@ -450,20 +451,31 @@ def test_worker_restart_frees_stale_predecessor_locks(
 
 
 def test_worker_process_init_hook_is_idempotent_and_makes_no_redis_call(
-    app: Celery, r: redis.Redis
+    tmp_path: Path,
 ) -> None:
     from celery import signals
 
-    locks = RedisLock(app)
-    owner = locks.manager.owner_id
-    r.config_resetstat()
-    signals.worker_process_init.send(sender=None)
-    signals.worker_process_init.send(sender=None)
-    assert locks.manager.owner_id == owner  # same pid: same identity
-    calls = {
-        k for k in r.info("commandstats") if not k.startswith(("cmdstat_info", "cmdstat_config"))
-    }
-    assert calls == set()
+    # A server of this test's own: the server-wide command counts below must
+    # see no other test's clients.
+    with RedisServer(workdir=tmp_path) as server:
+        app = make_app(server.url)
+        locks = RedisLock(app)
+        r = server.client()
+        try:
+            owner = locks.manager.owner_id
+            r.config_resetstat()
+            signals.worker_process_init.send(sender=None)
+            signals.worker_process_init.send(sender=None)
+            assert locks.manager.owner_id == owner  # same pid: same identity
+            calls = {
+                k
+                for k in r.info("commandstats")
+                if not k.startswith(("cmdstat_info", "cmdstat_config"))
+            }
+            assert calls == set()
+        finally:
+            r.close()
+            locks.close()
 
 
 def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_child(
