@@ -30,7 +30,7 @@ import string
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from . import _validate as _v
 from . import guard
@@ -706,8 +706,6 @@ def _transit_hook(
     spent, or the arguments do not survive JSON). A copy of a task that is
     parked, in transit or running elsewhere raises ``Ignore`` (dropped).
     """
-    from celery.exceptions import Ignore
-
     from . import defer
 
     started = time.monotonic()
@@ -749,24 +747,44 @@ def _transit_hook(
             )
             return False
         if result.outcome == "duplicate" and result.state != "done":
-            log.warning(
-                "defer.duplicate task=%s id=%s state=%s: this task is already deferred; "
-                "dropping this copy",
-                label,
-                task_id,
-                result.state,
+            _drop_duplicate(
+                task, locks, label, task_id, result.state, list(req.resources), message, guarded
             )
-            if guarded and result.state in ("parked", "granted"):
-                # As _run_deferred's copy does: a spare guard (D2, D3).
-                _store_deferred(task, task_id, list(req.resources))
-                _send_guard(locks, task_id, message, 0, guarded)
-            raise Ignore()
         if result.outcome not in ("parked", "granted"):
             return False
         parked.append((result, message))
         return True
 
     return hook
+
+
+def _drop_duplicate(
+    task: Any,
+    locks: RedisLock,
+    label: str,
+    task_id: str,
+    state: str,
+    resources: list[str],
+    message: dict[str, Any],
+    guarded: bool,
+) -> NoReturn:
+    """A park record already holds the task: drop this copy (Celery's ``Ignore``).
+
+    The parking child may have died before it sent the guard (D2, D3): a
+    record still parked or granted gets a spare guard, which ends at its
+    first check if another one watches."""
+    from celery.exceptions import Ignore
+
+    log.warning(
+        "defer.duplicate task=%s id=%s state=%s: this task is already deferred; dropping this copy",
+        label,
+        task_id,
+        state,
+    )
+    if guarded and state in ("parked", "granted"):
+        _store_deferred(task, task_id, resources)
+        _send_guard(locks, task_id, message, 0, guarded)
+    raise Ignore()
 
 
 def _deferred_body_run(
@@ -1068,21 +1086,9 @@ def _run_deferred(
             result.leases, resources, run, fun, args, kwargs, done_marker(result.leases)
         )
     if result.outcome == "duplicate":
-        log.warning(
-            "defer.duplicate task=%s id=%s state=%s: this task is already deferred; "
-            "dropping this copy",
-            label,
-            task_id,
-            result.state,
-        )
         if hooks is not None:
             hooks.dropped()
-        if guarded and result.state in ("parked", "granted"):
-            # The parking child may have died before it sent the guard (D2,
-            # D3): a spare guard ends at its first check if another watches.
-            _store_deferred(task, task_id, resources)
-            _send_guard(locks, task_id, message, 0, guarded)
-        raise Ignore()
+        _drop_duplicate(task, locks, label, task_id, result.state, resources, message, guarded)
     log.info("locked.deferred task=%s id=%s resources=%s", label, task_id, ",".join(resources))
     if hooks is not None:
         # Parked, then in transit for up to three grant TTLs (the record's TTL).
