@@ -41,6 +41,7 @@ from .connect import (
     redact,
     reset_locks_after_fork,
 )
+from .context import ContextStack
 from .exceptions import (
     CAUSE_DECLARED_DEAD,
     CAUSE_EXPIRED,
@@ -677,6 +678,9 @@ class LockManager:
         #: Failed retries of deferred releases (see ``_retry_orphans``).
         self.release_retry_failures = 0
         self._local = threading.local()
+        #: What ``@locked`` and ``UniqueTask`` tell this thread's acquires
+        #: (:mod:`.context`): holder record, haltable wait, request id.
+        self.context = ContextStack()
         self._hb_client: AnyRedis | None = None
         self._hb_client_pid = 0
         self._metrics = metrics
@@ -703,7 +707,7 @@ class LockManager:
         #: process pushes to when it begins shutting down. Waiters block on
         #: it next to their wake list (same BLPOP) and give up with
         #: ShuttingDown. ``_halted``: this process has seen it. Only acquires
-        #: made with ``_local.halt_ok`` set (``@locked``'s wait) are halted.
+        #: made in a ``haltable`` context (``@locked``'s wait) are halted.
         self._halt_key: str | None = None
         self._halted = False
         self._eviction_mode = eviction_check
@@ -778,6 +782,7 @@ class LockManager:
         self._orphan_retry = {}
         self._halted = False
         self._local = threading.local()
+        self.context.reset()
         self._hb_client = None
         # The parent's held connections are not ours: new ones on first use.
         self._conn_local = threading.local()
@@ -1045,26 +1050,25 @@ class LockManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Only a task's own lock wait (@locked, before its body) gives way to a
         # worker shutdown; a body's later or nested acquire is never cut short.
-        haltable = not nested and getattr(self._local, "halt_ok", False)
+        ctx = self.context.current()
+        haltable = not nested and ctx.haltable
         block_call = functools.partial(self._block, halt=True) if haltable else self._block
         # A @locked task's own wait may turn into a park in its place when a
         # grant in transit waits ahead of it (docs/defer.md, T3): the hook
         # takes the queued request over and returns True, or returns False
         # (the request is left as it was: keep waiting).
-        take_over: Callable[[str, _Request], bool] | None = (
-            None if nested else getattr(self._local, "park_behind_transit", None)
-        )
+        take_over: Callable[[str, _Request], bool] | None = None if nested else ctx.take_over
         told_transit = False  # woken by defer_nudge.lua since the last script run
         # A task's own request id (``task:<id>``, set by UniqueTask around
         # the call) makes the grant name its task, like acquire_for_task's.
-        request_id = getattr(self._local, "request_id", None)
+        request_id = ctx.request_id
         # A request id made here gives a token never sent before: its first
         # script run may skip the look for an earlier grant or queue entry
         # (acquire.lua flag 'f'; a resend never carries it).
         first = request_id is None
         request_id = request_id or new_request_id()
         # Who holds it, only when a Celery task acquires (@locked sets it).
-        holder = getattr(self._local, "holder", None) or ""
+        holder = ctx.holder or ""
         began = time.monotonic()
         ident = self._identity.current()
         if self._own_heartbeat:
@@ -1229,9 +1233,9 @@ class LockManager:
             self._end_request(ident.owner_id, token, req, quiet=not answered)
             if self._metrics is not None and isinstance(exc, Exception):
                 outcome = "timeout" if isinstance(exc, LockTimeout) else "error"
-                # A deferred task's first try (``_local.parking``): busy is
-                # not a timeout; the park that follows tells its outcome.
-                if outcome != "timeout" or not getattr(self._local, "parking", False):
+                # A deferred task's first try (``parking``): busy is not a
+                # timeout; the park that follows tells its outcome.
+                if outcome != "timeout" or not ctx.parking:
                     self._metrics.acquired(time.monotonic() - began, outcome)
             if self._closed and isinstance(exc, Exception) and not isinstance(exc, LockError):
                 # close() shut the connection under a waiting thread
@@ -1433,7 +1437,7 @@ class LockManager:
             make_group = self._group
             group = make_group() if make_group is not None else None
         if holder is None:
-            holder = getattr(self._local, "holder", None) or ""
+            holder = self.context.current().holder or ""
         keys, args = self._acquire_call(
             token,
             req,

@@ -29,6 +29,7 @@ import signal
 import string
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -467,6 +468,11 @@ class _BodyRun:
     holder: str | None
 
 
+def _holding(mgr: Any, holder: str | None) -> AbstractContextManager[Any]:
+    """The block's acquires record ``holder`` (None: keep the thread's own)."""
+    return mgr.context.using(holder=holder) if holder is not None else nullcontext()
+
+
 def _run_body(
     lease: Lease,
     run: _BodyRun,
@@ -482,32 +488,29 @@ def _run_body(
     watch = _LossWatch(run.task_label, run.task_id, run.lost_mode, run.pool_child_pid)
     if run.lost_mode == "terminate" and run.in_task:
         lease._add_lost_hook(watch)
-    if run.holder is not None:
-        mgr._local.holder = run.holder
     lost_after = False
     try:
-        try:
-            result = fun(*args, **kwargs)
-        except BaseException:
+        with _holding(mgr, run.holder):
+            try:
+                result = fun(*args, **kwargs)
+            except BaseException:
+                watch.active = False
+                if lease.lost:
+                    log.error(
+                        'locked.lost task=%s id=%s resources=%s cause="%s": the lock was '
+                        "lost while the body ran (the body raised as well)",
+                        run.task_label,
+                        run.task_id,
+                        ",".join(lease.resources),
+                        lease.lost_cause or "unknown",
+                    )
+                raise
             watch.active = False
-            if lease.lost:
-                log.error(
-                    'locked.lost task=%s id=%s resources=%s cause="%s": the lock was '
-                    "lost while the body ran (the body raised as well)",
-                    run.task_label,
-                    run.task_id,
-                    ",".join(lease.resources),
-                    lease.lost_cause or "unknown",
-                )
-            raise
-        watch.active = False
-        # Read before the release: a loss seen only by the local
-        # deadline (a long pause) is not looked for once released.
-        lost_after = lease.lost
+            # Read before the release: a loss seen only by the local
+            # deadline (a long pause) is not looked for once released.
+            lost_after = lease.lost
     finally:
         watch.active = False
-        if run.holder is not None:
-            mgr._local.holder = None
         _leases.reset(token)
         try:
             lease.release()
@@ -802,7 +805,7 @@ def _deferred_body_run(
         lost_mode,
         True,
         locks._pool_child_pid,
-        holder if getattr(mgr._local, "holder", None) is None else None,
+        holder if mgr.context.current().holder is None else None,
     )
 
 
@@ -962,17 +965,12 @@ def _run_deferred(
     # Who holds the locks, for operators: the park request, the adopted
     # grants and the body's own acquires carry this task's holder record.
     holder = holder_info(task, label, locks.nodename)
-    outer_holder = getattr(mgr._local, "holder", None)
+    outer_holder = mgr.context.current().holder
     run = _deferred_body_run(task, locks, label, task_id, lost_mode)
 
     def acquire(timeout: Any) -> Lease:
-        if outer_holder is None:
-            mgr._local.holder = holder
-        try:
+        with _holding(mgr, holder if outer_holder is None else None):
             return mgr.acquire(exclusive_names, shared_names, timeout=timeout)
-        finally:
-            if outer_holder is None:
-                mgr._local.holder = None
 
     def done_marker(leases: list[Lease]) -> Callable[[], None]:
         return lambda: _mark_done_after_store(task, mgr, task_id, leases[0].owner_id)
@@ -1028,13 +1026,11 @@ def _run_deferred(
     else:
         # A new arrival: try once, as on_busy="raise" does (busy is no
         # timeout for the metrics: the park says what happened).
-        mgr._local.parking = True
         try:
-            lease = acquire(0)
+            with mgr.context.using(parking=True):
+                lease = acquire(0)
         except LockTimeout:
             lease = None
-        finally:
-            mgr._local.parking = False
         if lease is not None:
             return _run_body(lease, run, fun, args, kwargs)
     try:
@@ -1071,14 +1067,12 @@ def _run_deferred(
         wait = cfg.default_timeout if timeout is _DEFAULT else timeout
         # The body has not started: this wait may give way to a warm
         # shutdown, as @locked's own wait does.
-        mgr._local.halt_ok = True
         try:
-            lease = acquire(wait)
+            with mgr.context.using(haltable=True):
+                lease = acquire(wait)
         except ShuttingDown as exc:
             _hand_back(task, label, exc)
             raise
-        finally:
-            mgr._local.halt_ok = False
         return _run_body(lease, run, fun, args, kwargs)
     if result.outcome == "granted" and result.leases:
         adopted(result.life)
@@ -1327,14 +1321,12 @@ def locked(
             # Who holds the locks, for operators (`redislock locks`): recorded
             # beside the grant only when a task takes them; every acquire the
             # body makes in this thread is labelled the same way.
-            outer_holder = getattr(mgr._local, "holder", None)
+            outer_holder = mgr.context.current().holder
             holder = (
                 _holder_record(task_label, request_id, locks.nodename, request)
                 if in_task and outer_holder is None
                 else None
             )
-            if holder is not None:
-                mgr._local.holder = holder
             # A waiting task run by a worker gives its pool slot up when a
             # grant in transit waits ahead of it (docs/defer.md, T3).
             parked: list[Any] = []
@@ -1346,18 +1338,14 @@ def locked(
                 and _deferrable(task)
                 and getattr(task, "unique_lease", None) is None
             ):
-                mgr._local.park_behind_transit = _transit_hook(task, locks, label, wait, parked)
+                take_over = _transit_hook(task, locks, label, wait, parked)
+            else:
+                take_over = None
             try:
                 # The body has not started: this wait may give way to a
                 # warm shutdown (ShuttingDown, below).
-                mgr._local.halt_ok = True
-                try:
+                with _holding(mgr, holder), mgr.context.using(haltable=True, take_over=take_over):
                     lease = mgr.acquire(exclusive_names, shared_names, timeout=wait)
-                finally:
-                    mgr._local.halt_ok = False
-                    mgr._local.park_behind_transit = None
-                    if holder is not None:
-                        mgr._local.holder = None
             except RequestMoved as moved:
                 return _parked_behind_transit(
                     task,

@@ -537,10 +537,12 @@ class UniqueTask(Task):
             # tick; don't race that clean-up, do it.
             free_dead_member(mgr, adoption.by)
         key = self.unique_key_for(args, kwargs)
-        mgr._local.request_id = TASK_OWNER_PREFIX + task_id
-        mgr._local.holder = holder_info(self, self.name, locks.nodename)
         try:
-            lease = mgr.acquire(UNIQUE_PREFIX + key, timeout=0)
+            with mgr.context.using(
+                request_id=TASK_OWNER_PREFIX + task_id,
+                holder=holder_info(self, self.name, locks.nodename),
+            ):
+                lease = mgr.acquire(UNIQUE_PREFIX + key, timeout=0)
         except LockTimeout:
             log.warning(
                 "unique.run-without-key task=%s id=%s key=%s adopt=%s: another task holds the "
@@ -551,9 +553,6 @@ class UniqueTask(Task):
                 adoption.status,
             )
             return None
-        finally:
-            mgr._local.request_id = None
-            mgr._local.holder = None
         log.info(
             "unique.key-retaken task=%s id=%s key=%s adopt=%s",
             self.name,

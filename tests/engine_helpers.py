@@ -220,11 +220,8 @@ def acquire_as_task(
     """Acquire as ``@locked`` does in a task: ``info`` (``task name\ntask
     id\nnode``) is the thread's holder for this one call, so the grant
     carries its holder record."""
-    mgr._local.holder = info
-    try:
+    with mgr.context.using(holder=info):
         return mgr.acquire(exclusive, shared, timeout=timeout)
-    finally:
-        mgr._local.holder = None
 
 
 # -- INFO commandstats ------------------------------------------------------

@@ -262,9 +262,9 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
         halted: list[Any] = []
 
         def wait_as_locked() -> None:
-            pool._local.halt_ok = True
             try:
-                halted.append(pool.acquire(exclusive=["h"], timeout=30))
+                with pool.context.using(haltable=True):
+                    halted.append(pool.acquire(exclusive=["h"], timeout=30))
             except BaseException as exc:
                 halted.append(exc)
 

@@ -1269,9 +1269,9 @@ def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain
             parked.append(result)
             return result.outcome in ("parked", "granted")
 
-        m._local.park_behind_transit = hook
         try:
-            outcomes[name] = m.acquire("a", timeout=60)
+            with m.context.using(take_over=hook):
+                outcomes[name] = m.acquire("a", timeout=60)
         except RequestMoved as exc:
             outcomes[name] = (exc.behind, parked[0].outcome)
 

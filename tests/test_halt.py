@@ -26,9 +26,9 @@ def waiter(
     """``mgr.acquire`` in a thread; ``halt_ok``: as ``@locked`` waits (halted)."""
 
     def run() -> None:
-        mgr._local.halt_ok = halt_ok
         try:
-            out.append(mgr.acquire(resource, **kwargs))
+            with mgr.context.using(haltable=halt_ok):
+                out.append(mgr.acquire(resource, **kwargs))
         except BaseException as exc:
             out.append(exc)
 

@@ -169,9 +169,9 @@ def test_retry_policy_without_timeout_gives_way_to_a_worker_shutdown(
     out: list[BaseException] = []
 
     def wait() -> None:
-        mgr._local.halt_ok = True
         try:
-            mgr.acquire("res", timeout=None)
+            with mgr.context.using(haltable=True):
+                mgr.acquire("res", timeout=None)
         except BaseException as exc:
             out.append(exc)
 
