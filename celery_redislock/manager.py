@@ -771,6 +771,56 @@ class LockManager:
         """The background heartbeat of this process (``ticks`` counts beats)."""
         return self._heartbeat
 
+    # -- for the worker integration (package-internal, not public API) -----
+
+    @property
+    def metrics(self) -> MetricsHook | None:
+        """The metrics hook told of this manager's events (None: none).
+
+        Set by the worker integration once its hook exists; events from then
+        on are reported to it."""
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, hook: MetricsHook | None) -> None:
+        self._metrics = hook
+
+    def become_member(self) -> None:
+        """Make this process the member process (see :meth:`_become_member`)."""
+        self._become_member()
+
+    def set_halt_key(self, key: str | None) -> None:
+        """The worker's halt list (``{ns}:halt:<incarnation>``): haltable
+        waits of this process give way once something is pushed to it."""
+        self._halt_key = key
+
+    def exempt_from_lost_watch(self) -> None:
+        """This process's owners are watched by someone else (the worker's
+        node heartbeat): no lost-owner watcher thread here."""
+        self._lost_watch_exempt_pid = os.getpid()
+
+    @property
+    def upkeep_due(self) -> bool:
+        """Whether deferred releases wait for a retry that no heartbeat of
+        this process will make (no own heartbeat: a pool child)."""
+        return bool(self._orphans) and not self._own_heartbeat
+
+    def upkeep(self) -> None:
+        """One heartbeat pass in the calling thread: refresh the liveness,
+        put retired owners to death, retry deferred releases."""
+        self._beat()
+
+    def hold_in_thread(self, leases: Iterable[Lease]) -> None:
+        """Count adopted ``leases`` as held by the calling thread (see
+        :meth:`_hold_in_thread`)."""
+        self._hold_in_thread(leases)
+
+    def request(
+        self, exclusive: str | Iterable[str] | None, shared: str | Iterable[str] | None
+    ) -> _Request:
+        """The validated request for these resources (no I/O; cached)."""
+        return self._request(exclusive, shared)
+
     def _after_fork_in_child(self) -> None:
         reset_locks_after_fork(self.client)
         self._state_lock = threading.Lock()
