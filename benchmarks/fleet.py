@@ -93,7 +93,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Library defaults (``redislock_heartbeat_interval``, ``redislock_owner_ttl``).
 INTERVAL = 10.0
 OWNER_TTL = 30.0
-#: The lost-owner watcher's block: min(_block_cap, interval / 2), where the
+#: The lost-owner watcher's block: min(block_cap, interval / 2), where the
 #: cap is 4 s under redis-py's default 5 s socket timeout.
 WATCH_BLOCK = 4.0
 #: TTL of owners standing for processes the benchmark does not run.
@@ -248,10 +248,10 @@ def _manager(client: redis.Redis, ns: str, **kwargs: Any) -> LockManager:
     # (a real process has one manager, and one such connection per thread).
     kwargs.setdefault("hold_connection", False)
     mgr = LockManager(client, ns, **kwargs)
-    mgr._lost_watch_exempt_pid = os.getpid()
+    mgr.watcher.exempt_pid = os.getpid()
     # Set-up speed: the namespace's data format is checked once per run
     # (``check_format`` below), not once per simulated process.
-    mgr._format_pending = False
+    mgr.channel.format_pending = False
     return mgr
 
 

@@ -377,7 +377,7 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
         client = _client(url)
         holder = LockManager(client, namespace=NAMESPACE)
         lease = holder.acquire(HOT, timeout=0)
-        req = holder._request(HOT, None)
+        req = holder.request(HOT, None)
         k = holder.keys
         # A contended stream exists only while a holder waits in
         # wait_for_contender: per watched resource, not per waiter. One is
@@ -391,9 +391,9 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
         for i, mgr in enumerate(waiters):
             if i == warmup(n):
                 mark()
-            ident = mgr._identity.current()
+            ident = mgr.liveness.identity.current()
             token = f"{ident.owner_id}|{new_request_id()}"
-            reply = mgr._attempt(ident, token, req, True, False)
+            reply = mgr.acquirer.attempt(ident, token, req, True, False)
             if int(reply[0]) != 0:
                 raise RuntimeError(f"waiter {i} was not queued: {reply!r}")
             ident.registered = True
@@ -414,12 +414,12 @@ def _waiters(n: int, distinct_owners: bool, kinds: list[KeyKind]) -> Work:
             if not distinct_owners:
                 # what wait_for_contender's first count makes where nobody waits
                 watched = holder.acquire(HOT + "-watched", timeout=0)
-                holder._contention(watched, watch=True)
+                holder.releaser.contention(watched, watch=True)
                 stream = k.contended(HOT + "-watched")
                 kinds.append(_kind(admin, "contended stream (per watched resource)", stream, True))
                 watched.release()
             for mgr, (owner, token) in zip(waiters, tokens):
-                mgr._run_release(owner, token, req)
+                mgr.releaser.run_release(owner, token, req)
             lease.release()
             holder.close()
             if distinct_owners:

@@ -290,7 +290,7 @@ class RedisLock:
                 eviction_check="ignore",  # the worker bootstep checks at start-up
                 **self._wait_kwargs(cfg),
             )
-            mgr._halt_key = halt_key(prefix, inc) if inc else None
+            mgr.acquirer.halt_key = halt_key(prefix, inc) if inc else None
             return mgr
         return LockManager(
             cfg.url,
@@ -328,7 +328,7 @@ class RedisLock:
             # leases lost); a watcher thread here would only be one more real
             # thread blocked in Redis at interpreter exit (under eventlet that
             # crashed the worker at shutdown). Forked children still watch.
-            self._manager._lost_watch_exempt_pid = os.getpid()
+            self._manager.watcher.exempt_pid = os.getpid()
             return self._manager
 
     def _leave_worker(self) -> None:
@@ -363,7 +363,7 @@ class RedisLock:
         self.node = None  # the main process's; never used from a child
         mgr = self._manager
         if mgr is not None:
-            mgr._become_member()
+            mgr.become_member()
             _ = mgr.owner_id  # the identity source compares the pid: a fresh id
 
     def close(self) -> None:

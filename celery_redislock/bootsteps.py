@@ -209,7 +209,7 @@ class RedisLockNode(bootsteps.StartStopStep):
                 # Before the pool forks: the children inherit the hook and
                 # write to the multiprocess directory set up here.
                 self.metrics = _worker_metrics(mgr, w.hostname, cfg)
-                mgr._metrics = self.metrics.hook
+                mgr.metrics = self.metrics.hook
         except ConfigurationError as exc:  # one line and EX_CONFIG, not a traceback
             locks.refuse_to_start(exc, "the worker")
         except RedisUnavailable as exc:

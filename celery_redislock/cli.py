@@ -794,10 +794,10 @@ def reconcile(
 
     def run() -> None:
         dead = [o for o in insp.owners() if not o.alive]
-        regs = insp._registries([o.owner_id for o in dead]) if dead else {}
+        regs = insp.registries([o.owner_id for o in dead]) if dead else {}
         plan = ReleasePlan(
             owners=tuple(dead),
-            resources={o: tuple(insp._resource(k) for k in keys) for o, keys in regs.items()},
+            resources={o: tuple(insp.resource_of(k) for k in keys) for o, keys in regs.items()},
         )
         if not dead:
             out("no dead owners: nothing to reconcile")

@@ -680,12 +680,12 @@ def reset_locks_after_fork(client: AnyRedis) -> None:
         client, "_lock", None
     )
     if hasattr(client, "_lock"):
-        client._lock = threading.RLock()
+        client._lock = threading.RLock()  # noqa: SLF001  (redis-py has no public reset)
     if manager is not None:
         if hasattr(manager, "_lock"):
-            manager._lock = client._lock if shared else threading.RLock()
+            manager._lock = client._lock if shared else threading.RLock()  # noqa: SLF001
         if hasattr(manager, "_initialization_lock"):
-            manager._initialization_lock = threading.RLock()
+            manager._initialization_lock = threading.RLock()  # noqa: SLF001
 
 
 def clone_client(client: AnyRedis) -> AnyRedis:

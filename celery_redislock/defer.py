@@ -31,10 +31,11 @@ from kombu.utils import json as kjson
 from ._threads import real_sleep, start_os_thread
 from .connect import clone_client
 from .exceptions import LockError, RedisUnavailable, ReplicationTimeout
-from .keys import defer_owner_id, holder_record, task_token
+from .keys import defer_owner_id, holder_record, task_token, text
 from .lease import Lease
-from .manager import REDIS_DOWN_ERRORS, LockManager, _Request, _text
+from .manager import REDIS_DOWN_ERRORS, LockManager
 from .node import free_dead_member
+from .request import Request
 
 log = logging.getLogger("celery_redislock.defer")
 
@@ -100,7 +101,7 @@ class ParkResult:
 def _attempt_as_task(
     mgr: LockManager,
     token: str,
-    req: _Request,
+    req: Request,
     *,
     liveness_ms: str,
     register: str,
@@ -111,7 +112,7 @@ def _attempt_as_task(
 
     ``holder``: who the task is (task name, id, node), kept with the queued
     request and, once granted, as its holder record in the registry."""
-    keys, args = mgr._acquire_call(
+    call = mgr.protocol.acquire(
         token,
         req,
         queue=True,
@@ -120,8 +121,8 @@ def _attempt_as_task(
         req_ttl=liveness_ms,  # the queued request's state lives as long as the park
         holder=holder,
     )
-    reply = mgr._call("acquire", keys, args)
-    mgr._note_reclaimed(reply)  # dead holders' grants it freed (metrics only)
+    reply = mgr.channel.run(call)
+    mgr.acquirer.note_reclaimed(reply)  # dead holders' grants it freed (metrics only)
     return reply
 
 
@@ -139,7 +140,7 @@ def _record_args(
     mgr: LockManager,
     task_id: str,
     min_life: int,
-    req: _Request,
+    req: Request,
     message: dict[str, Any],
     *,
     park_ttl: float,
@@ -168,7 +169,7 @@ def _queue_parked(
     task_id: str,
     token: str,
     life: int,
-    req: _Request,
+    req: Request,
     message: dict[str, Any],
     *,
     park_ttl: float,
@@ -186,10 +187,10 @@ def _queue_parked(
         )
         code = int(got[0])
         if code == 1 and not adopt_now:  # a dispatcher re-parking: dispatch it
-            mgr._call(
+            mgr.channel.call(
                 "defer_granted",
                 [record_key(mgr, task_id)],
-                [task_id, mgr.keys.prefix, _text(got[1])],
+                [task_id, mgr.keys.prefix, text(got[1])],
             )
             return ParkResult("granted", life=life)
         if code == 1:
@@ -208,14 +209,14 @@ def _queue_parked(
             log.warning("defer.withdraw-error id=%s error=%r", task_id, exc)
         raise
     if adopt_now:
-        mgr._note_parked()
+        mgr.telemetry.parked()
     return ParkResult("parked", life=life)
 
 
 def park(
     mgr: LockManager,
     task_id: str,
-    req: _Request,
+    req: Request,
     message: dict[str, Any],
     *,
     park_ttl: float,
@@ -246,14 +247,14 @@ def park(
     if holder is None:
         holder = str(message.get("holder") or "")
     message = _park_fields(message, holder)
-    reply = mgr._call(
+    reply = mgr.channel.call(
         "defer_park",
         [record_key(mgr, task_id), deferred_key(mgr)],
         _record_args(mgr, task_id, min_life, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl),
     )
     if int(reply[0]) == 0:
-        return ParkResult("duplicate", state=_text(reply[1]))
-    token, life = _text(reply[2]), int(reply[3])
+        return ParkResult("duplicate", state=text(reply[1]))
+    token, life = text(reply[2]), int(reply[3])
     return _queue_parked(
         mgr,
         task_id,
@@ -272,7 +273,7 @@ def take_over(
     mgr: LockManager,
     task_id: str,
     waiting: str,
-    req: _Request,
+    req: Request,
     message: dict[str, Any],
     *,
     park_ttl: float,
@@ -297,7 +298,7 @@ def take_over(
     task_owner(task_id)  # validates the id before anything is written
     message = _park_fields(message, holder)
     owner = task_owner(task_id)  # life 0; the script names the life it picked
-    reply = mgr._call(
+    reply = mgr.channel.call(
         "defer_park",
         [record_key(mgr, task_id), deferred_key(mgr)],
         [
@@ -309,9 +310,9 @@ def take_over(
         ],
     )
     if int(reply[0]) == 0:
-        state = _text(reply[1])
+        state = text(reply[1])
         return ParkResult("not-queued" if state == "not-queued" else "duplicate", state=state)
-    token, life = _text(reply[2]), int(reply[3])
+    token, life = text(reply[2]), int(reply[3])
     return _queue_parked(
         mgr,
         task_id,
@@ -372,7 +373,7 @@ def adopt(
                     task_id, life, holder=holder, park_record_ttl=_done_ttl(mgr), owner=legacy
                 )
     except ReplicationTimeout:
-        mgr._note_acquired(_waited(parked_at), "error")
+        mgr.telemetry.acquired(_waited(parked_at), "error")
         raise
     if not adoption.adopted:
         if adoption.status == "adopted-elsewhere" and adoption.by:
@@ -383,7 +384,7 @@ def adopt(
             # the copy runs again (docs/defer.md, D8).
             free_dead_member(mgr, adoption.by)
         return adoption.status, []
-    mgr._note_acquired(_waited(parked_at), "granted")
+    mgr.telemetry.acquired(_waited(parked_at), "granted")
     log.info(
         "defer.adopted id=%s life=%d owner=%s grants=%d",
         task_id,
@@ -403,7 +404,7 @@ def _legacy_owner(mgr: LockManager, task_id: str, owner: str) -> str | None:
     """The task owner the park record's token names, when it is not ``owner``
     and is one an earlier release named (``task:``/``task+<n>:``); else None.
     One round trip, only when the adopt found no live task owner."""
-    token = _text(mgr._command("hget", record_key(mgr, task_id), "token") or "")
+    token = text(mgr.channel.command("hget", record_key(mgr, task_id), "token") or "")
     named, sep, rid = token.partition("|")
     if not sep or rid != f"task:{task_id}" or named == owner:
         return None
@@ -422,7 +423,7 @@ def _done_ttl(mgr: LockManager) -> float:
 
 def mark_done(mgr: LockManager, task_id: str, owner: str) -> None:
     """The adopted task's body ended: keep a ``done`` record (one round trip)."""
-    mgr._call("defer_done", [record_key(mgr, task_id)], [owner, _ms(_done_ttl(mgr))])
+    mgr.channel.call("defer_done", [record_key(mgr, task_id)], [owner, _ms(_done_ttl(mgr))])
 
 
 def withdraw(
@@ -433,19 +434,19 @@ def withdraw(
     Returns the reply as text: ``[state, msg, life]`` when withdrawn,
     ``["alive", state, pttl]`` (``only_dead``), or ``[state]``/``["none"]``.
     """
-    reply = mgr._call(
+    reply = mgr.channel.call(
         "defer_withdraw",
         [record_key(mgr, task_id), deferred_key(mgr), mgr.keys.owners],
         [
             task_id,
             mgr.keys.prefix,
-            str(mgr._req_ttl_ms),
+            str(mgr.options.req_ttl_ms),
             str(mgr.queue_scan_limit),
             "dead" if only_dead else "any",
         ],
         client=client,
     )
-    return [_text(x) for x in reply]
+    return [text(x) for x in reply]
 
 
 def capture_message(task: Any) -> dict[str, Any]:
@@ -572,7 +573,7 @@ class Dispatcher:
             eviction_check="ignore",
             # The worker's hook (metrics): the reclaims of its attempts, and
             # the parked tasks whose time ran out (timeouts).
-            metrics=manager._metrics,
+            metrics=manager.metrics,
         )
         self.manager._defer_done_ttl = _done_ttl(manager)  # type: ignore[attr-defined]
         self.incarnation = incarnation
@@ -647,13 +648,15 @@ class Dispatcher:
             # and Redis 6.2 reads 0.001 as 0 too (LMOVE would need another ACL).
             block = 0.01
         else:
-            block = max(0.05, min(self.manager._block_cap, self._next_upkeep - time.monotonic()))
+            block = max(
+                0.05, min(self.manager.options.block_cap, self._next_upkeep - time.monotonic())
+            )
         got = self._redis().blmove(
             dispatch_key(self.manager), self.dispatching_key, block, "RIGHT", "LEFT"
         )
         if got is None:
             return
-        task_id = _text(got)
+        task_id = text(got)
         try:
             self.handle(task_id)
         finally:
@@ -674,7 +677,7 @@ class Dispatcher:
         """
         mgr = self.manager
         local_ms = time.time() * 1000
-        reply = mgr._call(
+        reply = mgr.channel.call(
             "defer_tick",
             [
                 self._set_key,
@@ -690,12 +693,12 @@ class Dispatcher:
                 str(DUE_BATCH),
                 _ms(mgr.owner_ttl),
                 str(DEADLINE_BATCH),
-                str(mgr._req_ttl_ms),
+                str(mgr.options.req_ttl_ms),
                 str(mgr.queue_scan_limit),
             ],
             client=self._redis(),
         )
-        self._offset_ms = float(_text(reply[0])) - local_ms
+        self._offset_ms = float(text(reply[0])) - local_ms
         moved = int(reply[1])
         if moved:
             log.warning(
@@ -703,7 +706,7 @@ class Dispatcher:
                 "or this one's after an error) went back to the dispatch list",
                 moved,
             )
-        withdrawn = [_text(x) for x in reply[3]]
+        withdrawn = [text(x) for x in reply[3]]
         for i in range(0, len(withdrawn), 4):
             task_id, state, raw, life = withdrawn[i : i + 4]
             # Already out of line in Redis: each one is reported (or parked
@@ -713,7 +716,7 @@ class Dispatcher:
             except Exception:
                 log.exception("defer.withdrawn-error id=%s state=%s", task_id, state)
         for raw in reply[2]:
-            self.due(_text(raw))
+            self.due(text(raw))
         for task_id in self._new_revokes():
             self._withdraw(task_id, "revoked")
         return bool(int(reply[4]))
@@ -765,7 +768,7 @@ class Dispatcher:
         mgr = self.manager
         names = list(message.get("resources") or ())
         modes = str(message.get("modes") or "x" * len(names))
-        req = mgr._request(
+        req = mgr.request(
             [n for n, m in zip(names, modes) if m == "x"],
             [n for n, m in zip(names, modes) if m == "s"],
         )
@@ -791,15 +794,15 @@ class Dispatcher:
     def handle(self, task_id: str) -> None:
         """Dispatch one task id popped from the dispatch list."""
         mgr = self.manager
-        reply = mgr._call(
+        reply = mgr.channel.call(
             "defer_claim",
             [record_key(mgr, task_id)],
             [task_id, mgr.keys.prefix],
             client=self._redis(),
         )
-        kind = _text(reply[0])
+        kind = text(reply[0])
         if kind == "publish":
-            fence, message, life = int(reply[1]), _loads(_text(reply[2])), _text(reply[3])
+            fence, message, life = int(reply[1]), _loads(text(reply[2])), text(reply[3])
             if message is None:
                 return
             if self._withdrawn_if_gone(task_id, message):
@@ -824,8 +827,8 @@ class Dispatcher:
             except Exception as exc:  # the waiters see the grant at their next look
                 log.warning("defer.nudge-error id=%s error=%r", task_id, exc)
         elif kind == "parked":
-            token, modes, res = (_text(x) for x in reply[1:4])
-            pttl, message = int(reply[4]), _loads(_text(reply[5]))
+            token, modes, res = (text(x) for x in reply[1:4])
+            pttl, message = int(reply[4]), _loads(text(reply[5]))
             if message is not None and self._withdrawn_if_gone(task_id, message):
                 return
             if pttl == -2:
@@ -842,10 +845,15 @@ class Dispatcher:
         Returns how many were told."""
         mgr = self.manager
         told = int(
-            mgr._call(
+            mgr.channel.call(
                 "defer_nudge",
                 [record_key(mgr, task_id)],
-                [mgr.keys.prefix, str(fence), str(mgr._req_ttl_ms), str(mgr.queue_scan_limit)],
+                [
+                    mgr.keys.prefix,
+                    str(fence),
+                    str(mgr.options.req_ttl_ms),
+                    str(mgr.queue_scan_limit),
+                ],
                 client=self._redis(),
             )
         )
@@ -858,7 +866,7 @@ class Dispatcher:
     ) -> None:
         mgr = self.manager
         names = res.split("\n")
-        req = mgr._request(
+        req = mgr.request(
             [n for n, m in zip(names, modes) if m == "x"],
             [n for n, m in zip(names, modes) if m == "s"],
         )
@@ -866,10 +874,10 @@ class Dispatcher:
         got = _attempt_as_task(mgr, token, req, liveness_ms=ttl, register="", holder=holder)
         code = int(got[0])
         if code == 1:
-            mgr._call(
+            mgr.channel.call(
                 "defer_granted",
                 [record_key(mgr, task_id)],
-                [task_id, mgr.keys.prefix, _text(got[1])],
+                [task_id, mgr.keys.prefix, text(got[1])],
             )
         elif code == 0:
             wait_ms = int(got[1])
@@ -903,7 +911,7 @@ class Dispatcher:
         if why == "expired":  # its park TTL (timeout=) ran out: it fails with LockTimeout
             parked_at = parse_parked_at(message.get("parked_at"))
             waited = message.get("park_ttl") if parked_at is None else time.time() - parked_at
-            self.manager._note_acquired(float(waited or 0.0), "timeout")
+            self.manager.telemetry.acquired(float(waited or 0.0), "timeout")
         try:
             self._on_withdrawn(task_id, why, message)
         except Exception:

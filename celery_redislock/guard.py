@@ -158,7 +158,7 @@ def _look(
 
     mgr = locks.manager
     claim_ms = str(max(1, int(3 * interval * 1000)))
-    reply = mgr._call("defer_guard", [record_key(mgr, task_id)], [gid, str(seq), claim_ms])
+    reply = mgr.channel.call("defer_guard", [record_key(mgr, task_id)], [gid, str(seq), claim_ms])
     what = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if what == "rearm":
         raw = reply[1]

@@ -187,7 +187,8 @@ class IdentitySource:
                 return True
             return False
 
-    def _after_fork_in_child(self) -> None:
+    def after_fork_in_child(self) -> None:
+        """In a forked child: no identity yet; the fork callback runs."""
         self._lock = threading.Lock()
         self._identity = None
         if self._on_fork is not None:
@@ -196,7 +197,7 @@ class IdentitySource:
 
 def _reset_all_after_fork() -> None:
     for source in list(_sources):
-        source._after_fork_in_child()
+        source.after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):

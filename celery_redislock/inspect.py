@@ -550,8 +550,8 @@ class Inspector:
                     sizes[owner] = 0 if isinstance(n, Exception) else int(n)
         return sizes
 
-    def _registries(self, owners: Sequence[str]) -> dict[str, list[str]]:
-        """Registries of many owners (as lock keys): one pipelined HSCAN per
+    def registries(self, owners: Sequence[str]) -> dict[str, list[str]]:
+        """The registries of many owners (as lock keys): one pipelined HSCAN per
         batch of owners, then further HSCANs only for the (large) registries
         not done yet."""
         out: dict[str, list[str]] = {}
@@ -616,7 +616,7 @@ class Inspector:
             pipe = self._pipe()
             for key in batch:
                 pipe.hgetall(key)
-                pipe.zcard(self.keys.queue(self._resource(key)))
+                pipe.zcard(self.keys.queue(self.resource_of(key)))
             replies = self._run(pipe)
             for i, key in enumerate(batch):
                 raw.append((key, replies[2 * i], replies[2 * i + 1]))
@@ -635,7 +635,7 @@ class Inspector:
                 for token, value in h.items():
                     grants.append((key, _text(token), *parse_grant(_text(value))))
         live = self.liveness(owner_of_token(t) for _, t, _, _ in grants)
-        tasks = self._holder_infos([(self._resource(k), t) for k, t, _, _ in grants])
+        tasks = self._holder_infos([(self.resource_of(k), t) for k, t, _, _ in grants])
         holders: dict[str, list[Holder]] = {}
         for key, token, mode, fence in grants:
             owner = owner_of_token(token)
@@ -643,7 +643,7 @@ class Inspector:
             task_name, task_id, node = tasks.get(token, (None, None, None))
             holders.setdefault(key, []).append(
                 Holder(
-                    resource=self._resource(key),
+                    resource=self.resource_of(key),
                     token=token,
                     owner_id=owner,
                     mode=MODE_NAMES.get(mode, mode),
@@ -661,7 +661,7 @@ class Inspector:
             hs = sorted(holders.get(key, []), key=lambda x: (x.mode != "exclusive", x.owner_id))
             out.append(
                 LockInfo(
-                    resource=self._resource(key),
+                    resource=self.resource_of(key),
                     key=key,
                     holders=tuple(hs),
                     waiting=0 if isinstance(waiting, Exception) else int(waiting),
@@ -703,7 +703,8 @@ class Inspector:
                 out[token] = _holder_fields(info)
         return out
 
-    def _resource(self, lock_key: str) -> str:
+    def resource_of(self, lock_key: str) -> str:
+        """The resource of a lock key (the key itself when it is not one)."""
         try:
             return self.keys.resource_of(lock_key)
         except ValueError:
@@ -949,7 +950,7 @@ class Inspector:
         else:
             found: set[str] = set()
             for batch in self.owner_ids():
-                for regs in self._registries(batch).values():
+                for regs in self.registries(batch).values():
                     found.update(regs)
             keys = sorted(found)
         infos = self._lock_infos(keys)
@@ -1049,7 +1050,7 @@ class Inspector:
         """What ``cleanup_owner(owner_id)`` would free: the owner's registry."""
         validate_owner_id(owner_id)
         info = self.owner(owner_id)
-        regs = self._registries([owner_id])[owner_id]
+        regs = self.registries([owner_id])[owner_id]
         if not info.alive and not regs:
             member = self._call(
                 "SISMEMBER", lambda: self.client.sismember(self.keys.owners, owner_id)
@@ -1058,7 +1059,7 @@ class Inspector:
                 return ReleasePlan(owners=(), resources={}, missing=(owner_id,))
         return ReleasePlan(
             owners=(info,),
-            resources={owner_id: tuple(self._resource(k) for k in regs)},
+            resources={owner_id: tuple(self.resource_of(k) for k in regs)},
         )
 
     def plan_resource(self, resource: str, *, force: bool = False) -> ReleasePlan:
@@ -1075,9 +1076,9 @@ class Inspector:
         kept = tuple(h for h in holders if not (force or not h.alive))
         owners = list(dict.fromkeys(h.owner_id for h in chosen))
         infos = tuple(self._owner_infos(owners)) if owners else ()
-        regs = self._registries(owners) if owners else {}
+        regs = self.registries(owners) if owners else {}
         return ReleasePlan(
             owners=infos,
-            resources={o: tuple(self._resource(k) for k in regs.get(o, [])) for o in owners},
+            resources={o: tuple(self.resource_of(k) for k in regs.get(o, [])) for o in owners},
             kept=kept,
         )

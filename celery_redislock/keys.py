@@ -84,6 +84,11 @@ _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def text(value: object) -> str:
+    """A reply value as str (replies are bytes unless the client decodes them)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def validate_namespace(namespace: object) -> str:
     """Return ``namespace`` if usable as a hash tag, else raise ConfigurationError."""
     if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):

@@ -1,18 +1,49 @@
-"""A lease: the locks one acquisition holds, until released."""
+"""A lease: the locks one acquisition holds, until released.
+
+A :class:`Lease` talks to the engine only through :class:`LeaseHost`, the
+small protocol defined here (the engine's release part implements it). Its
+hold counting (reentrant leases counting on an outer one) is its own state,
+changed by the engine through the methods marked *engine side*, always
+under the engine's state lock.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from .causes import cause_text
 from .exceptions import LockLost
 
 if TYPE_CHECKING:
     from .identity import OwnerIdentity
-    from .manager import LockManager, _Depth, _Request
+    from .request import Request
+    from .state import Depth
+
+log = logging.getLogger("celery_redislock.heartbeat")
+
+
+class LeaseHost(Protocol):
+    """What a lease asks of the engine that granted it."""
+
+    def release(self, lease: Lease) -> bool:
+        """Release the lease's handle (see :meth:`Lease.release`)."""
+
+    def contenders(self, lease: Lease) -> int:
+        """How many other requests wait for the lease's resources."""
+
+    def wait_for_contender(self, lease: Lease, timeout: float) -> bool:
+        """Block until a request waits for the lease's resources."""
+
+    def deadline_passed(self, ident: OwnerIdentity) -> None:
+        """A lease of ``ident`` found its local deadline passed."""
+
+    def lease_lost(self, cause: str | None) -> None:
+        """A lease was marked lost (metrics)."""
 
 
 class Lease:
@@ -39,16 +70,17 @@ class Lease:
 
     def __init__(
         self,
-        manager: LockManager,
-        request: _Request,
+        host: LeaseHost,
+        request: Request,
         ident: OwnerIdentity,
         token: str,
         fencing_token: int,
-        depth: _Depth,
+        depth: Depth,
         *,
         own: bool = True,
+        clean: bool = False,
     ) -> None:
-        self._manager = manager
+        self._host = host
         self._request = request
         self._ident = ident
         self.owner_id = ident.owner_id
@@ -65,8 +97,9 @@ class Lease:
         #: Called once, with the lease and the cause, when it is marked lost
         #: (from whichever thread found out: heartbeat, watcher, node tick).
         self._lost_hooks: list[Callable[[Lease, str | None], None]] = []
-        #: The grant of ``request`` is released in Redis (or was never ours).
-        self._released = False
+        #: The grant of ``request`` is released in Redis (or was never ours:
+        #: a purely reentrant lease has no grant of its own).
+        self._released = not own
         #: :meth:`release` was called on this lease.
         self._handle_released = False
         #: Whether this lease has a grant of its own (False: purely reentrant).
@@ -79,7 +112,7 @@ class Lease:
         #: The grant left no request state, wake list or holder record in
         #: Redis (acquire.lua granted it in the call that replied, without
         #: holder info): release.lua need not delete them.
-        self._clean = False
+        self._clean = clean
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -99,8 +132,8 @@ class Lease:
         if not self._own:
             return self._lost
         if not self._lost and not self._released and time.monotonic() > self._ident.valid_until:
-            self._manager._deadline_passed(self._ident)
-            self._mark_lost("deadline")
+            self._host.deadline_passed(self._ident)
+            self.mark_lost("deadline")
         return self._lost
 
     @property
@@ -167,14 +200,14 @@ class Lease:
         A lease that was lost meanwhile is still released (True): ``lost``
         says whether it still held its locks.
         """
-        return self._manager._release(self)
+        return self._host.release(self)
 
     def contenders(self) -> int:
         """How many other requests wait for any of this lease's resources.
 
         One round trip. Use it to yield a long-held lock cooperatively.
         """
-        return self._manager._contenders(self)
+        return self._host.contenders(self)
 
     def wait_for_contender(self, timeout: float) -> bool:
         """Block until some request waits for this lease's resources.
@@ -183,42 +216,126 @@ class Lease:
         by polling. Returns True at once if a contender is already waiting,
         False if none came within ``timeout`` seconds.
         """
-        return self._manager._wait_for_contender(self, timeout)
+        return self._host.wait_for_contender(self, timeout)
 
-    def _add_lost_hook(self, hook: Callable[[Lease, str | None], None]) -> None:
+    def add_lost_hook(self, hook: Callable[[Lease, str | None], None]) -> None:
         """Call ``hook(lease, cause)`` once this lease (or an outer one) is marked lost.
 
         Called at once if it already is. For a reentrant lease the hook is
-        attached to the outer lease(s) too, whose loss is this one's.
+        attached to the outer lease(s) too, whose loss is this one's. Hooks
+        run in whichever thread found the loss (heartbeat, watcher, node
+        tick): they must be quick and must not block.
         """
         self._lost_hooks.append(hook)
         for p in self._parents:
-            p._add_lost_hook(lambda _lease, cause: hook(self, cause))
+            p.add_lost_hook(lambda _lease, cause: hook(self, cause))
         if self._lost:
             hook(self, self._lost_cause)
 
-    def _mark_lost(self, cause: str | None = None) -> None:
-        """Mark the lease lost (once; ``cause`` is an engine cause, see manager)."""
+    # -- engine side: called by the engine that granted the lease ----------
+
+    @property
+    def request(self) -> Request:
+        """The validated request the lease was granted for."""
+        return self._request
+
+    @property
+    def ident(self) -> OwnerIdentity:
+        """The owner identity the grant is registered to."""
+        return self._ident
+
+    @property
+    def own(self) -> bool:
+        """Whether the lease has a grant of its own (not when purely reentrant)."""
+        return self._own
+
+    @property
+    def parents(self) -> tuple[Lease, ...]:
+        """The outer leases this one counts on (reentrant resources)."""
+        return self._parents
+
+    @property
+    def clean(self) -> bool:
+        """The grant left no request state, wake list or holder record in Redis."""
+        return self._clean
+
+    @property
+    def active(self) -> bool:
+        """Neither marked lost nor released in Redis (no deadline check, no I/O)."""
+        return not self._lost and not self._released
+
+    @property
+    def grant_released(self) -> bool:
+        """The grant is released in Redis (or was never this lease's)."""
+        return self._released
+
+    def mark_lost(self, cause: str | None = None) -> None:
+        """Mark the lease lost (once; ``cause``: an engine loss code or a cause)."""
         if self._lost:
             if self._lost_cause is None and cause is not None:
-                self._lost_cause = self._manager._cause_text(cause)
+                self._lost_cause = cause_text(cause)
             return
-        self._lost_cause = self._manager._cause_text(cause) if cause is not None else None
+        self._lost_cause = cause_text(cause) if cause is not None else None
         self._lost = True
-        metrics = self._manager._metrics
-        if metrics is not None:
-            from .metrics import LOST_CAUSE_LABELS
-
-            metrics.lease_lost(LOST_CAUSE_LABELS.get(self._lost_cause or "", "unknown"))
+        self._host.lease_lost(self._lost_cause)
         for hook in list(self._lost_hooks):
             try:
                 hook(self, self._lost_cause)
             except Exception:  # a hook must never break the thread that found the loss
-                import logging
+                log.exception("heartbeat.lost-hook-error token=%s", self.token)
 
-                logging.getLogger("celery_redislock.heartbeat").exception(
-                    "heartbeat.lost-hook-error token=%s", self.token
-                )
+    def mark_inherited(self) -> None:
+        """In a forked child: the parent's lease, never released from here."""
+        self._lost = True
+
+    def share(self, parents: tuple[Lease, ...]) -> None:
+        """Count on ``parents`` for some resources (a reentrant acquire)."""
+        for p in parents:
+            p.hold()
+        self._parents = parents
+
+    def hold(self) -> None:
+        """One more lease counts on this lease's grant."""
+        self._holds += 1
+
+    def count_in(self, depth: Depth) -> None:
+        """Count the lease as held by the thread whose ``depth`` this is."""
+        self._depth = depth
+        depth.leases.append(self)
+        depth.count += 1
+
+    def close_handle(self, *, uncount: bool = True) -> bool:
+        """Mark :meth:`release` called; False if it was already.
+
+        ``uncount``: the holding thread holds one lease fewer."""
+        if self._handle_released:
+            return False
+        self._handle_released = True
+        if uncount:
+            self._depth.count = max(0, self._depth.count - 1)
+        return True
+
+    def forget(self) -> None:
+        """Released without a round trip: inherited across a fork."""
+        self._handle_released = True
+        self._released = True
+
+    def drop_hold(self, *, force: bool = False) -> bool:
+        """One fewer lease counts on the grant (``force``: none does).
+
+        True when the count reached 0 now: the grant must be released in
+        Redis (the lease no longer counts in its thread's depth)."""
+        self._holds = 0 if force else self._holds - 1
+        if self._holds > 0 or self._released:
+            return False
+        self._released = True
+        self.uncount()
+        return True
+
+    def uncount(self) -> None:
+        """Stop counting the lease as one its thread may re-enter."""
+        if self in self._depth.leases:
+            self._depth.leases.remove(self)
 
     def __enter__(self) -> Lease:
         return self

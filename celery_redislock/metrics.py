@@ -67,3 +67,29 @@ class MetricsHook(Protocol):
         Optional: the engine skips a hook that has no ``parked`` method (a
         hook written for a release before deferred tasks were counted).
         """
+
+
+class Telemetry:
+    """A manager's metrics hook, shared by its parts and replaceable.
+
+    The worker integration sets :attr:`hook` once its hook exists; every
+    part reads it at the event (``None``: nothing is reported).
+    """
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: MetricsHook | None) -> None:
+        self.hook = hook
+
+    def acquired(self, seconds: float, outcome: str) -> None:
+        """An acquire made outside ``LockManager.acquire`` ended (a deferred
+        task's adopted grant, or its park running out of time)."""
+        if self.hook is not None:
+            self.hook.acquired(max(0.0, seconds), outcome)
+
+    def parked(self) -> None:
+        """A deferred task was parked (a hook without ``parked``, written
+        for an earlier release, is skipped)."""
+        parked = getattr(self.hook, "parked", None)
+        if parked is not None:
+            parked()

@@ -234,11 +234,11 @@ def free_dead_member(manager: LockManager, owner_id: str) -> CleanupReport | Non
     worker process) is left to the usual paths and gives None. One HGET,
     plus the clean-up when it applies: O(locks of the dead owner).
     """
-    make_group = manager._group
+    make_group = manager.liveness.group
     group = make_group() if make_group is not None else None
     if group is None:
         return None
-    tag = manager._command("HGET", group, owner_id)
+    tag = manager.channel.command("HGET", group, owner_id)
     if tag is None:
         return None
     tag = _text(tag)
@@ -399,7 +399,7 @@ class Node:
         return ops
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self._ops()._call(name, keys, args)
+        return self._ops().channel.call(name, keys, args)
 
     def _record_args(self) -> list[str]:
         return [str(self.pid), self.host, str(self.started)]
@@ -537,10 +537,10 @@ class Node:
                 )
         result.cleaned.extend(reports)
         freed = sum(1 for r in reports if r.status != "alive")
-        if self.manager._metrics is not None and freed:
-            self.manager._metrics.cleaned("startup", freed)
+        if self.manager.metrics is not None and freed:
+            self.manager.metrics.cleaned("startup", freed)
         if not failed and all(r.status != "alive" for r in reports):
-            ops._command("DEL", group_key(self.prefix, inc))
+            ops.channel.command("DEL", group_key(self.prefix, inc))
 
     # -- heartbeat --------------------------------------------------------
 
@@ -588,7 +588,7 @@ class Node:
                 live.add(tag)
                 live.add(str(pid))
         mgr = self.manager
-        ident = mgr._identity.peek()
+        ident = mgr.liveness.identity.peek()
         if ident is not None and not ident.registered:
             ident = None
         started = time.monotonic()
@@ -637,10 +637,14 @@ class Node:
         # This process's owner, if still current, was refreshed by this tick
         # (it is in the group, its process lives, it was not reported lost):
         # that feeds its leases' local deadline, as a heartbeat would.
-        current = ident is not None and mgr._identity.peek() is ident
-        if current and ident is not None and not mgr._confirm(ident, started, mgr.owner_ttl):
-            mgr._owner_lost(ident, "deadline")
-        mgr._bury_doomed(self._ops().client)
+        current = ident is not None and mgr.liveness.identity.peek() is ident
+        if (
+            current
+            and ident is not None
+            and not mgr.liveness.confirm(ident, started, mgr.owner_ttl)
+        ):
+            mgr.liveness.owner_lost(ident, "deadline")
+        mgr.cleaner.bury_doomed(self._ops().client)
         if owned:
             self.state = "owner"
             self._seen = None
@@ -663,16 +667,16 @@ class Node:
         mgr = self.manager
         # Redis lost data: the namespace's format key too, perhaps. Every
         # manager of this process checks (and re-creates) it on its next call.
-        mgr._format_pending = True
+        mgr.channel.format_pending = True
         for ops in list(self._ops_by_thread.values()):
-            ops._format_pending = True
-        with mgr._state_lock:
-            leases = [x for x in mgr._leases.values() if not x._released]
+            ops.channel.format_pending = True
+        with mgr.state.lock:
+            leases = [x for x in mgr.state.leases.values() if not x.grant_released]
         for lease in leases:
-            lease._mark_lost("node-state-lost")
-        ident = mgr._identity.peek()
+            lease.mark_lost("node-state-lost")
+        ident = mgr.liveness.identity.peek()
         if ident is not None:
-            mgr._identity.retire(ident)
+            mgr.liveness.identity.retire(ident)
         new = new_incarnation()
         self.incarnation = new
         self.group_key = group_key(self.prefix, new)
@@ -702,9 +706,9 @@ class Node:
         return TickResult(self.state, state_lost=True)
 
     def _free(self, owner: str, pid: int, why: str, result: TickResult) -> None:
-        ident = self.manager._identity.peek()
+        ident = self.manager.liveness.identity.peek()
         if ident is not None and ident.owner_id == owner:
-            self.manager._owner_lost(ident, "node-heartbeat")
+            self.manager.liveness.owner_lost(ident, "node-heartbeat")
         ops = self._ops()
         try:
             report = ops.cleanup_owner(owner, force=True)
@@ -712,10 +716,10 @@ class Node:
             log_cleanup.error("cleanup.owner-error owner=%s pid=%d error=%r", owner, pid, exc)
             return  # still in the group: retried next tick
         result.cleaned.append(report)
-        if self.manager._metrics is not None and report.status != "alive":
-            self.manager._metrics.cleaned("child")
+        if self.manager.metrics is not None and report.status != "alive":
+            self.manager.metrics.cleaned("child")
         try:
-            ops._command("HDEL", self.group_key, owner)
+            ops.channel.command("HDEL", self.group_key, owner)
         except LockError as exc:
             # The owner is freed; its group entry stays and the next tick
             # frees it again (idempotent) and retries the HDEL.
@@ -733,14 +737,14 @@ class Node:
 
     def _fence(self) -> None:
         self.state = "evicted"
-        ident = self.manager._identity.peek()
+        ident = self.manager.liveness.identity.peek()
         leases = 0
-        with self.manager._state_lock:
-            for lease in self.manager._leases.values():
-                lease._mark_lost("declared-dead")
+        with self.manager.state.lock:
+            for lease in self.manager.state.leases.values():
+                lease.mark_lost("declared-dead")
                 leases += 1
         if ident is not None:
-            self.manager._identity.retire(ident)
+            self.manager.liveness.identity.retire(ident)
         log.critical(
             "node.evicted node=%s inc=%s leases_lost=%d: a successor with this node name "
             "declared this worker dead (it stalled for two heartbeat intervals or more) and "
@@ -760,7 +764,7 @@ class Node:
         try:
             self.tick()
         except LockError as exc:
-            self.manager._heartbeat_failed()
+            self.manager.liveness.heartbeat_failed()
             self._tick_failed(exc)
         else:
             if self.failed_ticks:
@@ -774,7 +778,7 @@ class Node:
             # Releases deferred in this process (tasks of a threads, solo,
             # gevent or eventlet pool run here): nothing else retries them.
             # Never raises; backs off and logs once per release.
-            self.manager._retry_orphans(self._ops().client)
+            self.manager.releaser.retry_deferred(self._ops().client)
 
     def _tick_failed(self, exc: LockError) -> None:
         """Log a failed tick: the first of a run, then one reminder a minute.
@@ -830,7 +834,7 @@ class Node:
         round trip; a Redis error is logged and waiters keep waiting.
         Idempotent.
         """
-        self.manager._halted = True
+        self.manager.acquirer.halted = True
         try:
             pipe = self._ops().client.pipeline(transaction=False)
             pipe.delete(self.halt_key)
@@ -859,14 +863,14 @@ class Node:
                 return []
             evicted = self.state == "evicted"
             self.state = "stopped"
-        with self.manager._state_lock:
-            for lease in self.manager._leases.values():
-                lease._mark_lost("declared-dead")
-        ident = self.manager._identity.peek()
+        with self.manager.state.lock:
+            for lease in self.manager.state.leases.values():
+                lease.mark_lost("declared-dead")
+        ident = self.manager.liveness.identity.peek()
         if ident is not None:
-            self.manager._identity.retire(ident)
+            self.manager.liveness.identity.retire(ident)
         ops = self._ops()
-        reply = ops._call("node_stop", [self.node_key, self.group_key], [self.incarnation])
+        reply = ops.channel.call("node_stop", [self.node_key, self.group_key], [self.incarnation])
         owners = [_text(o) for o in reply[1]]
         reports: list[CleanupReport] = []
         failed = 0
@@ -877,7 +881,7 @@ class Node:
                 failed += 1
                 log_cleanup.error("cleanup.owner-error owner=%s error=%r", owner, exc)
         if not failed:
-            ops._command("DEL", self.group_key, self.halt_key)
+            ops.channel.command("DEL", self.group_key, self.halt_key)
         log.info(
             "node.stop node=%s inc=%s owners=%d released=%d record_deleted=%s evicted=%s",
             self.nodename,

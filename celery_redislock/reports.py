@@ -4,8 +4,9 @@ and by :meth:`LockManager.holders` (who holds a resource)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from .keys import MODE_NAMES, owner_of_token, parse_grant
+from .keys import MODE_NAMES, owner_of_token, parse_grant, text
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,22 @@ class CleanupReport:
     #: Grants of *other* dead owners freed on the way (serving this owner's
     #: waiters reclaims dead holders that stand before an exclusive waiter).
     reclaimed: int = 0
+
+    @classmethod
+    def from_reply(cls, owner_id: str, reply: Any) -> CleanupReport:
+        """The report of cleanup_owner.lua's reply (see its header)."""
+        status, released, skipped, errors, remaining, reclaimed = reply
+        skipped_l = [text(x) for x in skipped]
+        errors_l = [text(x) for x in errors]
+        return cls(
+            owner_id=owner_id,
+            status=text(status),
+            released=int(released),
+            skipped=tuple(zip(skipped_l[::2], skipped_l[1::2])),
+            errors=tuple(zip(errors_l[::2], errors_l[1::2])),
+            remaining=int(remaining),
+            reclaimed=int(reclaimed),
+        )
 
 
 @dataclass

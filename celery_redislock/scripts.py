@@ -206,7 +206,7 @@ class Scripts:
     def run_then_read(
         self,
         name: str,
-        keys: list[str],
+        keys: list[Any],
         args: list[Any],
         hashes: list[str],
         probe: tuple[str, str] | None = None,

@@ -316,7 +316,7 @@ def _retry_deferred(mgr: Any) -> None:
     them; one extra round trip, only when something is pending.
     """
     try:
-        mgr._beat()
+        mgr.upkeep()
     except Exception as exc:
         log.warning("locked.deferred-release-error error=%r", exc)
 
@@ -487,7 +487,7 @@ def _run_body(
     token = _leases.set(_leases.get() + (lease,))
     watch = _LossWatch(run.task_label, run.task_id, run.lost_mode, run.pool_child_pid)
     if run.lost_mode == "terminate" and run.in_task:
-        lease._add_lost_hook(watch)
+        lease.add_lost_hook(watch)
     lost_after = False
     try:
         with _holding(mgr, run.holder):
@@ -868,7 +868,7 @@ def _run_adopted(
     nested acquires of their resources re-enter them."""
     main = next((x for x in leases if set(x.resources) == set(resources)), leases[0])
     rest = [x for x in leases if x is not main]
-    run.mgr._hold_in_thread(leases)
+    run.mgr.hold_in_thread(leases)
 
     def finish() -> None:
         for lease in rest:
@@ -959,7 +959,7 @@ def _run_deferred(
     request = task.request
     task_id = str(request.id)
     resources = exclusive_names + shared_names
-    if mgr._orphans and not mgr._own_heartbeat:
+    if mgr.state.deferred and not mgr.liveness.own_heartbeat:
         _retry_deferred(mgr)
     mgr._defer_done_ttl = cfg.defer_ttl  # type: ignore[attr-defined]
     # Who holds the locks, for operators: the park request, the adopted
@@ -1041,7 +1041,7 @@ def _run_deferred(
         # Never parked past the task's own expires (then it is revoked as expired).
         park_ttl = defer.park_limit(message, park_ttl)
         message["grant_ttl"] = cfg.defer_grant_ttl
-        req = mgr._request(exclusive_names, shared_names)
+        req = mgr.request(exclusive_names, shared_names)
         message["modes"] = req.modes
         message["resources"] = list(req.resources)
         result = defer.park(
@@ -1309,7 +1309,7 @@ def locked(
             else:
                 wait = 0
             mgr = locks.manager
-            if mgr._orphans and not mgr._own_heartbeat:
+            if mgr.state.deferred and not mgr.liveness.own_heartbeat:
                 _retry_deferred(mgr)
             lost_mode = locks.config.on_lost if on_lost is _DEFAULT else on_lost
             request = getattr(task, "request", None) if task is not None else None

@@ -198,12 +198,12 @@ def queue_requests(
     Deleting the owner's liveness key afterwards leaves dead queue entries,
     as the owner's liveness expiring would.
     """
-    ident = mgr._identity.current()
-    req = mgr._request(exclusive, shared)
+    ident = mgr.liveness.identity.current()
+    req = mgr.request(exclusive, shared)
     tokens = []
     for _ in range(count):
         token = f"{ident.owner_id}|{uuid.uuid4().hex}"
-        reply = mgr._attempt(ident, token, req, True, False)
+        reply = mgr.acquirer.attempt(ident, token, req, True, False)
         assert int(reply[0]) == 0, reply  # blocked, hence queued
         ident.registered = True
         tokens.append(token)

@@ -211,7 +211,7 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
         # Deferred tasks (docs/defer.md): park, hand-off, dispatch, adopt,
         # done, the dispatcher's upkeep, and a withdrawal.
         busy = holder.acquire(exclusive=["d"], timeout=5)
-        dreq = holder._request(["d"], [])
+        dreq = holder.request(["d"], [])
         msg = {"name": "t", "args": [], "kwargs": {}, "options": {}, "resources": ["d"]}
         assert defer.park(holder, "d1", dreq, msg, park_ttl=30, grant_ttl=30).outcome == "parked"
         defer.park(holder, "d2", dreq, msg, park_ttl=30, grant_ttl=30)
@@ -258,7 +258,7 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
         # (as @locked waits) leaves its queue and pushes the entry back.
         blocker = child.acquire(exclusive=["h"], timeout=5)
         pool = manager(heartbeat=False)
-        pool._halt_key = halt_key("{" + NS + "}:", inc)
+        pool.acquirer.halt_key = halt_key("{" + NS + "}:", inc)
         halted: list[Any] = []
 
         def wait_as_locked() -> None:
@@ -533,7 +533,7 @@ def test_plain_commands_of_the_node_raise_permission_denied_not_redis_py_errors(
     mgr = LockManager(restricted(drop=("hdel",)), NS)
     try:
         with pytest.raises(PermissionDenied) as info:
-            mgr._command("HDEL", "{" + NS + "}:group:x", "owner")
+            mgr.channel.command("HDEL", "{" + NS + "}:group:x", "owner")
         assert info.value.command == "HDEL"
         assert "hdel" in str(info.value).lower()
     finally:

@@ -490,7 +490,7 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
     locks = RedisLock(app)
     mgr = locks._enter_worker("0123456789abcdef")
     try:
-        assert not mgr._own_heartbeat and mgr._group is not None  # the main process
+        assert not mgr.liveness.own_heartbeat and mgr.liveness.group is not None  # the main process
         r.config_resetstat()
         read_fd, write_fd = os.pipe()
         pid = os.fork()
@@ -499,13 +499,13 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
             try:
                 m = locks.manager
                 out: dict[str, Any] = {"same": m is mgr}
-                out["helper"] = [m._own_heartbeat, m._group is None]
+                out["helper"] = [m.liveness.own_heartbeat, m.liveness.group is None]
                 threads = threading.active_count()
                 signals.worker_process_init.send(sender=None)
                 signals.worker_process_init.send(sender=None)
                 m = locks.manager
-                group = m._group
-                out["pool_child"] = [m._own_heartbeat, group() if group else None]
+                group = m.liveness.group
+                out["pool_child"] = [m.liveness.own_heartbeat, group() if group else None]
                 out["new_threads"] = threading.active_count() - threads
                 os.write(write_fd, json.dumps(out).encode())
                 code = 0
@@ -527,7 +527,9 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
             if not k.startswith(("cmdstat_info", "cmdstat_config"))
         }
         assert calls == set()
-        assert not mgr._own_heartbeat and mgr._group is not None  # the parent is unchanged
+        assert (
+            not mgr.liveness.own_heartbeat and mgr.liveness.group is not None
+        )  # the parent is unchanged
     finally:
         locks._leave_worker()
         mgr.close()

@@ -256,7 +256,7 @@ def test_waiters_shows_a_parked_task_with_its_name_and_id_in_its_place(
     t = queued_waiter(w, exclusive=["q"])
     wait_until(lambda: json.loads(cli("waiters", "q", "--json").stdout), what="queued")
     msg = {"name": "proj.sync", "args": [], "kwargs": {}, "options": {}, "resources": ["q"]}
-    req = mgr._request(["q"], [])
+    req = mgr.request(["q"], [])
     assert defer.park(mgr, "tid-1", req, msg, park_ttl=60, grant_ttl=60).outcome == "parked"
     data = json.loads(ok(cli("waiters", "q", "--json")).stdout)
     assert [(d["position"], d["state"], d["task_id"], d["task_name"]) for d in data] == [

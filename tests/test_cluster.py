@@ -344,7 +344,7 @@ def test_waiter_reblocks_past_a_short_cluster_socket_timeout(
 ) -> None:
     a = managers(0)
     b = managers(1, client_kw={"socket_timeout": 0.5})
-    assert b._block_cap < 0.5
+    assert b.options.block_cap < 0.5
     held = a.acquire("slow", timeout=0)
     server = _server_of(cluster_servers, cluster(), a.keys.lock("slow"))
     direct = server.client()
@@ -373,8 +373,8 @@ def test_heartbeat_keeps_a_cluster_owner_alive_past_its_ttl(
     lease = a.acquire("hb", timeout=0)
     # 1/3 s interval: six beats span twice the owner TTL.
     wait_until(lambda: a.heartbeat.ticks >= 6, what="six heartbeats")
-    assert isinstance(a._hb_client, RedisCluster)
-    assert a._hb_client is not a.client
+    assert isinstance(a.liveness.heartbeat_client(), RedisCluster)
+    assert a.liveness.heartbeat_client() is not a.client
     assert not lease.lost
     assert cluster().pttl(a.keys.alive(a.owner_id)) > 0
     lease.release()
@@ -555,8 +555,10 @@ def test_a_cluster_url_makes_a_manager_on_a_cluster_client_with_the_password_mas
         lease = mgr.acquire("r", timeout=0)
         # The heartbeat's clone carries the credentials and the socket timeout.
         wait_until(lambda: mgr.heartbeat.ticks >= 2, what="two heartbeats on the clone")
-        assert isinstance(mgr._hb_client, RedisCluster)
-        assert mgr._hb_client.nodes_manager.connection_kwargs["socket_timeout"] == 5.0
+        assert isinstance(mgr.liveness.heartbeat_client(), RedisCluster)
+        assert (
+            mgr.liveness.heartbeat_client().nodes_manager.connection_kwargs["socket_timeout"] == 5.0
+        )
         assert not lease.lost
         lease.release()
     finally:

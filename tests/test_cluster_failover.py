@@ -253,7 +253,7 @@ def test_failover_to_a_replica_that_missed_the_last_writes_reports_the_loss_and_
             late = managers(heartbeat=True, heartbeat_interval=0.5)
             causes: list[str | None] = []
             late_lease = late.acquire(exclusive=["late"], timeout=5)
-            late_lease._add_lost_hook(lambda _lease, cause: causes.append(cause))
+            late_lease.add_lost_hook(lambda _lease, cause: causes.append(cause))
             before += [held.fencing_token, late_lease.fencing_token]
             direct.close()
             master.kill()

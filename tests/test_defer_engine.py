@@ -8,6 +8,7 @@ adopted. tests/e2e/test_defer_e2e.py runs the same path with real workers.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import threading
@@ -43,7 +44,7 @@ def rs(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def _park(mgr: LockManager, task_id: str, *res: str, grant_ttl: float = 60.0) -> str:
-    req = mgr._request(list(res), [])
+    req = mgr.request(list(res), [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": list(res)}
     result = park(mgr, task_id, req, message, park_ttl=600, grant_ttl=grant_ttl)
     return result.outcome
@@ -218,7 +219,7 @@ def test_a_task_parked_past_its_park_ttl_is_withdrawn_and_reported_expired(
 ) -> None:
     mgr = managers()
     holder = mgr.acquire("a")
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
     assert park(mgr, "t1", req, message, park_ttl=0.3, grant_ttl=60).outcome == "parked"
     withdrawn: list[tuple[str, str]] = []
@@ -265,7 +266,7 @@ def test_a_grant_whose_message_expired_is_withdrawn_not_published(
 ) -> None:
     mgr, waiter_mgr = managers(), managers()
     holder = mgr.acquire("a")
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     past = "2000-01-01T00:00:00+00:00"
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {"expires": past}}
     assert park(mgr, "t1", req, message, park_ttl=60, grant_ttl=60).outcome == "parked"
@@ -299,7 +300,7 @@ def test_a_parked_task_carries_its_holder_record_through_hand_off_dispatch_and_a
 ) -> None:
     mgr, child = managers(), managers()
     first = "t.task\nt1\ncelery@parker"
-    req = mgr._request(["a", "b"], [])
+    req = mgr.request(["a", "b"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
     holder = mgr.acquire("a")
     assert park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder=first).outcome == (
@@ -334,7 +335,7 @@ def test_an_adopted_grant_without_new_holder_info_keeps_the_task_owners_record(
     mgr, child = managers(), managers()
     info = "t.task\nt1\ncelery@parker"
     holder = mgr.acquire("a")
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
     park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder=info)
     holder.release()
@@ -348,7 +349,7 @@ def test_the_dispatcher_granting_a_parked_task_writes_its_holder_record(
     managers: Managers, rs: redis.Redis
 ) -> None:
     mgr = managers()
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     info = "t.task\nt1\ncelery@parker"
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
     holder = mgr.acquire("a")
@@ -366,7 +367,7 @@ def test_the_dispatcher_granting_a_parked_task_writes_its_holder_record(
 
 def test_a_withdrawn_grant_leaves_no_holder_record(managers: Managers, rs: redis.Redis) -> None:
     mgr = managers()
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
     holder = mgr.acquire("a")
     park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60, holder="t.task\nt1\nnode")
@@ -385,7 +386,7 @@ def test_a_body_running_adopted_grants_re_enters_them(managers: Managers, rs: re
     holder.release()
     outcome, leases = adopt(child, "t1", 0)
     assert outcome == "adopted"
-    child._hold_in_thread(leases)
+    child.hold_in_thread(leases)
     # @locked runs the adopted body in this thread: a nested acquire of the
     # same resource re-enters the adopted grant (same fence), never queues
     # behind it.
@@ -504,7 +505,7 @@ def test_adopting_again_after_a_lost_reply_returns_the_same_grant(
 
 def _park_attempt(mgr: LockManager, task_id: str, retries: int, *res: str) -> str:
     """Park ``task_id``'s message of retry number ``retries`` (Celery's request.retries)."""
-    req = mgr._request(list(res), [])
+    req = mgr.request(list(res), [])
     options = {"retries": retries} if retries else {}
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": options}
     return park(mgr, task_id, req, message, park_ttl=600, grant_ttl=60).outcome
@@ -732,7 +733,7 @@ def test_a_passed_park_deadline_is_withdrawn_by_the_next_upkeep_pass_whatever_th
     mgr = managers()
     holder = mgr.acquire("a")
     _park_backlog(mgr, rs, BACKLOG, "a")
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
     assert park(mgr, "late", req, message, park_ttl=0.2, grant_ttl=60).outcome == "parked"
     wait_until(lambda: not rs.exists(f"{P}alive:defer:late"), what="park TTL ran out")
@@ -784,7 +785,7 @@ def test_an_upkeep_that_leaves_due_entries_is_followed_by_another_pass_at_once(
     _park_backlog(mgr, rs, count, "a")
     dispatcher, _ = _dispatcher(mgr)
     dispatcher.interval = 3600.0  # one interval would outlast the test
-    dispatcher.manager._block_cap = 0.05
+    dispatcher.manager.options = dataclasses.replace(dispatcher.manager.options, block_cap=0.05)
     passes: list[bool] = []
     upkeep = dispatcher.upkeep
     dispatcher.upkeep = lambda: passes.append(upkeep()) or passes[-1]  # type: ignore[method-assign]
@@ -813,7 +814,7 @@ def _granted_with_a_waiter_behind(
     Returns the manager and the waiting request's token."""
     mgr = managers()
     holder = mgr.acquire("a")
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": dict(options or {})}
     message.update(resources=["a"], modes="x")
     assert park(mgr, "t1", req, message, park_ttl=600, grant_ttl=grant_ttl).outcome == "parked"
@@ -930,7 +931,7 @@ def test_a_park_that_fails_after_writing_its_record_leaves_nothing_of_it(
     seq = rs.get(f"{P}seq")
     rs.delete(f"{P}seq")
     rs.hset(f"{P}seq", "not", "a counter")
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60)
@@ -950,7 +951,7 @@ def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out
 ) -> None:
     mgr = managers()
     holder = mgr.acquire("a")
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {"expires": _expires(0.3)}}
     park_ttl = park_limit(message, 600.0)  # the expires comes first
     assert park_ttl < 1 and message["ends"] == "expires"
@@ -1071,7 +1072,7 @@ def test_a_grant_parked_by_an_earlier_release_is_adopted_under_its_old_owner_nam
     )
     rs.hset(record_key(mgr, "t1"), mapping={"msg": "{}", "gttl": "60000"})
     rs.zadd(deferred_key(mgr), {"t1": 1})
-    got = _attempt_as_task(mgr, token, mgr._request(["a"], []), liveness_ms="600000", register="x")
+    got = _attempt_as_task(mgr, token, mgr.request(["a"], []), liveness_ms="600000", register="x")
     assert int(got[0]) == 0
     holder.release()
     assert rs.hget(f"{P}defer:t1", "state") == "granted"
@@ -1103,10 +1104,10 @@ def _enqueue(
     mgr: LockManager, exclusive: tuple[str, ...] = (), shared: tuple[str, ...] = ()
 ) -> Any:
     """Queue one request of ``mgr`` (one acquire.lua run, no wait): (token, reply)."""
-    req = mgr._request(list(exclusive), list(shared))
-    ident = mgr._identity.current()
+    req = mgr.request(list(exclusive), list(shared))
+    ident = mgr.liveness.identity.current()
     token = f"{ident.owner_id}|{new_request_id()}"
-    return token, mgr._attempt(ident, token, req, True, False)
+    return token, mgr.acquirer.attempt(ident, token, req, True, False)
 
 
 def _message(*res: str) -> dict[str, Any]:
@@ -1147,7 +1148,7 @@ def test_the_nudge_tells_the_waiting_processes_that_wait_for_a_grant_in_transit(
 ) -> None:
     mgr, other = managers(), managers()
     holder, b = mgr.acquire("a"), other.acquire("b")
-    req = mgr._request([], ["a"])  # t1 asks for 'a' shared
+    req = mgr.request([], ["a"])  # t1 asks for 'a' shared
     assert park(mgr, "t1", req, _message("a"), park_ttl=600, grant_ttl=60).outcome == "parked"
     # 's1' waits shared on 'a' and exclusive on 'b' (blocked by 'b' only);
     # 'x1' exclusive on 'a'; then a parked request; then 's2' shared.
@@ -1189,7 +1190,7 @@ def test_a_waiting_request_taken_over_keeps_its_place_and_its_arrival_number(
     assert reply[4] == "t1"
     after, _ = _enqueue(managers(), ("a",))
     score = rs.zscore(f"{P}q:a", "x" + token)
-    req = waiter._request(["a"], ["b"])
+    req = waiter.request(["a"], ["b"])
     # Not queued (a made-up token): nothing is written.
     assert (
         defer.take_over(

@@ -67,7 +67,7 @@ def _locks(app: Celery) -> RedisLock:
 
 def _park(app: Celery, task_id: str) -> int:
     mgr = _locks(app).manager
-    req = mgr._request(["a"], [])
+    req = mgr.request(["a"], [])
     message = {**MESSAGE, "resources": ["a"]}
     result = park(mgr, task_id, req, message, park_ttl=600, grant_ttl=60)
     assert result.outcome == "parked"

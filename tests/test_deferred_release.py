@@ -35,7 +35,7 @@ def test_release_blocked_by_a_foreign_value_is_reported_once_then_retried_quietl
     caplog.set_level(logging.INFO, logger="celery_redislock")
     with pytest.raises(redis.ResponseError):
         lease.release()
-    assert mgr._orphans
+    assert mgr.state.deferred
     wait_until(lambda: mgr.heartbeat.ticks >= 60, what="60 heartbeat ticks")
     assert not [rec for rec in caplog.records if rec.exc_info], caplog.text
     failed = [rec for rec in caplog.records if "release.retry-failed" in rec.getMessage()]
@@ -47,7 +47,7 @@ def test_release_blocked_by_a_foreign_value_is_reported_once_then_retried_quietl
     r.hset(lock_key, mapping=grant)
     wait_until(lambda: not r.exists(lock_key), what="the deferred release to succeed")
     # The heartbeat thread drops the orphan just after the script returns.
-    wait_until(lambda: not mgr._orphans, what="the retried release to be forgotten")
+    wait_until(lambda: not mgr.state.deferred, what="the retried release to be forgotten")
     assert any("release.retried" in rec.getMessage() for rec in caplog.records)
     assert_registry_truth(r, NS)
 
@@ -138,4 +138,4 @@ def test_a_request_redis_never_answered_is_cleaned_up_without_a_warning(
         assert not [m for m in loud if m.startswith("release.")], loud
         assert any(m.startswith("release.deferred ") for m in caplog.messages)
         proxy.restore()
-        wait_until(lambda: not mgr._orphans, what="the orphaned request to be retried away")
+        wait_until(lambda: not mgr.state.deferred, what="the orphaned request to be retried away")

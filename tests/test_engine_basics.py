@@ -151,7 +151,9 @@ def test_fencing_tokens_stay_above_earlier_ones_after_a_restart_without_persiste
     client = redis_server.client()
     try:
         assert client.dbsize() == 0
-        assert client.script_exists(*mgr._scripts.shas.values()) == [False] * len(mgr._scripts.shas)
+        assert client.script_exists(*mgr.channel.scripts.shas.values()) == [False] * len(
+            mgr.channel.scripts.shas
+        )
         # the same manager (stale connections, NOSCRIPT, liveness gone) ...
         after_same = mgr.acquire(exclusive=["a"], timeout=5)
         # ... and a fresh one both get tokens above every earlier one
@@ -189,13 +191,13 @@ def test_the_same_request_sent_twice_yields_one_grant_with_one_fence(
     managers: Managers, r: redis.Redis
 ) -> None:
     mgr = managers()
-    req = mgr._request(["a"], ["b"])
-    ident = mgr._identity.current()
+    req = mgr.request(["a"], ["b"])
+    ident = mgr.liveness.identity.current()
     token = f"{ident.owner_id}|retried-request"
 
-    first = mgr._attempt(ident, token, req, True, False)
+    first = mgr.acquirer.attempt(ident, token, req, True, False)
     ident.registered = True
-    second = mgr._attempt(ident, token, req, True, False)  # e.g. a retry after a timeout
+    second = mgr.acquirer.attempt(ident, token, req, True, False)  # e.g. a retry after a timeout
 
     assert int(first[0]) == 1 and int(second[0]) == 1
     assert int(second[1]) == int(first[1])  # the same grant, not a new one
@@ -203,7 +205,7 @@ def test_the_same_request_sent_twice_yields_one_grant_with_one_fence(
     assert lock_holders(r) == {lock("a"): {token: "x"}, lock("b"): {token: "s"}}
     assert registries(r) == {ident.owner_id: {lock("a"), lock("b")}}
 
-    mgr._end_request(ident.owner_id, token, req)
+    mgr.releaser.end_request(ident.owner_id, token, req)
     assert lock_holders(r) == {} and registries(r) == {}
     assert not r.exists("{t}:req:" + token)
 
@@ -212,7 +214,7 @@ def test_interrupt_after_the_grant_leaves_nothing_held(
     managers: Managers, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr, other = managers(), managers()
-    real_attempt = mgr._attempt
+    real_attempt = mgr.acquirer.attempt
     granted: list[Any] = []
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
@@ -222,19 +224,19 @@ def test_interrupt_after_the_grant_leaves_nothing_held(
             raise KeyboardInterrupt  # arrives after Redis committed the grant
         return reply
 
-    monkeypatch.setattr(mgr, "_attempt", interrupted)
+    monkeypatch.setattr(mgr.acquirer, "attempt", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mgr.acquire(exclusive=["a"], shared=["b"], timeout=5)
 
     assert granted  # the script did grant
     assert lock_holders(r) == {} and registries(r) == {}
     assert not [k for k in namespace_keys(r) if k.split(":")[1] in ("req", "wake", "q")]
-    assert mgr._leases == {} and mgr._orphans == {}
+    assert mgr.state.leases == {} and mgr.state.deferred == {}
     with other.lock(exclusive=["a", "b"], timeout=0):
         pass
 
     # the interrupted thread is not left "inside" a lock: a plain acquire works
-    monkeypatch.setattr(mgr, "_attempt", real_attempt)
+    monkeypatch.setattr(mgr.acquirer, "attempt", real_attempt)
     with mgr.lock(exclusive=["a"], timeout=None):
         pass
 
@@ -249,7 +251,7 @@ def test_interrupt_while_waiting_leaves_no_queue_entry(
         assert r.zcard("{t}:q:a") == 1  # really queued when the interrupt comes
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mgr, "_block", interrupted_block)
+    monkeypatch.setattr(mgr.acquirer, "block", interrupted_block)
     with pytest.raises(KeyboardInterrupt):
         mgr.acquire(exclusive=["a"], timeout=10)
 

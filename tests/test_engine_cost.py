@@ -365,7 +365,7 @@ def upkeep_with_due_deadlines(
 
     def park_on(task_id: str, resource: str, park_ttl: float) -> None:
         message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
-        req = mgr._request([resource], [])
+        req = mgr.request([resource], [])
         assert park(mgr, task_id, req, message, park_ttl=park_ttl, grant_ttl=60).outcome == (
             "parked"
         )

@@ -235,7 +235,7 @@ def test_an_owner_listed_by_its_first_grant_is_found_by_reconcile_after_later_gr
     # process whose owner was cleaned up is added again.
     owner_mgr, other = managers(), managers()
     owner_mgr.acquire("first", timeout=0).release()
-    assert owner_mgr._identity.current().listed
+    assert owner_mgr.liveness.identity.current().listed
     held = owner_mgr.acquire(exclusive=["a", "b"], timeout=0)
     dead = kill_liveness(r, owner_mgr)
     assert dead in {m.decode() for m in r.smembers("{t}:owners")}
@@ -261,7 +261,7 @@ def test_an_owner_whose_grant_and_listing_redis_lost_is_listed_again_by_its_next
     # find it when it dies.
     mgr = managers()
     lease = mgr.acquire("a", timeout=0)
-    assert mgr._identity.current().listed
+    assert mgr.liveness.identity.current().listed
     # What the replica missed: the grant and the listing.
     r.hdel("{t}:lock:a", lease.token)
     r.hdel("{t}:held:" + mgr.owner_id, "a")
@@ -401,7 +401,7 @@ def test_reconcile_counts_a_dead_holder_reclaimed_while_serving_another_dead_own
     # the pass must still count both grants.
     one, two = managers(heartbeat=False), managers(heartbeat=False)
     for dead in (one, two):  # no lost-owner watch freeing them first
-        dead._lost_watch_exempt_pid = os.getpid()
+        dead.watcher.exempt_pid = os.getpid()
     waiter, sweeper = managers(), managers()
     one.acquire(shared="a", timeout=0)
     two.acquire(shared="a", timeout=0)

@@ -201,7 +201,7 @@ def test_one_thread_leaving_keeps_the_other_threads_of_its_process_queued(
     lease = holder.acquire("R")
 
     cancel = threading.Event()
-    real_block = waiters._block
+    real_block = waiters.acquirer.block
 
     def block(token: str, seconds: float) -> None:
         # Thread "cancelled" stops listening and is interrupted on demand,
@@ -212,7 +212,7 @@ def test_one_thread_leaving_keeps_the_other_threads_of_its_process_queued(
             return
         real_block(token, seconds)
 
-    waiters._block = block  # type: ignore[method-assign]
+    waiters.acquirer.block = block  # type: ignore[method-assign]
 
     cancelled = ThreadWaiter(waiters, "R", name="cancelled", rs=rs)
     wait_until(lambda: queue_len(rs, "R") == 1)
@@ -290,7 +290,7 @@ def test_waiter_interrupted_right_after_its_script_queued_it_leaves_no_entry(
     holder = make()
     lease = holder.acquire("R")
     waiter = make()
-    real_attempt = waiter._attempt
+    real_attempt = waiter.acquirer.attempt
 
     def attempt(*args, **kwargs):  # type: ignore[no-untyped-def]
         reply = real_attempt(*args, **kwargs)
@@ -298,7 +298,7 @@ def test_waiter_interrupted_right_after_its_script_queued_it_leaves_no_entry(
             raise KeyboardInterrupt  # the script has queued the request
         return reply
 
-    waiter._attempt = attempt  # type: ignore[method-assign]
+    waiter.acquirer.attempt = attempt  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         waiter.acquire("R", shared=["S"], timeout=30)
     _assert_no_request_state(rs, waiter.owner_id)
@@ -658,7 +658,7 @@ def test_grant_landing_as_the_waiter_gives_up_is_released_not_leaked(
     holder = make()
     lease = holder.acquire("R")
     quitter = make()
-    real_attempt = quitter._attempt
+    real_attempt = quitter.acquirer.attempt
 
     def attempt(*args, **kwargs):  # type: ignore[no-untyped-def]
         reply = real_attempt(*args, **kwargs)
@@ -666,7 +666,7 @@ def test_grant_landing_as_the_waiter_gives_up_is_released_not_leaked(
             raise KeyboardInterrupt  # gives up as the grant arrives
         return reply
 
-    real_block = quitter._block
+    real_block = quitter.acquirer.block
 
     def block(*args, **kwargs):  # type: ignore[no-untyped-def]
         fence = real_block(*args, **kwargs)
@@ -674,8 +674,8 @@ def test_grant_landing_as_the_waiter_gives_up_is_released_not_leaked(
             raise KeyboardInterrupt  # gives up as the handed-off grant arrives
         return fence
 
-    quitter._attempt = attempt  # type: ignore[method-assign]
-    quitter._block = block  # type: ignore[method-assign]
+    quitter.acquirer.attempt = attempt  # type: ignore[method-assign]
+    quitter.acquirer.block = block  # type: ignore[method-assign]
     gives_up = ThreadWaiter(quitter, "R")
     wait_until(lambda: queue_len(rs, "R") == 1)
     after = procs.start(child_waiter, redis_url, "after", "R")

@@ -44,7 +44,7 @@ def test_halt_makes_every_waiter_of_the_worker_leave_its_queue(
     main = managers(heartbeat=False)  # the worker's main process
     children = [managers(), managers()]  # two pool processes of the same worker
     for m in (main, *children):
-        m._halt_key = halt_key(PREFIX, inc)
+        m.acquirer.halt_key = halt_key(PREFIX, inc)
     holder = managers()
     held = [holder.acquire(name, timeout=5) for name in ("R", "S", "T")]
     halted: list[list[Any]] = [[], []]

@@ -41,14 +41,14 @@ def make(redis_url: str) -> Iterator[Any]:
 def count_attempts(mgr: LockManager) -> list[Any]:
     """Record every acquire-script reply of ``mgr``."""
     replies: list[Any] = []
-    real = mgr._attempt
+    real = mgr.acquirer.attempt
 
     def attempt(*args: Any, **kwargs: Any) -> Any:
         reply = real(*args, **kwargs)
         replies.append(reply)
         return reply
 
-    mgr._attempt = attempt  # type: ignore[method-assign]
+    mgr.acquirer.attempt = attempt  # type: ignore[method-assign]
     return replies
 
 
@@ -151,23 +151,23 @@ def test_a_waiter_that_missed_the_handoff_push_gets_the_same_grant_when_it_asks_
     # get the grant it already has, with its fence, not a second one.
     holder, waiter_mgr = make(), make()
     lease = holder.acquire("R")
-    req = waiter_mgr._request("R", None)
-    ident = waiter_mgr._identity.current()
+    req = waiter_mgr.request("R", None)
+    ident = waiter_mgr.liveness.identity.current()
     token = f"{ident.owner_id}|missed-the-push"
-    assert int(waiter_mgr._attempt(ident, token, req, True, False)[0]) == 0  # queued
+    assert int(waiter_mgr.acquirer.attempt(ident, token, req, True, False)[0]) == 0  # queued
     ident.registered = True
 
     lease.release()  # hands R over; nobody pops the push
     fence = int(rs.get(f"{PREFIX}fence"))
     assert rs.lrange(f"{PREFIX}wake:{token}", 0, -1) == [f"g{fence}"]
-    again = waiter_mgr._attempt(ident, token, req, True, False)
+    again = waiter_mgr.acquirer.attempt(ident, token, req, True, False)
 
     assert int(again[0]) == 1 and int(again[1]) == fence
     assert int(rs.get(f"{PREFIX}fence")) == fence  # no second grant
     assert rs.hgetall(f"{PREFIX}lock:R") == {token: f"x{fence}"}
     assert queue_len(rs, "R") == 0
     # Its release frees the lock and the unread push with it.
-    waiter_mgr._run_release(ident.owner_id, token, req, lease=True)
+    waiter_mgr.releaser.run_release(ident.owner_id, token, req, lease=True)
     assert rs.exists(f"{PREFIX}lock:R", f"{PREFIX}wake:{token}", f"{PREFIX}req:{token}") == 0
 
 
@@ -179,10 +179,10 @@ def test_a_handed_over_grant_whose_waiter_died_leaves_no_unread_push_behind(
     # frees the grant of a waiter that died before popping it deletes it.
     holder, waiter_mgr, other = make(), make(), make()
     lease = holder.acquire("R")
-    req = waiter_mgr._request("R", None)
-    ident = waiter_mgr._identity.current()
+    req = waiter_mgr.request("R", None)
+    ident = waiter_mgr.liveness.identity.current()
     token = f"{ident.owner_id}|died-before-popping"
-    assert int(waiter_mgr._attempt(ident, token, req, True, False)[0]) == 0
+    assert int(waiter_mgr.acquirer.attempt(ident, token, req, True, False)[0]) == 0
     lease.release()  # handed over; the waiter never pops it
     assert rs.llen(f"{PREFIX}wake:{token}") == 1
     rs.delete(f"{PREFIX}alive:{ident.owner_id}")  # the waiter's process died

@@ -58,8 +58,8 @@ def mgr(client: redis.Redis) -> Iterator[LockManager]:
 
 def _held(mgr: LockManager) -> redis.Redis:
     """This thread's held client of ``mgr`` (no command sent on it)."""
-    held = mgr._conn()
-    mgr._conn_done()
+    held = mgr.channel.conn()
+    mgr.channel.done()
     assert isinstance(held, redis.Redis)
     return held
 
@@ -135,8 +135,8 @@ def test_a_blocking_pool_is_used_as_it_is(redis_url: str) -> None:
     blocking = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(redis_url))
     mgr = LockManager(blocking, NS, heartbeat=False)
     try:
-        assert mgr._conn() is blocking  # a held connection would eat into its size
-        mgr._conn_done()
+        assert mgr.channel.conn() is blocking  # a held connection would eat into its size
+        mgr.channel.done()
         mgr.acquire("R", timeout=5).release()
     finally:
         mgr.close()
@@ -391,12 +391,12 @@ def test_hold_connection_false_checks_out_per_command_and_holds_nothing(
 ) -> None:
     m = LockManager(client, NS, heartbeat=False, hold_connection=False)
     try:
-        assert m._conn() is client
-        m._conn_done()
+        assert m.channel.conn() is client
+        m.channel.done()
         before = _CountingPool.checkouts
         m.acquire("R", timeout=5).release()
         assert _CountingPool.checkouts - before >= 2  # one per command
-        assert len(m._conns) == 0
+        assert m.channel.held_connections == 0
     finally:
         m.close()
     with pytest.raises(ConfigurationError, match="hold_connection"):

@@ -128,7 +128,7 @@ def test_a_spilled_registry_keeps_the_record_in_the_names_bucket(
     managers: Managers, r: redis.Redis
 ) -> None:
     mgr = managers()
-    mgr._spill_at = 0  # every grant goes to the registry's buckets
+    mgr.state.spill_at = 0  # every grant goes to the registry's buckets
     lease = as_task(mgr, "R", 5)
     bucket = "{t}:held:" + lease.owner_id + "|" + registry_bucket("R")
     assert r.hget(bucket, "R") == f"{request_id(lease)}\n{INFO}".encode()

@@ -102,7 +102,7 @@ def test_deadline_wins_over_a_liveness_key_that_is_still_there(
     wait_until(lambda: lease.lost, what="local deadline passed")
     assert raises_lost(lease)
     assert r.exists(alive(owner))  # Redis still believes in it
-    mgr._beat()  # the heartbeat's next tick (its thread was stopped above)
+    mgr.upkeep()  # the heartbeat's next tick (its thread was stopped above)
     assert not r.exists(alive(owner))
     assert lock_holders(r) == {}
     assert mgr.owner_id != owner  # continues under a new identity
@@ -174,7 +174,7 @@ def test_waiter_without_own_heartbeat_keeps_its_deadline_fresh_while_it_waits(
     t = threading.Thread(target=lambda: out.append(child.acquire("a", timeout=30)))
     t.start()
     wait_until(lambda: r.zcard("{t}:q:a") == 1, what="queued")
-    ident = child._identity.peek()
+    ident = child.liveness.identity.peek()
     assert ident is not None
     first = ident.valid_until
     r.pexpire(alive(ident.owner_id), 60_000)  # "the main process" keeps it alive
@@ -409,7 +409,7 @@ def test_a_stale_registration_cannot_revive_a_cleaned_owner(
     tomb = "{t}:dead:" + owner
     assert 0 < r.pttl(tomb) <= 3 * 2000  # bounded: it cannot leak
     stale = OwnerIdentity(owner_id=owner, pid=lease.pid, registered=False)
-    reply = mgr._attempt(stale, f"{owner}|late", mgr._request("b", None), False, False)
+    reply = mgr.acquirer.attempt(stale, f"{owner}|late", mgr.request("b", None), False, False)
     assert int(reply[0]) == -1
     assert not r.exists(alive(owner)) and not r.exists("{t}:lock:b")
     wait_until(lambda: lease.lost, what="watcher marked the lease lost")
@@ -429,11 +429,11 @@ def test_a_grant_landing_on_a_retired_identity_is_released_and_re_requested(
     t = threading.Thread(target=lambda: out.append(waiter.acquire("a", timeout=20)))
     t.start()
     wait_until(lambda: r.zcard("{t}:q:a") == 1, what="queued")
-    old = waiter._identity.peek()
+    old = waiter.liveness.identity.peek()
     assert old is not None
     # Its owner is declared dead (what the lost-owner watcher does when a
     # cleanup pushes) while the release below hands it the lock.
-    waiter._owner_lost(old, "declared-dead")
+    waiter.liveness.owner_lost(old, "declared-dead")
     held.release()
     t.join(20)
     assert not t.is_alive(), "the waiter was never granted the lock"

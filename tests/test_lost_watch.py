@@ -70,7 +70,7 @@ def test_owner_with_its_own_heartbeat_needs_no_watcher(
     mgr = LockManager(redis_url, "w", owner_ttl=1.0, heartbeat_interval=0.1)
     managers.append(mgr)
     lease = mgr.acquire("R", timeout=5)
-    assert mgr._watch_pid == 0
+    assert mgr.watcher.started_here is False
     mgr.cleanup_owner(mgr.owner_id, force=True)
     wait_until(lambda: lease.lost, timeout=20)
 
@@ -87,9 +87,9 @@ def test_exempt_process_starts_no_watcher_but_its_forked_pool_child_does(
 
     mgr = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False)
     managers.append(mgr)
-    mgr._lost_watch_exempt_pid = os.getpid()
+    mgr.watcher.exempt_pid = os.getpid()
     mgr.acquire("R", timeout=5).release()
-    assert mgr._watch_pid == 0
+    assert mgr.watcher.started_here is False
 
     def in_child(member: bool) -> bytes:
         r, w = os.pipe()
@@ -97,9 +97,9 @@ def test_exempt_process_starts_no_watcher_but_its_forked_pool_child_does(
         if pid == 0:  # pragma: no cover - child
             try:
                 if member:
-                    mgr._become_member()
+                    mgr.become_member()
                 mgr.acquire("C", timeout=5).release()
-                watching = mgr._watch_pid == os.getpid()
+                watching = mgr.watcher.started_here
                 beating = mgr.heartbeat.running
                 os.write(w, b"%d%d" % (watching, beating))
             finally:
@@ -152,8 +152,8 @@ def test_an_idle_pool_child_sends_nothing_and_is_watched_again_once_it_holds(
     managers += [child, operator]
     child.acquire("R", timeout=5).release()
     wait_until(lambda: not [c for c in r.client_list() if "b" in c["flags"]], what="no BLPOP")
-    before, passes = _blpops(r), child._watch_passes
-    wait_until(lambda: child._watch_passes >= passes + 10, what="ten idle passes")
+    before, passes = _blpops(r), child.watcher.passes
+    wait_until(lambda: child.watcher.passes >= passes + 10, what="ten idle passes")
     assert _blpops(r) == before
     lease = child.acquire("R", timeout=5)
     wait_until(lambda: _blpops(r) > before, what="watched again")

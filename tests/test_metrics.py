@@ -254,7 +254,7 @@ def test_a_parked_task_s_acquire_counts_the_dead_grants_it_reclaims(
 
     dead_owner(redis_url, [(["d1", "d2"], [])])
     mgr = managers()
-    req = mgr._request(["d1", "d2"], [])
+    req = mgr.request(["d1", "d2"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
     got = park(mgr, "t1", req, message, park_ttl=600, grant_ttl=60)
     assert got.outcome == "granted"  # the dead owner's grants were freed for it
@@ -274,7 +274,7 @@ def test_a_parked_task_counts_one_park_and_its_adopted_grant_waited_since_it_par
 
     holder, child, adopter = managers(), managers(), managers()
     lease = holder.acquire("p", timeout=5)
-    req = child._request(["p"], [])
+    req = child.request(["p"], [])
     parked_at = time.time() - 100  # it parked 100 s before its grant is adopted
     message = _message(parked_at=parked_at)
     assert park(child, "t1", req, message, park_ttl=600, grant_ttl=60).outcome == "parked"
@@ -309,7 +309,7 @@ def test_a_parked_task_whose_time_runs_out_counts_as_a_timeout(
 
     holder, child = managers(), managers()
     lease = holder.acquire("p", timeout=5)
-    req = child._request(["p"], [])
+    req = child.request(["p"], [])
     parked = park(child, "t1", req, _message(park_ttl=0.3), park_ttl=0.3, grant_ttl=60)
     assert parked.outcome == "parked"
     withdrawn: list[str] = []

@@ -4,7 +4,7 @@
 with several simulated owners (distinct owner ids, each with its own
 liveness key) and compares Redis with the reference model of
 ``tests/lock_model.py`` after every step. It calls the engine at the level
-that is deterministic in one thread: ``LockManager._attempt`` (one run of
+that is deterministic in one thread: ``LockManager.acquirer.attempt`` (one run of
 acquire.lua, as a waiter makes it), ``_run_release``, ``cleanup_owner``,
 ``reconcile`` and the heartbeat and node scripts. No heartbeat thread runs
 (``owner_ttl`` is an hour): an owner dies when its ``alive:`` key is
@@ -348,7 +348,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         # A request's first run is sent as the client sends it: flag 'f' (its
         # token was never sent, nothing to look for); every later run looks.
         first = q.state == "fresh"
-        reply = self.mgr._attempt(
+        reply = self.mgr.acquirer.attempt(
             ident, q.token, self.reqs[q.token], queue, q.nested, q.holder, first
         )
         code = int(reply[0])
@@ -455,7 +455,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def heartbeat(self, data: st.DataObject) -> None:
         oid = data.draw(st.sampled_from(self.owners("alive", "dead")), label="owner")
-        reply = self.mgr._call("heartbeat", [PREFIX + "alive:" + oid], [TTL_MS])
+        reply = self.mgr.channel.call("heartbeat", [PREFIX + "alive:" + oid], [TTL_MS])
         assert [int(x) for x in reply] == [1 if self.model.alive(oid) else 0], (oid, reply)
         self.settle()
 
@@ -484,7 +484,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         nested = nested and any(self.model.requests[t].owner == oid for t in self.leases())
         ex = [res for res, m in shape.items() if m == "x"]
         sh = [res for res, m in shape.items() if m == "s"]
-        req = self.mgr._request(ex, sh)
+        req = self.mgr.request(ex, sh)
         modes = dict(zip(req.resources, req.modes))
         q = Request(token=f"{oid}|r{self._next()}", owner=oid, modes=modes, nested=nested)
         if task:  # as @locked asks: its grant records who holds it
@@ -493,11 +493,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.reqs[q.token] = req
         # As an owner holding many locks: its registry spills into buckets
         # (drawn per acquire, so one owner's names end up in both places).
-        self.mgr._spill_at = 0 if spill else 10**9
+        self.mgr.state.spill_at = 0 if spill else 10**9
         try:
             self.run_acquire(q, queue)
         finally:
-            self.mgr._spill_at = 10**9
+            self.mgr.state.spill_at = 10**9
         self.settle()
 
     @precondition(lambda self: self.usable())
@@ -554,7 +554,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert expect[0] == len(q.modes), (q, expect)
         if q.state == "queued" and self.model.alive(q.owner):
             assert expect[1] == len(q.modes), (q, expect)
-        reply = self.mgr._run_release(q.owner, q.token, self.reqs[q.token])
+        reply = self.mgr.releaser.run_release(q.owner, q.token, self.reqs[q.token])
         assert [int(x) for x in reply] == expect, (q.token, reply, expect)
         q.state, q.handed_off = "ended", False
         self.settle()
@@ -581,7 +581,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         expect = self.fields_of(q)
         if self.model.alive(q.owner):
             assert expect == len(q.modes), f"live lease {q.token} lost locks in Redis"
-        reply = self.mgr._run_release(q.owner, q.token, self.reqs[q.token], lease=True)
+        reply = self.mgr.releaser.run_release(q.owner, q.token, self.reqs[q.token], lease=True)
         assert [int(x) for x in reply] == [expect, 0], (q.token, reply, expect)
         q.state = "ended"
         self.settle()
@@ -622,12 +622,12 @@ class ProtocolMachine(RuleBasedStateMachine):
         oid = data.draw(st.sampled_from(cleaned), label="owner")
         ex = [res for res, m in shape.items() if m == "x"]
         sh = [res for res, m in shape.items() if m == "s"]
-        req = self.mgr._request(ex, sh)
+        req = self.mgr.request(ex, sh)
         q = Request(f"{oid}|r{self._next()}", oid, dict(zip(req.resources, req.modes)), False)
         self.model.requests[q.token] = q
         self.reqs[q.token] = req
         ident = OwnerIdentity(owner_id=oid, pid=self.idents[oid].pid)
-        reply = self.mgr._attempt(ident, q.token, req, True, False)
+        reply = self.mgr.acquirer.attempt(ident, q.token, req, True, False)
         assert int(reply[0]) == -1, f"cleaned owner {oid} registered again: {reply}"
         q.state = "ended"
         self.settle()
@@ -643,7 +643,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         owner = self.model.owners[oid] = Owner(oid)
         ex = [res for res, m in shape.items() if m == "x"]
         sh = [res for res, m in shape.items() if m == "s"]
-        req = self.mgr._request(ex, sh)
+        req = self.mgr.request(ex, sh)
         q = Request(f"{oid}|task:{tid}", oid, dict(zip(req.resources, req.modes)), False)
         q.holder = f"t.unique\n{tid}\n"  # as UniqueTask records it at enqueue
         self.model.requests[q.token] = q
@@ -681,7 +681,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         oid = data.draw(st.sampled_from(self.usable()), label="adopter")
         task, owner, ident = self.model.owners[towner], self.model.owners[oid], self.idents[oid]
         self.attempt_group = group_key(PREFIX, owner.group) if owner.group else None
-        reply, _ = self.mgr._adopt_script(ident, towner)
+        reply, _ = self.mgr.tasks.run_adopt(ident, towner)
         code = int(reply[0])
         by = self.adopted.get(towner)
         if ident.registered and owner.state == "dead":
@@ -826,7 +826,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def node_start(self) -> None:
         inc = f"i{self._next()}"
         self.node.incarnations.append(inc)
-        reply = self.mgr._call(
+        reply = self.mgr.channel.call(
             "node_start",
             [node_key(PREFIX, NODENAME)],
             [inc, *self._record_args(), IV_MS, REC_TTL_MS],
@@ -849,7 +849,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             else []
         )
         tags = [self.idents[o].tag for o in group if o not in exited]
-        reply = self.mgr._call(
+        reply = self.mgr.channel.call(
             "node_heartbeat",
             [node_key(PREFIX, NODENAME), group_key(PREFIX, inc), tomb_key(PREFIX, inc)],
             [
@@ -903,7 +903,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         succ = data.draw(
             st.sampled_from([i for i in self.node.incarnations if i != pred]), label="successor"
         )
-        reply = self.mgr._call(
+        reply = self.mgr.channel.call(
             "node_evict",
             [node_key(PREFIX, NODENAME)],
             [

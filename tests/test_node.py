@@ -518,7 +518,7 @@ def test_helper_forked_from_a_pool_child_is_a_standalone_owner_never_freed(
         try:
             os.close(report_r)
             os.close(go_w)
-            w.mgr._become_member()  # what worker_process_init does
+            w.mgr.become_member()  # what worker_process_init does
             lease = w.mgr.acquire("pool:1", timeout=5)
             line = {"pid": os.getpid(), "owner": lease.owner_id}
             os.write(report_w, (json.dumps(line) + "\n").encode())

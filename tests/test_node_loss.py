@@ -34,7 +34,7 @@ class Worker:
         self.url = url
         self.cell = IncarnationCell(new_incarnation())
         self.mgr = self.manager()
-        self.mgr._lost_watch_exempt_pid = os.getpid()  # the node heartbeat watches it
+        self.mgr.watcher.exempt_pid = os.getpid()  # the node heartbeat watches it
         self.children: set[int] = set()
         self.node = Node(
             self.mgr,
@@ -70,7 +70,7 @@ class Worker:
                 os.close(up_r)
                 os.close(down_w)
                 mgr = self.mgr  # inherited: a fresh identity after fork
-                mgr._become_member()  # what worker_process_init does in a pool child
+                mgr.become_member()  # what worker_process_init does in a pool child
                 lease = mgr.acquire("c", timeout=5)
                 os.write(up_w, (lease.owner_id + "\n").encode())
                 wait_until(lambda: lease.lost, timeout=30)

@@ -15,7 +15,7 @@ import os
 import redis
 
 from celery_redislock import Inspector, LockManager
-from celery_redislock.manager import REGISTRY_SPILL_AT
+from celery_redislock.options import REGISTRY_SPILL_AT
 from conftest import Managers
 from engine_helpers import assert_registry_truth, counting, namespace_keys, registries
 
@@ -32,7 +32,7 @@ def dead_to_be(managers: Managers) -> LockManager:
     deleted): no heartbeat, and no lost-owner watch that would notice and
     free its locks before the test's own path does."""
     mgr = managers(heartbeat=False)
-    mgr._lost_watch_exempt_pid = os.getpid()
+    mgr.watcher.exempt_pid = os.getpid()
     return mgr
 
 
@@ -135,7 +135,7 @@ def test_a_spilled_owner_pays_two_commands_more_per_cycle_however_many_it_holds(
     # BLPOP and PTTL while the owner holds leases, would land in the
     # counted windows (a watcher's BLPOP returning inside one was seen).
     mgr = managers(heartbeat=False, owner_ttl=600)
-    mgr._lost_watch_exempt_pid = os.getpid()
+    mgr.watcher.exempt_pid = os.getpid()
 
     def cycle() -> dict[str, int]:
         with counting(r) as delta:

@@ -164,7 +164,7 @@ def test_retry_policy_without_timeout_gives_way_to_a_worker_shutdown(
     # @locked's wait in a worker (halt_ok) with timeout=None and the replica
     # down: a warm shutdown (the halt list) must still end it.
     mgr = managers(wait_replicas=1, wait_timeout=0.05, wait_policy="retry")
-    mgr._halt_key = halt_key("{t}:", new_incarnation())
+    mgr.acquirer.halt_key = halt_key("{t}:", new_incarnation())
     fresh.pause_replica()
     out: list[BaseException] = []
 
@@ -182,7 +182,7 @@ def test_retry_policy_without_timeout_gives_way_to_a_worker_shutdown(
         lambda: command_delta(before, commandstats(fresh.m)).get("wait", 0) >= 2,
         what="the acquire to be refused by the replicas twice",
     )
-    fresh.m.rpush(mgr._halt_key, "halt")
+    fresh.m.rpush(mgr.acquirer.halt_key, "halt")
     t.join(20)
     assert not t.is_alive()
     assert len(out) == 1 and isinstance(out[0], ShuttingDown), out
@@ -410,7 +410,7 @@ def test_an_adoption_too_few_replicas_acknowledge_is_released_and_raises(
         runner.adopt("t1")
     assert err.value.resources == ("res",) and err.value.acknowledged == 0
     assert_nothing_held(fresh)
-    assert runner._leases == {}
+    assert runner.state.leases == {}
     fresh.resume_replica()
     wait_until(fresh.in_sync, what="the replica to come back")
     assert sender.acquire_for_task("t2", "res", ttl=30).granted
@@ -544,7 +544,7 @@ def test_a_deferred_grant_too_few_replicas_acknowledge_counts_as_an_error(
     runner = managers(wait_replicas=1, wait_timeout=0.2, metrics=PrometheusMetrics(registry))
     lease = holder.acquire("res", timeout=5)
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
-    req = parker._request(["res"], [])
+    req = parker.request(["res"], [])
     assert park(parker, "d1", req, message, park_ttl=60, grant_ttl=60).outcome == "parked"
     lease.release()  # handed to the parked task
     fresh.pause_replica()

@@ -23,6 +23,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_redislock import ConfigurationError, LockManager, LockTimeout
+from celery_redislock.channel import socket_timeout as _socket_timeout
 from celery_redislock.cli import redislock
 from celery_redislock.connect import (
     client_from_url,
@@ -31,7 +32,6 @@ from celery_redislock.connect import (
     parse_sentinel_url,
 )
 from celery_redislock.inspect import Inspector
-from celery_redislock.manager import _socket_timeout
 from celery_redislock.settings import default_url, load_config
 from engine_helpers import Managers, wait_until
 from redis_server import LOOPBACK, RedisServer, _die_with_parent, free_port, stop_process

@@ -589,7 +589,7 @@ def test_an_adopt_interrupted_after_redis_moved_the_key_releases_it(
             pass
 
         mgr = RedisLock.of(app).manager  # type: ignore[union-attr]
-        real = mgr._adopt_script
+        real = mgr.tasks.run_adopt
         calls: list[int] = []
 
         def interrupted(*args: Any) -> Any:
@@ -599,7 +599,7 @@ def test_an_adopt_interrupted_after_redis_moved_the_key_releases_it(
                 raise SoftTimeLimitExceeded()
             return reply
 
-        mgr._adopt_script = interrupted  # type: ignore[method-assign]
+        mgr.tasks.run_adopt = interrupted  # type: ignore[method-assign]
         res = cut.delay()
         with pytest.raises(SoftTimeLimitExceeded):
             res.get()
