@@ -3,31 +3,72 @@
 :class:`Pair` starts both (diskless sync, so the replica is in sync within a
 moment), reads either directly, and pauses the replica with SIGSTOP so that
 the master's ``WAIT`` gets no acknowledgement (``resume_replica`` sends
-SIGCONT; ``close`` always does).
+SIGCONT; ``close`` always does). :func:`start_master_and_replica` starts
+such a pair for other setups (a Sentinel group), and
+:func:`until_the_new_master_answers` is the retry loop a user writes while a
+failover switches masters.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
+from celery_redislock import LockManager, RedisUnavailable
+from engine_helpers import wait_until
 from redis_server import LOOPBACK, RedisServer
+
+
+def start_master_and_replica(workdir: Path) -> tuple[RedisServer, RedisServer]:
+    """Start a master and a replica of it (diskless sync) below ``workdir``."""
+    fast_sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+    master = RedisServer(workdir=workdir / "master", extra_args=fast_sync)
+    master.start()
+    replica = RedisServer(
+        workdir=workdir / "replica",
+        extra_args=[*fast_sync, "--replicaof", LOOPBACK, str(master.port)],
+    )
+    replica.start()
+    return master, replica
+
+
+def until_the_new_master_answers(
+    mgr: LockManager, call_bound: float, deadline: float
+) -> tuple[int, int]:
+    """Retry acquire+release on ``mgr`` until it works: (its fence, failed calls).
+
+    The retry loop a user writes: every failed call must raise
+    RedisUnavailable (anything else fails the test) within ``call_bound``
+    seconds; the acquire must work within ``deadline`` seconds.
+    """
+    failures = 0
+
+    def attempt() -> int | None:
+        nonlocal failures
+        started = time.monotonic()
+        try:
+            lease = mgr.acquire(exclusive=["probe"], timeout=0)
+        except RedisUnavailable as exc:
+            took = time.monotonic() - started
+            assert took < call_bound, f"a call hung {took:.1f}s during the switch: {exc}"
+            failures += 1
+            return None
+        lease.release()
+        assert not lease.lost
+        return lease.fencing_token
+
+    fence: int = wait_until(attempt, deadline, "an acquire on the new master", interval=0.02)
+    return fence, failures
 
 
 class Pair:
     """A master and one replica of it."""
 
     def __init__(self, workdir: Path) -> None:
-        fast_sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
-        self.master = RedisServer(workdir=workdir / "master", extra_args=fast_sync)
-        self.master.start()
-        self.replica = RedisServer(
-            workdir=workdir / "replica",
-            extra_args=[*fast_sync, "--replicaof", LOOPBACK, str(self.master.port)],
-        )
-        self.replica.start()
+        self.master, self.replica = start_master_and_replica(workdir)
         self.m = self.master.client(socket_timeout=5)
         self.r = self.replica.client(socket_timeout=5)
         self.paused = False

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -40,11 +39,12 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from celery_redislock import LockManager, LockTimeout, RedisUnavailable
+from celery_redislock import LockManager, LockTimeout
 from celery_redislock.exceptions import CAUSE_EXPIRED
 from celery_redislock.inspect import Inspector
 from engine_helpers import wait_until
 from redis_server import RedisServer
+from replica_helpers import until_the_new_master_answers
 from test_cluster import MASTERS, SLOTS, _info_text, running_cluster
 
 #: Socket (and connect) timeout of the managers' cluster URL, in seconds.
@@ -128,26 +128,7 @@ def _promoted(replica: RedisServer, survivors: list[RedisServer]) -> bool:
 
 def _until_the_new_master_answers(mgr: LockManager) -> tuple[int, int]:
     """Retry acquire+release on ``mgr`` until it works: (its fence, failed calls)."""
-    failures = 0
-
-    def attempt() -> int | None:
-        nonlocal failures
-        started = time.monotonic()
-        try:
-            lease = mgr.acquire(exclusive=["probe"], timeout=0)
-        except RedisUnavailable as exc:
-            took = time.monotonic() - started
-            assert took < CALL_BOUND, f"a call hung {took:.1f}s during the switch: {exc}"
-            failures += 1
-            return None
-        lease.release()
-        assert not lease.lost
-        return lease.fencing_token
-
-    fence: int = wait_until(
-        attempt, FAILOVER_DEADLINE, "an acquire on the new master", interval=0.02
-    )
-    return fence, failures
+    return until_the_new_master_answers(mgr, CALL_BOUND, FAILOVER_DEADLINE)
 
 
 def _sync(master: RedisServer, ns: str) -> None:

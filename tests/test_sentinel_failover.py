@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from celery_redislock import LockManager, LockTimeout, RedisUnavailable
 from celery_redislock.inspect import Inspector
 from engine_helpers import Managers, wait_until
 from redis_server import LOOPBACK, RedisServer, RedisServerError, _die_with_parent, free_port
+from replica_helpers import start_master_and_replica, until_the_new_master_answers
 
 NS = "failovertest"
 SERVICE = "failmaster"
@@ -67,14 +67,7 @@ class Group:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        fast_sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
-        self.master = RedisServer(workdir=workdir / "master", extra_args=fast_sync)
-        self.master.start()
-        self.replica = RedisServer(
-            workdir=workdir / "replica",
-            extra_args=[*fast_sync, "--replicaof", LOOPBACK, str(self.master.port)],
-        )
-        self.replica.start()
+        self.master, self.replica = start_master_and_replica(workdir)
         self.sentinel_port = 0
         self.sentinel: subprocess.Popen[bytes] | None = None
         self.clients: dict[int, redis.Redis] = {}
@@ -202,31 +195,8 @@ def managers() -> Iterator[Managers]:
 
 
 def _until_the_new_master_answers(mgr: LockManager) -> tuple[int, int]:
-    """Retry acquire+release on ``mgr`` until it works: (its fence, failed calls).
-
-    The retry loop a user writes: every failed call must raise
-    RedisUnavailable (anything else fails the test) within CALL_BOUND.
-    """
-    failures = 0
-
-    def attempt() -> int | None:
-        nonlocal failures
-        started = time.monotonic()
-        try:
-            lease = mgr.acquire(exclusive=["probe"], timeout=0)
-        except RedisUnavailable as exc:
-            took = time.monotonic() - started
-            assert took < CALL_BOUND, f"a call hung {took:.1f}s during the switch: {exc}"
-            failures += 1
-            return None
-        lease.release()
-        assert not lease.lost
-        return lease.fencing_token
-
-    fence: int = wait_until(
-        attempt, FAILOVER_DEADLINE, "an acquire on the new master", interval=0.02
-    )
-    return fence, failures
+    """Retry acquire+release on ``mgr`` until it works: (its fence, failed calls)."""
+    return until_the_new_master_answers(mgr, CALL_BOUND, FAILOVER_DEADLINE)
 
 
 def _sync_replica(group: Group) -> None:
