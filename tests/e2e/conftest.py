@@ -19,6 +19,9 @@ from redis_server import RedisServer
 
 from .harness import Cluster
 
+# The shared scenarios assert; rewrite them as pytest does test modules.
+pytest.register_assert_rewrite("e2e.scenarios")
+
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:

@@ -291,6 +291,16 @@ class Cluster:
             self.wait_ready(worker)
         return worker
 
+    def start_ready_workers(self, *names: str, **kwargs: Any) -> list[Worker]:
+        """Start the workers ``names`` side by side, then wait until each answers.
+
+        ``kwargs`` go to :meth:`start_worker` (not ``wait``).
+        """
+        workers = [self.start_worker(name, wait=False, **kwargs) for name in names]
+        for worker in workers:
+            self.wait_ready(worker)
+        return workers
+
     def wait_ready(self, worker: Worker, timeout: float = START_TIMEOUT) -> dict[str, Any]:
         """Block until ``worker`` answers a ping task sent to its private queue."""
         result = self.producer.send_task("e2e.ping", queue=worker.queue)
@@ -386,6 +396,23 @@ class Cluster:
     def namespace_keys(self, kind: str) -> list[str]:
         """Keys ``{ns}:<kind>:*`` (KEYS is fine on the test's own Redis)."""
         return sorted(str(k) for k in self.lock_redis.keys(self.key(kind, "*")))
+
+    def no_lock_keys_left(self) -> bool:
+        """No lock key and no holder registry is left in the namespace."""
+        return not self.namespace_keys("lock") and not self.namespace_keys("held")
+
+    def wait_no_lock_keys(self, timeout: float = 20.0) -> None:
+        """Wait until :meth:`no_lock_keys_left`."""
+        wait_for(self.no_lock_keys_left, timeout, "all locks released", on_timeout=self.report)
+
+    def wait_freed(self, owner: str, resource: str, what: str, timeout: float = 30.0) -> None:
+        """Wait until ``owner`` no longer holds ``resource``; ``what`` names the wait."""
+        wait_for(
+            lambda: owner not in self.owners_holding(resource),
+            timeout=timeout,
+            what=what,
+            on_timeout=self.report,
+        )
 
     def active_owners(self) -> set[str]:
         return {str(m) for m in self.lock_redis.smembers(self.key("owners"))}

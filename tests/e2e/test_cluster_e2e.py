@@ -25,7 +25,6 @@ lives there).
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -37,6 +36,11 @@ from redis_server import RedisServer, free_port
 from test_cluster import running_cluster
 
 from .harness import START_TIMEOUT, Cluster, wait_for
+from .scenarios import (
+    beat_reconcile_frees_a_dead_workers_lock,
+    contend_and_check_counts,
+    restarted_worker_frees_its_predecessors_locks,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -74,35 +78,13 @@ def on_cluster(
     return make
 
 
-def _no_lock_keys_left(c: Cluster) -> bool:
-    return not c.namespace_keys("lock") and not c.namespace_keys("held")
-
-
 def test_locked_tasks_on_two_prefork_workers_keep_exclusion_and_exact_counts_on_a_cluster(
     on_cluster: Callable[..., Cluster],
 ) -> None:
     c = on_cluster(owner_ttl=10, heartbeat=1)
-    a = c.start_worker("clu-a", wait=False)
-    b = c.start_worker("clu-b", wait=False)
-    c.wait_ready(a)
-    c.wait_ready(b)
-    resources = ["0", "1"]
-    writes = 10
-    results = []
-    for i in range(writes):
-        for res in resources:
-            results.append(c.send("write", res, 0.005))
-        if i % 3 == 0:
-            results.append(c.send("read", "0", 0.02))
-    for res_ in results:
-        res_.get(timeout=180)
-
-    assert c.data.lrange("e2e:violations", 0, -1) == []
-    for res in resources:
-        assert int(c.data.get(f"e2e:counter:{res}") or 0) == writes, res
-        assert int(c.data.get(f"e2e:inside:w:{res}") or 0) == 0
-    assert c.data.lrange("e2e:order:0", 0, -1) == [f"w{i}" for i in range(1, writes + 1)]
-    wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
+    c.start_ready_workers("clu-a", "clu-b")
+    contend_and_check_counts(c, ["0", "1"], writes=10, reads_per_round=1)
+    c.wait_no_lock_keys()
     # Both workers' node records are on the cluster (the node heartbeat ran there).
     assert {k.rsplit(":", 1)[-1] for k in c.namespace_keys("node")} >= {
         "clu-a@e2e",
@@ -114,30 +96,7 @@ def test_worker_killed_and_restarted_on_a_cluster_frees_its_predecessor_locks_at
     on_cluster: Callable[..., Cluster],
 ) -> None:
     c = on_cluster(owner_ttl=60, heartbeat=1)
-    w = c.start_worker("phoenix-c")
-    c.send("hold", "r1", "t1")
-    owner = c.wait_held("t1")["owner"]
-
-    w.destroy()  # SIGKILL the whole process group: nobody cleans up
-    killed_at = time.monotonic()
-    pttl = c.alive_pttl(owner)
-    assert pttl > 30_000, "the predecessor's liveness should still be live"
-    assert owner in c.owners_holding("res:r1")
-
-    w2 = c.start_worker("phoenix-c")
-    wait_for(
-        lambda: owner not in c.owners_holding("res:r1"),
-        timeout=45,
-        what="the predecessor's locks to be freed at start-up",
-        on_timeout=c.report,
-    )
-    assert time.monotonic() < killed_at + pttl / 1000 - 5, "freed only by liveness expiry"
-    assert not c.lock_redis.exists(c.key("held", owner))
-    assert owner not in c.active_owners()
-
-    again = c.send("hold", "r1", "t2", 0, queue=w2.queue)
-    assert again.get(timeout=60)["attempt"] == 1
-    wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
+    restarted_worker_frees_its_predecessors_locks(c, "phoenix-c")
 
 
 def test_a_worker_whose_lock_cluster_does_not_answer_refuses_to_start_in_one_line(
@@ -162,26 +121,11 @@ def test_beat_reconcile_frees_a_dead_workers_locks_on_a_cluster(
     on_cluster: Callable[..., Cluster],
 ) -> None:
     c = on_cluster(owner_ttl=4, heartbeat=1, reconcile=1)
-    keeper = c.start_worker("clu-keeper", concurrency=1, wait=False)
-    victim = c.start_worker("clu-victim", concurrency=1, wait=False)
-    for w in (keeper, victim):
-        c.wait_ready(w)
+    keeper, victim = c.start_ready_workers("clu-keeper", "clu-victim", concurrency=1)
     c.send("hold", "x1", "t1", queue=victim.queue)
     owner = c.wait_held("t1")["owner"]
-
-    victim.destroy()  # never comes back: beat's reconcile (run by keeper) frees it
-    c.start_beat()
-    wait_for(
-        lambda: owner not in c.owners_holding("res:x1"),
-        timeout=60,
-        what="beat's reconcile to free the dead worker's lock",
-        on_timeout=c.report,
-    )
-    assert c.alive_pttl(owner) == -2  # freed only once its liveness was gone
-    assert not c.lock_redis.exists(c.key("held", owner))
-    wait_for(
-        lambda: keeper.log_lines("reconcile"), 10, "a reconcile log line", on_timeout=keeper.tail
-    )
+    # victim never comes back: beat's reconcile (run by keeper) frees it
+    beat_reconcile_frees_a_dead_workers_lock(c, keeper, victim, owner, "res:x1")
 
 
 def test_eviction_check_raise_asks_every_master_of_the_cluster_at_worker_start(

@@ -26,41 +26,22 @@ from celery_redislock.exceptions import CAUSE_DECLARED_DEAD, CAUSE_EXPIRED
 from redis_server import RedisServer
 
 from .harness import Cluster, wait_for
+from .scenarios import (
+    beat_reconcile_frees_a_dead_workers_lock,
+    contend_and_check_counts,
+    restarted_worker_frees_its_predecessors_locks,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
-
-
-def _no_lock_keys_left(c: Cluster) -> bool:
-    return not c.namespace_keys("lock") and not c.namespace_keys("held")
 
 
 def test_contending_tasks_on_few_resources_keep_exact_counts_and_exclusion(
     cluster: Callable[..., Cluster],
 ) -> None:
     c = cluster(owner_ttl=10, heartbeat=1)
-    a = c.start_worker("cont-a", wait=False)
-    b = c.start_worker("cont-b", wait=False)
-    c.wait_ready(a)
-    c.wait_ready(b)
-    resources = ["0", "1", "2"]
-    writes = 15
-    results = []
-    for i in range(writes):
-        for res in resources:
-            results.append(c.send("write", res, 0.005))
-        if i % 3 == 0:
-            results.append(c.send("read", "0", 0.02))
-            results.append(c.send("read", "0", 0.02))
-    for res_ in results:
-        res_.get(timeout=180)
-
-    assert c.data.lrange("e2e:violations", 0, -1) == []
-    for res in resources:
-        assert int(c.data.get(f"e2e:counter:{res}") or 0) == writes, res
-        assert int(c.data.get(f"e2e:inside:w:{res}") or 0) == 0
-    # the writes to one resource ran one after another: w1, w2, ... in order
-    assert c.data.lrange("e2e:order:0", 0, -1) == [f"w{i}" for i in range(1, writes + 1)]
-    assert _no_lock_keys_left(c), c.namespace_keys("lock")
+    c.start_ready_workers("cont-a", "cont-b")
+    contend_and_check_counts(c, ["0", "1", "2"], writes=15, reads_per_round=2)
+    assert c.no_lock_keys_left(), c.namespace_keys("lock")
 
 
 @pytest.mark.parametrize("pool", ["threads", "solo", "gevent"])
@@ -114,7 +95,7 @@ def test_sigkilled_pool_child_locks_freed_within_a_tick_and_task_redelivered(
     done = result.get(timeout=90)
     assert done["attempt"] == 2 and done["pid"] != held["pid"]
     assert done["fence"] > held["fence"]
-    wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
+    c.wait_no_lock_keys()
     assert w.alive
 
 
@@ -158,7 +139,7 @@ def test_children_ended_by_time_limit_revoke_or_recycling_leave_no_locks_or_owne
     def nothing_left() -> bool:
         groups = c.namespace_keys("group")
         return (
-            _no_lock_keys_left(c)
+            c.no_lock_keys_left()
             and not c.active_owners()
             and not c.namespace_keys("alive")
             and all(c.lock_redis.hlen(g) == 0 for g in groups)
@@ -225,35 +206,7 @@ def test_worker_killed_and_restarted_under_same_name_frees_predecessor_locks_at_
     cluster: Callable[..., Cluster],
 ) -> None:
     c = cluster(owner_ttl=60, heartbeat=1)
-    w = c.start_worker("phoenix")
-    c.send("hold", "r1", "t1")
-    held = c.wait_held("t1")
-    owner = held["owner"]
-
-    w.destroy()  # SIGKILL the whole process group: nobody cleans up
-    killed_at = time.monotonic()
-    pttl = c.alive_pttl(owner)
-    assert pttl > 30_000, "the predecessor's liveness should still be live"
-    liveness_expires = killed_at + pttl / 1000
-    assert owner in c.owners_holding("res:r1")
-
-    w2 = c.start_worker("phoenix")
-    wait_for(
-        lambda: owner not in c.owners_holding("res:r1"),
-        timeout=45,
-        what="the predecessor's locks to be freed at start-up",
-        on_timeout=c.report,
-    )
-    freed_at = time.monotonic()
-    print(f"predecessor's lock freed {freed_at - killed_at:.2f}s after the kill")
-    assert freed_at < liveness_expires - 5, "freed only by liveness expiry"
-    assert not c.lock_redis.exists(c.key("held", owner))
-    assert owner not in c.active_owners()
-
-    # the resource is usable again through the restarted worker
-    again = c.send("hold", "r1", "t2", 0, queue=w2.queue)
-    assert again.get(timeout=60)["attempt"] == 1
-    wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
+    restarted_worker_frees_its_predecessors_locks(c, "phoenix")
 
 
 def test_two_live_workers_with_one_node_name_never_free_each_others_locks(
@@ -287,37 +240,21 @@ def test_two_live_workers_with_one_node_name_never_free_each_others_locks(
     c.go("tb")
     assert ra.get(timeout=60)["attempt"] == 1
     assert rb.get(timeout=60)["attempt"] == 1
-    wait_for(lambda: _no_lock_keys_left(c), 20, "all locks released", on_timeout=c.report)
+    c.wait_no_lock_keys()
 
 
 def test_dead_worker_locks_freed_by_beat_reconcile_and_by_next_acquirer_without_beat(
     cluster: Callable[..., Cluster],
 ) -> None:
     c = cluster(owner_ttl=4, heartbeat=1, reconcile=1)
-    keeper = c.start_worker("keeper", concurrency=1, wait=False)
-    v1 = c.start_worker("victim1", concurrency=1, wait=False)
-    v2 = c.start_worker("victim2", concurrency=1, wait=False)
-    for w in (keeper, v1, v2):
-        c.wait_ready(w)
+    keeper, v1, v2 = c.start_ready_workers("keeper", "victim1", "victim2", concurrency=1)
     c.send("hold", "x1", "t1", queue=v1.queue)
     c.send("hold", "x2", "t2", queue=v2.queue)
     owner1 = c.wait_held("t1")["owner"]
     owner2 = c.wait_held("t2")["owner"]
 
     # 1. victim1 dies and never comes back: beat's reconcile (run by keeper)
-    v1.destroy()
-    beat = c.start_beat()
-    wait_for(
-        lambda: owner1 not in c.owners_holding("res:x1"),
-        timeout=60,
-        what="beat's reconcile to free the dead worker's lock",
-        on_timeout=c.report,
-    )
-    assert c.alive_pttl(owner1) == -2  # freed only once its liveness was gone
-    assert not c.lock_redis.exists(c.key("held", owner1))
-    wait_for(
-        lambda: keeper.log_lines("reconcile"), 10, "a reconcile log line", on_timeout=keeper.tail
-    )
+    beat = beat_reconcile_frees_a_dead_workers_lock(c, keeper, v1, owner1, "res:x1")
     assert owner2 in c.owners_holding("res:x2"), "a live owner's lock was freed"
 
     # 2. no beat, no other worker: the next acquirer reclaims victim2's lock
