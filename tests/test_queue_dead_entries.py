@@ -76,6 +76,38 @@ def qlen(r: redis.Redis, resource: str) -> int:
     return int(r.zcard("{t}:q:" + resource))
 
 
+def hold(make: Any, resources: Any = "R") -> tuple[LockManager, Any]:
+    """A live holder of ``resources`` (exclusive) and its lease."""
+    holder = make()
+    return holder, holder.acquire(resources, timeout=0)
+
+
+def dead_owner(
+    r: redis.Redis, make: Any, count: int, exclusive: Any = None, shared: Any = None
+) -> LockManager:
+    """An owner that queued ``count`` requests and is dead now."""
+    mgr = make()
+    queue_requests(mgr, count, exclusive, shared)
+    kill(r, mgr)
+    return mgr
+
+
+def waiter_behind(r: redis.Redis, make: Any, count: int) -> tuple[LockManager, Waiter]:
+    """An owner queues ``count`` requests for R, then a live waiter queues behind them."""
+    ahead = make()
+    queue_requests(ahead, count, "R")
+    waiter = Waiter(make(), "R")
+    wait_until(lambda: qlen(r, "R") == count + 1, what=f"the live waiter queued behind {count}")
+    return ahead, waiter
+
+
+def assert_granted_and_queue_empty(r: redis.Redis, *waiters: Waiter) -> None:
+    """Every waiter is granted within the deadline; the queue of R is empty."""
+    for w in waiters:
+        assert w.granted.wait(DEADLINE), w.error
+    assert qlen(r, "R") == 0
+
+
 class Waiter:
     """acquire(timeout=None) in a thread; ``granted`` is set with the lease."""
 
@@ -107,8 +139,7 @@ def test_try_once_newcomer_is_granted_past_more_dead_entries_than_the_scan_limit
     # Before: each dead entry removed counted against queue_scan_limit, so a
     # request that met 4 dead entries stayed conservatively behind the rest
     # and a try-once request failed on a free lock.
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
+    _, lease = hold(make)
     dead1, dead2 = make(), make()
     queue_requests(dead1, 10, exclusive="R")
     queue_requests(dead2, 3, shared="R")
@@ -132,11 +163,8 @@ def test_shared_try_once_newcomer_is_granted_past_dead_shared_entries(
 ) -> None:
     # Shared entries never conflict with a shared request, but more than the
     # scan limit of them (dead) made it stay behind them.
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
-    dead = make()
-    queue_requests(dead, 9, shared="R")
-    kill(r, dead)
+    _, lease = hold(make)
+    dead_owner(r, make, 9, shared="R")
     lease.release()
 
     got = make().acquire(shared="R", timeout=0)
@@ -151,17 +179,13 @@ def test_waiting_newcomer_past_more_dead_entries_than_the_removal_budget_is_gran
     # More dead entries than one script may remove (4 x the scan limit):
     # the request removes a budget's worth per attempt and runs again at
     # once, instead of waiting for a timer.
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
-    dead = make()
-    queue_requests(dead, 4 * LIMIT * 2 + 3, exclusive="R")
-    kill(r, dead)
+    _, lease = hold(make)
+    dead_owner(r, make, 4 * LIMIT * 2 + 3, exclusive="R")
     lease.release()
 
     waiter = Waiter(make(), "R")
 
-    assert waiter.granted.wait(DEADLINE), waiter.error
-    assert qlen(r, "R") == 0
+    assert_granted_and_queue_empty(r, waiter)
 
 
 def test_release_serves_a_live_waiter_behind_more_dead_entries_than_the_scan_limit(
@@ -170,34 +194,26 @@ def test_release_serves_a_live_waiter_behind_more_dead_entries_than_the_scan_lim
     # Before: the release removed the 4 dead entries of its window and woke
     # nobody; the live waiter, whose liveness deadline was the first dead
     # owner's 120 s, slept until its BLPOP cap (30 s here).
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
-    dying = make()
-    queue_requests(dying, 10, "R")
-    waiter = Waiter(make(), "R")
-    wait_until(lambda: qlen(r, "R") == 11, what="the live waiter queued behind ten")
+    _, lease = hold(make)
+    dying, waiter = waiter_behind(r, make, 10)
     kill(r, dying)
 
     lease.release()
 
-    assert waiter.granted.wait(DEADLINE), waiter.error
-    assert qlen(r, "R") == 0
+    assert_granted_and_queue_empty(r, waiter)
 
 
 def test_release_serves_every_shared_waiter_past_the_scan_window(r: redis.Redis, make: Any) -> None:
     # Before: the release served the first 4 shared waiters; the others were
     # woken only by their own timers (2-5 s with a socket timeout, 30 s here).
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
+    _, lease = hold(make)
     waiters = [Waiter(make(), shared="R") for _ in range(3 * LIMIT + 1)]
     wait_until(lambda: qlen(r, "R") == len(waiters), what="every shared waiter queued")
 
     lease.release()
 
-    for w in waiters:
-        assert w.granted.wait(DEADLINE), w.error
+    assert_granted_and_queue_empty(r, *waiters)
     assert r.hlen("{t}:lock:R") == len(waiters)
-    assert qlen(r, "R") == 0
     for w in waiters:
         w.lease.release()
 
@@ -205,8 +221,7 @@ def test_release_serves_every_shared_waiter_past_the_scan_window(r: redis.Redis,
 def test_release_serves_shared_waiters_past_the_window_and_dead_entries_among_them(
     r: redis.Redis, make: Any
 ) -> None:
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
+    _, lease = hold(make)
     waiters: list[Waiter] = []
     dead = [make() for _ in range(3)]
     for rounds, mgr in enumerate(dead, start=1):
@@ -217,9 +232,7 @@ def test_release_serves_shared_waiters_past_the_window_and_dead_entries_among_th
 
     lease.release()
 
-    for w in waiters:
-        assert w.granted.wait(DEADLINE), w.error
-    assert qlen(r, "R") == 0
+    assert_granted_and_queue_empty(r, *waiters)
     for w in waiters:
         w.lease.release()
 
@@ -232,12 +245,8 @@ def test_cleanup_removes_a_dead_multi_resource_waiters_entry_from_every_queue(
 ) -> None:
     # Before: the waiter for A+B blocked on A kept its entry in q:B for ever
     # (no TTL); cleanup walked only the registry of held locks.
-    holder = make()
-    lease = holder.acquire("A", timeout=0)
-    dying = make()
-    queue_requests(dying, 1, exclusive=["A", "B"])
-    kill(r, dying)
-    owner = dying.owner_id
+    holder, lease = hold(make, "A")
+    owner = dead_owner(r, make, 1, exclusive=["A", "B"]).owner_id
 
     report = holder.cleanup_owner(owner)
 
@@ -257,8 +266,7 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
     # reconcile, nothing in the namespace mentions them (but the expiring
     # 'lost' signal and tombstone of each cleaned owner).
     names = ["A", "B", "C", "D"]
-    holder = make()
-    lease = holder.acquire(names, timeout=0)
+    holder, lease = hold(make, names)
     rng = random.Random(7)
     kids = []
     entries = 0
@@ -287,13 +295,10 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
             assert mentions == {"{t}:lost:" + owner, "{t}:dead:" + owner}, mentions
             assert r.pttl("{t}:lost:" + owner) > 0 and r.pttl("{t}:dead:" + owner) > 0
         me = holder.owner_id
+        # the namespace's own keys and the live holder's liveness
+        base = {"{t}:fence", "{t}:born", "{t}:format", "{t}:seq", "{t}:owners", "{t}:alive:" + me}
         fixed = {
-            "{t}:fence",
-            "{t}:born",
-            "{t}:format",
-            "{t}:seq",
-            "{t}:owners",
-            "{t}:alive:" + me,
+            *base,
             "{t}:held:" + me,
             *("{t}:lock:" + n for n in names),
             *("{t}:contended:" + n for n in names),  # expiring signals to the holder
@@ -306,14 +311,7 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
 
         lease.release()
         left = {k for k in namespace_keys(r) if not any(x in k for x in signals)}
-        assert left == {
-            "{t}:fence",
-            "{t}:born",
-            "{t}:format",
-            "{t}:seq",
-            "{t}:owners",
-            "{t}:alive:" + me,
-        }
+        assert left == base
     finally:
         for kid in kids:
             kid.close()
@@ -322,26 +320,20 @@ def test_reconcile_after_sigkilled_multi_resource_waiters_leaves_only_the_fixed_
 def test_cleanup_wakes_the_waiter_behind_the_dead_owners_entries(r: redis.Redis, make: Any) -> None:
     # The dead owner's entries were ahead of a live waiter; removing them at
     # cleanup serves the waiter at once (the lock is free).
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
-    dying = make()
-    queue_requests(dying, 10, "R")
-    waiter = Waiter(make(), "R")
-    wait_until(lambda: qlen(r, "R") == 11, what="the live waiter queued")
+    holder, lease = hold(make)
+    dying, waiter = waiter_behind(r, make, 10)
     lease.release()  # hands R to the (still live) head entry of the dying owner
     assert r.hlen("{t}:lock:R") == 1 and not waiter.granted.is_set()
 
     holder.cleanup_owner(dying.owner_id, force=True)
 
-    assert waiter.granted.wait(DEADLINE), waiter.error
-    assert qlen(r, "R") == 0
+    assert_granted_and_queue_empty(r, waiter)
 
 
 def test_timeout_zero_request_never_queues_and_leaves_no_waits_record(
     r: redis.Redis, make: Any
 ) -> None:
-    holder = make()
-    lease = holder.acquire("R", timeout=0)
+    _, lease = hold(make)
     other = make()
     with pytest.raises(LockTimeout):
         other.acquire("R", timeout=0)
