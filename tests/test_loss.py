@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -46,6 +47,40 @@ def raises_lost(lease: object) -> bool:
     return False
 
 
+def holding(managers: Managers, **kw: Any) -> tuple[LockManager, Lease]:
+    """A manager made with ``kw`` and its lease of "a"."""
+    mgr = managers(**kw)
+    return mgr, mgr.acquire("a", timeout=5)
+
+
+def queued_acquire(
+    r: redis.Redis, mgr: LockManager, timeout: float
+) -> tuple[threading.Thread, list[Any]]:
+    """``mgr.acquire("a", timeout)`` in a thread, returned once its request is queued.
+
+    The thread appends what the call returned (or raised) to the list returned.
+    """
+    out: list[Any] = []
+
+    def wait() -> None:
+        try:
+            out.append(mgr.acquire("a", timeout=timeout))
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    wait_until(lambda: r.zcard("{t}:q:a") == 1, what="queued")
+    return t, out
+
+
+def assert_goes_on_under_a_new_identity(mgr: LockManager, old_owner: str, resource: str) -> None:
+    """A new acquire of ``mgr`` works, under another owner than ``old_owner``."""
+    fresh = mgr.acquire(resource, timeout=5)
+    assert fresh.owner_id != old_owner and not fresh.lost
+    fresh.release()
+
+
 # -- 1. the local deadline -----------------------------------------------------
 
 
@@ -74,8 +109,7 @@ def test_holder_resumed_after_sigstop_past_owner_ttl_fails_its_first_check(
 def test_stopped_heartbeat_makes_the_lease_lost_without_a_round_trip(
     managers: Managers, r: redis.Redis
 ) -> None:
-    mgr = managers(owner_ttl=2.0)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = holding(managers, owner_ttl=2.0)
     assert not lease.lost and lease.deadline > time.monotonic()
     mgr.heartbeat.stop()  # a GC pause, a starved thread: nothing refreshes
     wait_until(lambda: not r.exists(alive(lease.owner_id)), what="liveness expired")
@@ -94,8 +128,7 @@ def test_deadline_wins_over_a_liveness_key_that_is_still_there(
     # revived by a stale request or a Redis clock behind ours): the lease is
     # lost all the same, the heartbeat no longer refreshes that owner, and it
     # puts it to death in Redis (locks freed) rather than keep it.
-    mgr = managers(owner_ttl=1.0)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = holding(managers, owner_ttl=1.0)
     owner = lease.owner_id
     mgr.heartbeat.stop()
     r.persist(alive(owner))
@@ -112,8 +145,7 @@ def test_deadline_wins_over_a_liveness_key_that_is_still_there(
 
 
 def test_heartbeat_moves_the_deadline_forward(managers: Managers) -> None:
-    mgr = managers(owner_ttl=3.0)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = holding(managers, owner_ttl=3.0)
     first = lease.deadline
     wait_until(lambda: lease.deadline > first + 0.5, what="a beat extended the deadline")
     # the margin: the deadline stays before the key can expire in Redis
@@ -130,8 +162,7 @@ def test_owner_without_own_heartbeat_feeds_its_deadline_from_the_key_ttl(
     # refreshes its liveness. Its lost-owner watcher reads the key's PTTL while
     # it holds a lease: the deadline follows those refreshes, and a key that
     # vanishes (Redis lost it) makes the lease lost at once.
-    child = managers(owner_ttl=1.0, heartbeat_interval=0.2, heartbeat=False)
-    lease = child.acquire("a", timeout=5)
+    child, lease = holding(managers, owner_ttl=1.0, heartbeat_interval=0.2, heartbeat=False)
     owner = lease.owner_id
     first = lease.deadline
     r.pexpire(alive(owner), 60_000)  # "the main process" refreshed it
@@ -148,8 +179,7 @@ def test_idle_owner_without_own_heartbeat_is_not_declared_lost_at_its_next_acqui
     # An idle pool child does not watch its key (nothing to lose), so its
     # deadline goes stale while the main process keeps it alive: that is no
     # loss, and its next acquire goes on under the same owner, quietly.
-    child = managers(owner_ttl=1.0, heartbeat_interval=0.2, heartbeat=False)
-    lease = child.acquire("a", timeout=5)
+    child, lease = holding(managers, owner_ttl=1.0, heartbeat_interval=0.2, heartbeat=False)
     owner, deadline = lease.owner_id, lease.deadline
     lease.release()
     r.pexpire(alive(owner), 60_000)  # "the main process" keeps it alive
@@ -167,13 +197,9 @@ def test_waiter_without_own_heartbeat_keeps_its_deadline_fresh_while_it_waits(
     # A pool child waits several owner_ttl for a hand-off: its waiting loop
     # re-runs the script (a refresh) well before its deadline, so the lease
     # it is handed is not lost at birth.
-    holder = managers(owner_ttl=5.0)
-    held = holder.acquire("a", timeout=5)
+    _, held = holding(managers, owner_ttl=5.0)
     child = managers(owner_ttl=1.0, heartbeat_interval=0.2, heartbeat=False)
-    out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(child.acquire("a", timeout=30)))
-    t.start()
-    wait_until(lambda: r.zcard("{t}:q:a") == 1, what="queued")
+    t, out = queued_acquire(r, child, 30)
     ident = child.liveness.identity.peek()
     assert ident is not None
     first = ident.valid_until
@@ -182,8 +208,8 @@ def test_waiter_without_own_heartbeat_keeps_its_deadline_fresh_while_it_waits(
     held.release()
     t.join(20)
     lease = out[0]
-    assert not lease.lost and lease.owner_id == ident.owner_id  # type: ignore[attr-defined]
-    lease.release()  # type: ignore[attr-defined]
+    assert not lease.lost and lease.owner_id == ident.owner_id
+    lease.release()
 
 
 # -- 2. Redis loses the data ---------------------------------------------------
@@ -206,8 +232,7 @@ def test_redis_losing_its_data_makes_held_leases_lost_once_and_never_revives_the
     r: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    mgr = managers(owner_ttl=3.0)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = holding(managers, owner_ttl=3.0)
     owner = lease.owner_id
     caplog.set_level(logging.ERROR, logger="celery_redislock.heartbeat")
     if how == "flushall":
@@ -228,9 +253,7 @@ def test_redis_losing_its_data_makes_held_leases_lost_once_and_never_revives_the
         assert errors[0].getMessage().startswith("heartbeat.lost")
         assert "Redis lost its data" in errors[0].getMessage()
         # the manager goes on under a fresh identity
-        again = mgr.acquire("b", timeout=5)
-        assert again.owner_id != owner and not again.lost
-        again.release()
+        assert_goes_on_under_a_new_identity(mgr, owner, "b")
         other.release()
     finally:
         client.close()
@@ -337,8 +360,7 @@ def test_heartbeat_notices_a_liveness_key_that_redis_evicted(tmp_path: Path) -> 
 def test_close_releases_held_leases_refuses_acquire_and_removes_the_owner(
     managers: Managers, r: redis.Redis
 ) -> None:
-    mgr = managers(owner_ttl=5.0)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = holding(managers, owner_ttl=5.0)
     owner = lease.owner_id
     assert r.sismember("{t}:owners", owner)
     mgr.close()
@@ -371,20 +393,9 @@ def test_close_with_redis_unreachable_marks_held_leases_lost(tmp_path: Path) -> 
 def test_acquire_in_flight_when_close_runs_returns_no_lease(
     managers: Managers, r: redis.Redis
 ) -> None:
-    holder = managers(owner_ttl=5.0)
-    held = holder.acquire("a", timeout=5)
+    _, held = holding(managers, owner_ttl=5.0)
     mgr = managers(owner_ttl=5.0)
-    out: list[BaseException | object] = []
-
-    def wait() -> None:
-        try:
-            out.append(mgr.acquire("a", timeout=20))
-        except BaseException as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=wait)
-    t.start()
-    wait_until(lambda: r.zcard("{t}:q:a") == 1, what="queued")
+    t, out = queued_acquire(r, mgr, 20)
     mgr.close()
     held.release()  # hands "a" to the closed manager's queued request ... or not
     t.join(20)
@@ -401,8 +412,7 @@ def test_a_stale_registration_cannot_revive_a_cleaned_owner(
     # Thread A built its first acquire (a registration) before the owner was
     # declared dead; thread B's acquire registered it; then a cleanup freed
     # it. A's script runs last: it must not re-create the liveness key.
-    mgr = managers(owner_ttl=2.0, heartbeat=False)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = holding(managers, owner_ttl=2.0, heartbeat=False)
     owner = lease.owner_id
     report = managers(owner_ttl=2.0).cleanup_owner(owner, force=True)
     assert report.released == 1
@@ -414,21 +424,15 @@ def test_a_stale_registration_cannot_revive_a_cleaned_owner(
     assert not r.exists(alive(owner)) and not r.exists("{t}:lock:b")
     wait_until(lambda: lease.lost, what="watcher marked the lease lost")
     # the manager goes on under a new identity (the retry a real acquire makes)
-    fresh = mgr.acquire("b", timeout=5)
-    assert fresh.owner_id != owner and not fresh.lost
-    fresh.release()
+    assert_goes_on_under_a_new_identity(mgr, owner, "b")
 
 
 def test_a_grant_landing_on_a_retired_identity_is_released_and_re_requested(
     managers: Managers, r: redis.Redis
 ) -> None:
-    holder = managers(owner_ttl=5.0)
-    held = holder.acquire("a", timeout=5)
+    _, held = holding(managers, owner_ttl=5.0)
     waiter = managers(owner_ttl=5.0)
-    out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(waiter.acquire("a", timeout=20)))
-    t.start()
-    wait_until(lambda: r.zcard("{t}:q:a") == 1, what="queued")
+    t, out = queued_acquire(r, waiter, 20)
     old = waiter.liveness.identity.peek()
     assert old is not None
     # Its owner is declared dead (what the lost-owner watcher does when a
@@ -466,9 +470,7 @@ def test_redis_outage_longer_than_the_deadline_loses_leases_and_is_logged_once(
         messages = [r.getMessage() for r in caplog.records if r.name.endswith(".heartbeat")]
         assert sum(m.startswith("heartbeat.unavailable") for m in messages) == 1, messages
         assert not any(m.startswith("heartbeat.error") for m in messages), messages
-        fresh = mgr.acquire("a", timeout=5)
-        assert fresh.owner_id != lease.owner_id and not fresh.lost
-        fresh.release()
+        assert_goes_on_under_a_new_identity(mgr, lease.owner_id, "a")
     finally:
         made.close_all()
         server.close()
