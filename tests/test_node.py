@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from celery_redislock import LockManager, LockTimeout
+from celery_redislock import Lease, LockManager, LockTimeout
 from celery_redislock.identity import parse_proc_stat, pid_of_tag, process_tag, read_proc_stat
 from celery_redislock.node import (
     Node,
@@ -94,6 +94,69 @@ def workers(redis_url: str) -> Iterator[Callable[..., Worker]]:
         w.close()
 
 
+def started(workers: Callable[..., Worker], *args: object, **kw: object) -> Worker:
+    """``workers(*args, **kw)`` with its node started."""
+    w = workers(*args, **kw)
+    w.node.start()
+    return w
+
+
+def started_holding(
+    workers: Callable[..., Worker], resource: str = "repo:1", **kw: object
+) -> tuple[Worker, Lease]:
+    """A started worker (``workers(**kw)``) whose main process holds ``resource``."""
+    w = started(workers, **kw)
+    return w, w.mgr.acquire(resource, timeout=1)
+
+
+def member(url: str, group: str, owner_ttl: float = TTL) -> LockManager:
+    """A manager that joins ``group`` (a pool child's), without a heartbeat of its own."""
+    return LockManager(
+        url, NS, owner_ttl=owner_ttl, heartbeat_interval=IV, heartbeat=False, group=lambda: group
+    )
+
+
+def contender(url: str) -> LockManager:
+    """A standalone manager (its own heartbeat) that contends for the test's locks."""
+    return LockManager(url, NS, owner_ttl=TTL, heartbeat_interval=IV)
+
+
+def fill(r: redis.Redis, n: int) -> None:
+    """Empty Redis, then ``n`` unrelated keys."""
+    r.flushall()
+    pipe = r.pipeline(transaction=False)
+    for i in range(0, n, 1000):
+        pipe.mset({f"unrelated:{j}": "x" for j in range(i, min(n, i + 1000))})
+    pipe.execute()
+
+
+def assert_same_commands_without_scan(deltas: list[dict[str, int]]) -> None:
+    """The command counts of both key-space sizes are the same, with no SCAN or KEYS."""
+    small, large = deltas
+    assert small == large
+    assert not any(k.startswith(("cmdstat_scan", "cmdstat_keys")) for k in large)
+
+
+def assert_predecessor_kept(r: redis.Redis, old: Worker, record: bool = True) -> None:
+    """``old``'s lock of repo:1 and liveness stay, no tombstone (and, with
+    ``record``, the node record still names it)."""
+    assert r.exists(f"{PREFIX}lock:repo:1")
+    assert r.exists(f"{PREFIX}alive:{old.mgr.owner_id}")
+    assert not r.exists(tomb_key(PREFIX, old.inc))
+    if record:
+        assert r.hget(node_key(PREFIX, "celery@host"), "inc") == old.inc.encode()
+
+
+def fake_live_child(w: Worker, r: redis.Redis) -> int:
+    """A live process (our parent) the pool reports as a child, in the group as
+    ``fake-owner`` (a bare pid) with a short liveness; its pid."""
+    other_pid = os.getppid()
+    w.children.add(other_pid)
+    r.hset(group_key(PREFIX, w.inc), "fake-owner", str(other_pid))
+    r.set(f"{PREFIX}alive:fake-owner", "x", px=500)
+    return other_pid
+
+
 def age_record(r: redis.Redis, nodename: str, ms: int) -> None:
     """Pretend the record's last beat was ``ms`` ago (Redis TIME)."""
     sec, usec = r.time()
@@ -105,23 +168,32 @@ def commandstats(r: redis.Redis) -> dict[str, int]:
     return {k: int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_info",)}
 
 
+def fork_child(body: Callable[[], int], close: tuple[int, ...] = ()) -> int:
+    """Fork a child that closes the fds ``close``, runs ``body`` and exits with
+    the status it returns (1 if it raised); return its pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its pipes
+        code = 1
+        try:
+            for fd in close:
+                os.close(fd)
+            code = body()
+        finally:
+            os._exit(code)
+    return pid
+
+
 def fork_child_holding(url: str, inc: str, resource: str) -> int:
     """Fork a child that joins ``inc``'s group, takes ``resource`` and exits."""
     r_fd, w_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
-        try:
-            os.close(r_fd)
-            key = group_key(PREFIX, inc)
-            mgr = LockManager(
-                url, NS, owner_ttl=TTL, heartbeat_interval=IV, heartbeat=False, group=lambda: key
-            )
-            mgr.acquire(resource, timeout=5)
-            os.write(w_fd, mgr.owner_id.encode())
-            code = 0
-        finally:
-            os._exit(code)
+
+    def body() -> int:
+        mgr = member(url, group_key(PREFIX, inc))
+        mgr.acquire(resource, timeout=5)
+        os.write(w_fd, mgr.owner_id.encode())
+        return 0
+
+    pid = fork_child(body, close=(r_fd,))
     os.close(w_fd)
     with os.fdopen(r_fd, "rb") as f:
         owner = f.read().decode()
@@ -138,11 +210,7 @@ def test_brand_new_node_start_costs_constant_commands_without_scan(
 ) -> None:
     deltas = []
     for n in (100, 50_000):
-        r.flushall()
-        pipe = r.pipeline(transaction=False)
-        for i in range(0, n, 1000):
-            pipe.mset({f"unrelated:{j}": "x" for j in range(i, min(n, i + 1000))})
-        pipe.execute()
+        fill(r, n)
         assert r.dbsize() == n
         w = workers(f"celery@new{n}")
         r.script_flush()
@@ -151,8 +219,7 @@ def test_brand_new_node_start_costs_constant_commands_without_scan(
         w.node.tick()
         deltas.append(commandstats(r))
         w.node.shutdown()
-    assert deltas[0] == deltas[1]
-    assert not any(k.startswith(("cmdstat_scan", "cmdstat_keys")) for k in deltas[1])
+    assert_same_commands_without_scan(deltas)
 
 
 def test_brand_new_node_creates_its_record(workers: Callable[..., Worker], r: redis.Redis) -> None:
@@ -168,9 +235,7 @@ def test_brand_new_node_creates_its_record(workers: Callable[..., Worker], r: re
 def test_predecessor_with_stale_heartbeat_is_evicted_at_start(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    old = workers()
-    old.node.start()
-    lease = old.mgr.acquire("repo:1", timeout=1)
+    old, lease = started_holding(workers)
     # Read now: once freed, old.mgr's lost-owner watcher retires the identity.
     old_id = old.mgr.owner_id
     age_record(r, "celery@host", 10_000)  # it crashed long ago (its beat is stale)
@@ -190,8 +255,7 @@ def test_predecessor_with_stale_heartbeat_is_evicted_at_start(
 def test_predecessor_whose_heartbeat_stops_is_evicted_after_two_intervals(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    old = workers()
-    old.node.start()
+    old = started(workers)
     old.node.tick()
     old.mgr.acquire("repo:1", timeout=1)  # its liveness is still fresh (TTL 2 s)
     old_id = old.mgr.owner_id  # read before its identity can be retired
@@ -211,9 +275,7 @@ def test_predecessor_whose_heartbeat_keeps_advancing_is_a_duplicate_never_freed(
 ) -> None:
     # Interval 1 s: eviction needs 2 s without a beat; the first worker beats
     # every few ms here, so only a 2 s stall of this test could fail it.
-    first = workers(iv=1.0)
-    first.node.start()
-    first.mgr.acquire("repo:1", timeout=1)
+    first, _ = started_holding(workers, iv=1.0)
 
     second = workers(iv=1.0)
     assert second.node.start() == "watching"
@@ -225,10 +287,7 @@ def test_predecessor_whose_heartbeat_keeps_advancing_is_a_duplicate_never_freed(
         time.sleep(0.02)
     assert second.node.state == "duplicate"
     assert "node.duplicate" in caplog.text
-    assert r.exists(f"{PREFIX}lock:repo:1")
-    assert r.exists(f"{PREFIX}alive:{first.mgr.owner_id}")
-    assert not r.exists(tomb_key(PREFIX, first.inc))
-    assert r.hget(node_key(PREFIX, "celery@host"), "inc") == first.inc.encode()
+    assert_predecessor_kept(r, first)
     # The duplicate still refreshes its own owners.
     second.mgr.acquire("repo:2", timeout=1)
     assert second.node.tick().lost == []
@@ -237,9 +296,7 @@ def test_predecessor_whose_heartbeat_keeps_advancing_is_a_duplicate_never_freed(
 def test_eviction_compare_and_set_refuses_when_heartbeat_advanced(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    old = workers()
-    old.node.start()
-    old.mgr.acquire("repo:1", timeout=1)
+    old, _ = started_holding(workers)
     new = workers()
     assert new.node.start() == "watching"
     seen_hb = r.hget(node_key(PREFIX, "celery@host"), "hb").decode()
@@ -251,19 +308,14 @@ def test_eviction_compare_and_set_refuses_when_heartbeat_advanced(
         [PREFIX, old.inc, seen_hb, "1", "evict", new.inc, "1", "h", "0", "200", "60000", "60000"],
     )
     assert reply[0] in ("changed", b"changed")
-    assert r.exists(f"{PREFIX}lock:repo:1")
-    assert r.exists(f"{PREFIX}alive:{old.mgr.owner_id}")
-    assert not r.exists(tomb_key(PREFIX, old.inc))
-    assert r.hget(node_key(PREFIX, "celery@host"), "inc") == old.inc.encode()
+    assert_predecessor_kept(r, old)
 
 
 def test_tombstoned_incarnation_heartbeat_reports_evicted_and_fences(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
     fenced: list[bool] = []
-    old = workers(on_evicted=lambda: fenced.append(True))
-    old.node.start()
-    lease = old.mgr.acquire("repo:1", timeout=1)
+    old, lease = started_holding(workers, on_evicted=lambda: fenced.append(True))
     age_record(r, "celery@host", 10_000)  # it stalled (SIGSTOP, GC, partition)
     new = workers()
     assert new.node.start() == "owner"
@@ -285,9 +337,7 @@ def test_tombstoned_incarnation_heartbeat_reports_evicted_and_fences(
 def test_successor_never_frees_its_own_locks_when_evicting(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    old = workers()
-    old.node.start()
-    old.mgr.acquire("repo:old", timeout=1)
+    old, _ = started_holding(workers, "repo:old")
     new = workers()
     mine = new.mgr.acquire("repo:new", timeout=1)  # before the eviction
     age_record(r, "celery@host", 10_000)
@@ -300,15 +350,11 @@ def test_successor_never_frees_its_own_locks_when_evicting(
 def test_fast_restart_cleanup_off_leaves_predecessor_to_expire(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    old = workers()
-    old.node.start()
-    old.mgr.acquire("repo:1", timeout=1)
+    old, _ = started_holding(workers)
     age_record(r, "celery@host", 1_000)  # stale for eviction, not for owner_ttl
     new = workers(fast_restart_cleanup=False)
     assert new.node.start() == "watching"
-    assert r.exists(f"{PREFIX}alive:{old.mgr.owner_id}")
-    assert r.exists(f"{PREFIX}lock:repo:1")
-    assert not r.exists(tomb_key(PREFIX, old.inc))
+    assert_predecessor_kept(r, old, record=False)
 
 
 # -- children ----------------------------------------------------------------
@@ -318,9 +364,7 @@ def test_fast_restart_cleanup_off_leaves_predecessor_to_expire(
 def test_dead_child_locks_freed_in_one_tick_and_group_entry_removed(
     workers: Callable[..., Worker], r: redis.Redis, redis_url: str
 ) -> None:
-    w = workers()
-    w.node.start()
-    main_lease = w.mgr.acquire("main:1", timeout=1)
+    w, main_lease = started_holding(workers, "main:1")
     pid = fork_child_holding(redis_url, w.inc, "repo:child")
     group = {k.decode(): pid_of_tag(v) for k, v in r.hgetall(group_key(PREFIX, w.inc)).items()}
     assert pid in group.values()
@@ -343,13 +387,8 @@ def test_dead_child_cleanup_cost_is_independent_of_keyspace(
 ) -> None:
     deltas = []
     for n in (100, 50_000):
-        r.flushall()
-        pipe = r.pipeline(transaction=False)
-        for i in range(0, n, 1000):
-            pipe.mset({f"unrelated:{j}": "x" for j in range(i, min(n, i + 1000))})
-        pipe.execute()
-        w = workers(f"celery@cost{n}")
-        w.node.start()
+        fill(r, n)
+        w = started(workers, f"celery@cost{n}")
         w.node.tick()
         fork_child_holding(redis_url, w.inc, "repo:child")
         r.script_flush()
@@ -357,16 +396,14 @@ def test_dead_child_cleanup_cost_is_independent_of_keyspace(
         assert len(w.node.tick().dead) == 1
         deltas.append(commandstats(r))
         w.node.shutdown()
-    assert deltas[0] == deltas[1]
-    assert not any(k.startswith(("cmdstat_scan", "cmdstat_keys")) for k in deltas[1])
+    assert_same_commands_without_scan(deltas)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_child_exit_notice_beats_at_once_and_frees_the_dead_childs_locks(
     workers: Callable[..., Worker], r: redis.Redis, redis_url: str
 ) -> None:
-    w = workers(iv=30.0, ttl=90.0)  # a regular tick is 30 s away
-    w.node.start()
+    w = started(workers, iv=30.0, ttl=90.0)  # a regular tick is 30 s away
     pid = fork_child_holding(redis_url, w.inc, "repo:child")  # exited and reaped
     assert r.exists(f"{PREFIX}lock:repo:child")
     w.node.start_heartbeat()
@@ -381,12 +418,8 @@ def test_child_exit_notice_beats_at_once_and_frees_the_dead_childs_locks(
 def test_child_exit_notice_for_a_live_pid_wakes_nothing_and_frees_nothing(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    w = workers()
-    w.node.start()
-    other_pid = os.getppid()  # a live process the pool reports as its child
-    w.children.add(other_pid)
-    r.hset(group_key(PREFIX, w.inc), "fake-owner", str(other_pid))
-    r.set(f"{PREFIX}alive:fake-owner", "x", px=500)
+    w = started(workers)
+    other_pid = fake_live_child(w, r)  # a live process the pool reports as its child
 
     assert w.node.child_exited(other_pid) is False
     assert not w.node._heartbeat._wake
@@ -405,29 +438,24 @@ def fork_holder(
     ``close`` (the test's ends of the pipes), so that it sees EOF on ``go``
     when the test ends early.
     """
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
-        code = 1
+
+    def body() -> int:  # pragma: no cover - runs in the helper
+        lease = mgr.acquire(resource, timeout=5)
+        line = {"pid": os.getpid(), "owner": lease.owner_id}
+        os.write(report, (json.dumps(line) + "\n").encode())
+        if not os.read(go, 1):
+            return 1  # the test ended early
         try:
-            for fd in close:
-                os.close(fd)
-            lease = mgr.acquire(resource, timeout=5)
-            line = {"pid": os.getpid(), "owner": lease.owner_id}
-            os.write(report, (json.dumps(line) + "\n").encode())
-            if not os.read(go, 1):
-                return  # the test ended early
-            try:
-                lease.check()
-                checked = True
-            except Exception:
-                checked = False
-            line = {"pid": os.getpid(), "lost": lease.lost, "check": checked}
-            os.write(report, (json.dumps(line) + "\n").encode())
-            lease.release()
-            code = 0
-        finally:
-            os._exit(code)
-    return pid
+            lease.check()
+            checked = True
+        except Exception:
+            checked = False
+        line = {"pid": os.getpid(), "lost": lease.lost, "check": checked}
+        os.write(report, (json.dumps(line) + "\n").encode())
+        lease.release()
+        return 0
+
+    return fork_child(body, close)
 
 
 def reap(pid: int) -> None:
@@ -474,10 +502,8 @@ def test_helper_forked_from_the_main_process_is_a_standalone_owner_never_freed(
     # A task of a threads/solo pool runs in the worker's main process: a
     # helper it forks is neither the main process nor a pool child. It keeps
     # its own liveness and the node never touches it.
-    w = workers()
-    w.node.start()
-    main_lease = w.mgr.acquire("main:1", timeout=1)
-    contender = LockManager(redis_url, NS, owner_ttl=TTL, heartbeat_interval=IV)
+    w, main_lease = started_holding(workers, "main:1")
+    rival = contender(redis_url)
     report_r, report_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = fork_holder(w.mgr, "repo:h", report_w, go_r, close=(report_r, go_w))
@@ -486,16 +512,16 @@ def test_helper_forked_from_the_main_process_is_a_standalone_owner_never_freed(
     try:
         with os.fdopen(report_r, "r") as lines:
             held = json.loads(lines.readline())
-            hold_past_ttl(w, r, contender, held["owner"], "repo:h")
+            hold_past_ttl(w, r, rival, held["owner"], "repo:h")
             os.write(go_w, b"g")
             done = json.loads(lines.readline())
         assert done == {"pid": pid, "lost": False, "check": True}
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        contender.acquire("repo:h", timeout=0).release()  # released: free at once
+        rival.acquire("repo:h", timeout=0).release()  # released: free at once
         assert not main_lease.lost and r.hexists(f"{PREFIX}lock:main:1", main_lease.token)
     finally:
-        contender.close()
+        rival.close()
         os.close(go_w)  # EOF: a helper still waiting exits
         reap(pid)
 
@@ -507,27 +533,22 @@ def test_helper_forked_from_a_pool_child_is_a_standalone_owner_never_freed(
     # A prefork task runs in a pool child (a group member): a helper it
     # forks is not in the pool, and a group owner of a pid outside the pool
     # would be freed as a dead child on the next tick.
-    w = workers()
-    w.node.start()
-    contender = LockManager(redis_url, NS, owner_ttl=TTL, heartbeat_interval=IV)
+    w = started(workers)
+    rival = contender(redis_url)
     report_r, report_w = os.pipe()
     go_r, go_w = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the pool child: holds a lock, forks a helper
-        code = 1
-        try:
-            os.close(report_r)
-            os.close(go_w)
-            w.mgr.become_member()  # what worker_process_init does
-            lease = w.mgr.acquire("pool:1", timeout=5)
-            line = {"pid": os.getpid(), "owner": lease.owner_id}
-            os.write(report_w, (json.dumps(line) + "\n").encode())
-            helper = fork_holder(w.mgr, "repo:h", report_w, go_r)
-            _, status = os.waitpid(helper, 0)
-            lease.release()
-            code = os.waitstatus_to_exitcode(status)
-        finally:
-            os._exit(code)
+
+    def pool_child() -> int:  # pragma: no cover - holds a lock, forks a helper
+        w.mgr.become_member()  # what worker_process_init does
+        lease = w.mgr.acquire("pool:1", timeout=5)
+        line = {"pid": os.getpid(), "owner": lease.owner_id}
+        os.write(report_w, (json.dumps(line) + "\n").encode())
+        helper = fork_holder(w.mgr, "repo:h", report_w, go_r)
+        _, status = os.waitpid(helper, 0)
+        lease.release()
+        return os.waitstatus_to_exitcode(status)
+
+    child = fork_child(pool_child, close=(report_r, go_w))
     w.children.add(child)
     os.close(report_w)  # a child that dies early ends the pipe: no hang
     os.close(go_r)
@@ -536,15 +557,15 @@ def test_helper_forked_from_a_pool_child_is_a_standalone_owner_never_freed(
             pool = json.loads(lines.readline())
             held = json.loads(lines.readline())
             assert r.hexists(group_key(PREFIX, w.inc), pool["owner"])  # the pool child joined
-            hold_past_ttl(w, r, contender, held["owner"], "repo:h")
+            hold_past_ttl(w, r, rival, held["owner"], "repo:h")
             os.write(go_w, b"g")
             done = json.loads(lines.readline())
         assert done == {"pid": held["pid"], "lost": False, "check": True}
         _, status = os.waitpid(child, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        contender.acquire("repo:h", timeout=0).release()
+        rival.acquire("repo:h", timeout=0).release()
     finally:
-        contender.close()
+        rival.close()
         os.close(go_w)  # EOF: a helper still waiting exits, then its parent
         reap(child)
 
@@ -552,14 +573,10 @@ def test_helper_forked_from_a_pool_child_is_a_standalone_owner_never_freed(
 def test_live_child_registered_as_bare_pid_is_refreshed_not_freed(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    w = workers()
-    w.node.start()
+    w = started(workers)
     # A live "child" whose pid the pool reports: simulate with our parent's pid.
     # Its group value is a bare pid (an older registration): compared by pid.
-    other_pid = os.getppid()
-    w.children.add(other_pid)
-    r.hset(group_key(PREFIX, w.inc), "fake-owner", str(other_pid))
-    r.set(f"{PREFIX}alive:fake-owner", "x", px=500)
+    fake_live_child(w, r)
     res = w.node.tick()
     assert res.dead == [] and res.lost == []
     assert r.pttl(f"{PREFIX}alive:fake-owner") > 1000
@@ -590,8 +607,7 @@ def test_process_tag_is_pid_and_start_time_parsed_after_the_last_paren() -> None
 def test_dead_owner_whose_pid_was_reused_by_a_live_child_is_freed_not_refreshed(
     workers: Callable[..., Worker], r: redis.Redis, redis_url: str
 ) -> None:
-    w = workers()
-    w.node.start()
+    w = started(workers)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         w.children.add(child.pid)
@@ -639,28 +655,18 @@ def test_a_process_frees_a_dead_member_of_its_own_group_and_nothing_else(
     """free_dead_member: what a pool child uses when a sibling that died
     still holds a lock it needs, before the node's tick has freed it."""
     w, other = workers(), workers("celery@other")
-    alone = LockManager(redis_url, NS, owner_ttl=TTL, heartbeat_interval=IV)
+    alone = contender(redis_url)
     group = group_key(PREFIX, w.inc)
     r_fd, w_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - reports through the pipe, then is killed
-        code = 1
-        try:
-            os.close(r_fd)
-            mgr = LockManager(
-                redis_url,
-                NS,
-                owner_ttl=60,
-                heartbeat_interval=IV,
-                heartbeat=False,
-                group=lambda: group,
-            )
-            mgr.acquire("sib:1", timeout=5)
-            os.write(w_fd, mgr.owner_id.encode())
-            code = 0
-            time.sleep(600)  # until killed
-        finally:
-            os._exit(code)
+
+    def sibling() -> int:  # pragma: no cover - reports through the pipe, then is killed
+        mgr = member(redis_url, group, owner_ttl=60)
+        mgr.acquire("sib:1", timeout=5)
+        os.write(w_fd, mgr.owner_id.encode())
+        time.sleep(600)  # until killed
+        return 0
+
+    pid = fork_child(sibling, close=(r_fd,))
     os.close(w_fd)
     owner = os.read(r_fd, 200).decode()
     os.close(r_fd)
@@ -694,9 +700,7 @@ def test_a_process_frees_a_dead_member_of_its_own_group_and_nothing_else(
 def test_owner_whose_liveness_vanished_is_reported_lost_and_its_leases_marked(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    w = workers()
-    w.node.start()
-    lease = w.mgr.acquire("repo:1", timeout=1)
+    w, lease = started_holding(workers)
     r.delete(f"{PREFIX}alive:{lease.owner_id}")  # e.g. evicted by maxmemory
     res = w.node.tick()
     assert res.lost == [lease.owner_id]
@@ -714,9 +718,7 @@ def test_owner_whose_liveness_vanished_is_reported_lost_and_its_leases_marked(
 def test_shutdown_frees_every_owner_and_deletes_own_record(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    w = workers()
-    w.node.start()
-    w.mgr.acquire("repo:1", timeout=1)
+    w, _ = started_holding(workers)
     w.mgr.acquire("repo:2", shared="remote:1", timeout=1)
     reports = w.node.shutdown()
     assert sum(x.released for x in reports) == 3
@@ -729,9 +731,7 @@ def test_shutdown_frees_every_owner_and_deletes_own_record(
 def test_heartbeat_thread_keeps_owners_alive_past_their_ttl(
     workers: Callable[..., Worker], r: redis.Redis
 ) -> None:
-    w = workers()
-    w.node.start()
-    lease = w.mgr.acquire("repo:1", timeout=1)
+    w, lease = started_holding(workers)
     w.node.start_heartbeat()
     # The liveness TTL is 2 s; wait for enough ticks to span more than that.
     wait_for(lambda: w.node.ticks >= int(TTL / IV) + 3, what="heartbeat ticks")
