@@ -10,6 +10,8 @@
   documentation does not grant fails the test with PermissionDenied.
 - ``r`` (function): a ``redis.Redis`` client (bytes replies) on that empty Redis.
 - ``free_port`` : the :func:`redis_server.free_port` helper, as a fixture.
+- ``quick_apps`` (function): a factory of Celery apps for the in-process
+  tests (tests/celery_helpers.py), closed after the test.
 
 pytest-celery's plugin stays loaded (it imports fine without Docker), but its
 ``celery_worker`` / ``celery_setup`` fixtures start Docker containers and
@@ -21,11 +23,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 import acl_helpers
+from celery_helpers import QUICK_NS, close_app, quick_app
+from celery_redislock import RedisLock
 from engine_helpers import Managers
 from redis_server import (
     ENV_VAR,
@@ -110,6 +116,30 @@ def managers(redis_url: str) -> Iterator[Managers]:
         yield made
     finally:
         made.close_all()
+
+
+@pytest.fixture
+def quick_apps(redis_url: str) -> Iterator[Callable[..., Celery]]:
+    """``quick_apps(main, locks=True, **conf)``: a Celery app for the in-process tests.
+
+    A :func:`celery_helpers.quick_app` over the test's Redis in namespace
+    ``quick`` (``conf`` overrides its settings), with ``RedisLock(app)``
+    attached unless ``locks=False``. Every app made is closed after the test.
+    """
+    made: list[Celery] = []
+
+    def make(main: str, locks: bool = True, **conf: Any) -> Celery:
+        app = quick_app(redis_url, main, QUICK_NS, **conf)
+        made.append(app)
+        if locks:
+            RedisLock(app)
+        return app
+
+    try:
+        yield make
+    finally:
+        for app in made:
+            close_app(app)
 
 
 @pytest.fixture

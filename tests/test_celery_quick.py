@@ -6,12 +6,10 @@ Real-subprocess worker tests (prefork, SIGKILL, restarts) live in tests/e2e/.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,9 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_helpers import close_app, quick_app
+from celery_helpers import QUICK_NS as NS
+from celery_helpers import QUICK_PREFIX as PREFIX
+from celery_helpers import fork_and_report, quick_app
 from celery_redislock import (
     ConfigurationError,
     LockManager,
@@ -34,21 +34,15 @@ from celery_redislock.settings import SETTINGS, load_config, markdown_table
 from engine_helpers import wait_until as wait_for
 from redis_server import RedisServer
 
-NS = "quick"
-PREFIX = "{" + NS + "}:"
-
 
 def make_app(redis_url: str, **conf: Any) -> Celery:
     return quick_app(redis_url, "quick", NS, **conf)
 
 
 @pytest.fixture
-def app(redis_url: str) -> Iterator[Celery]:
-    app = make_app(redis_url)
-    yield app
-    locks = RedisLock.of(app)
-    if locks is not None:
-        locks.close()
+def app(quick_apps: Callable[..., Celery]) -> Celery:
+    """An app without a RedisLock: the test attaches one."""
+    return quick_apps("quick", locks=False)
 
 
 @pytest.fixture
@@ -285,11 +279,9 @@ def test_reconcile_runs_one_at_a_time(app: Celery, other: LockManager) -> None:
 
 
 @pytest.fixture
-def worker_app(redis_url: str) -> Iterator[tuple[Celery, RedisLock]]:
-    app = make_app(redis_url)
-    locks = RedisLock(app)
-    yield app, locks
-    close_app(app)
+def worker_app(quick_apps: Callable[..., Celery]) -> tuple[Celery, RedisLock]:
+    app = quick_apps("quick", locks=False)
+    return app, RedisLock(app)
 
 
 def test_worker_locked_task_acquires_and_releases(
@@ -492,29 +484,21 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
     try:
         assert not mgr.liveness.own_heartbeat and mgr.liveness.group is not None  # the main process
         r.config_resetstat()
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - reports through the pipe
-            code = 1
-            try:
-                m = locks.manager
-                out: dict[str, Any] = {"same": m is mgr}
-                out["helper"] = [m.liveness.own_heartbeat, m.liveness.group is None]
-                threads = threading.active_count()
-                signals.worker_process_init.send(sender=None)
-                signals.worker_process_init.send(sender=None)
-                m = locks.manager
-                group = m.liveness.group
-                out["pool_child"] = [m.liveness.own_heartbeat, group() if group else None]
-                out["new_threads"] = threading.active_count() - threads
-                os.write(write_fd, json.dumps(out).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        with os.fdopen(read_fd, "rb") as pipe:
-            out = json.loads(pipe.read() or b"{}")
-        os.waitpid(pid, 0)
+
+        def child() -> dict[str, Any]:  # pragma: no cover - runs in the child
+            m = locks.manager
+            out: dict[str, Any] = {"same": m is mgr}
+            out["helper"] = [m.liveness.own_heartbeat, m.liveness.group is None]
+            threads = threading.active_count()
+            signals.worker_process_init.send(sender=None)
+            signals.worker_process_init.send(sender=None)
+            m = locks.manager
+            group = m.liveness.group
+            out["pool_child"] = [m.liveness.own_heartbeat, group() if group else None]
+            out["new_threads"] = threading.active_count() - threads
+            return out
+
+        out = fork_and_report(child)
         assert out == {
             "same": True,
             "helper": [True, True],
@@ -541,25 +525,16 @@ def test_close_in_a_forked_helper_stops_the_helpers_own_heartbeat(
     locks = RedisLock(app)
     mgr = locks._enter_worker("0123456789abcdef")
     try:
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - reports through the pipe
-            code = 1
-            try:
-                helper = locks.manager
-                lease = helper.acquire("helper:1", timeout=5)
-                beating = helper.heartbeat.running
-                lease.release()
-                locks.close()
-                out = [beating, helper.heartbeat.running, locks.manager is helper]
-                os.write(write_fd, json.dumps(out).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        with os.fdopen(read_fd, "rb") as pipe:
-            out = json.loads(pipe.read() or b"null")
-        os.waitpid(pid, 0)
+
+        def child() -> list[bool]:  # pragma: no cover - runs in the child
+            helper = locks.manager
+            lease = helper.acquire("helper:1", timeout=5)
+            beating = helper.heartbeat.running
+            lease.release()
+            locks.close()
+            return [beating, helper.heartbeat.running, locks.manager is helper]
+
+        out = fork_and_report(child)
         assert out == [True, False, False]  # a fresh standalone manager after close
     finally:
         locks._leave_worker()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_helpers import close_app, quick_app
+from celery_helpers import QUICK_NS as NS
 from celery_redislock import (
     Inspector,
     LockLost,
@@ -28,15 +28,11 @@ from celery_redislock import (
 from celery_redislock.exceptions import CAUSE_OPERATOR
 from engine_helpers import wait_until
 
-NS = "quick"
-
 
 @pytest.fixture
-def worker_app(redis_url: str) -> Iterator[tuple[Celery, RedisLock]]:
-    app = quick_app(redis_url, "sem", NS, redislock_owner_ttl=30, redislock_heartbeat_interval=0.2)
-    locks = RedisLock(app)
-    yield app, locks
-    close_app(app)
+def worker_app(quick_apps: Callable[..., Celery]) -> tuple[Celery, RedisLock]:
+    app = quick_apps("sem", locks=False, redislock_owner_ttl=30, redislock_heartbeat_interval=0.2)
+    return app, RedisLock(app)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,6 +19,8 @@ import redis
 from celery import Celery, chain, group, signals
 from celery.contrib.testing.worker import start_worker
 
+from celery_helpers import QUICK_NS as NS
+from celery_helpers import QUICK_PREFIX as PREFIX
 from celery_helpers import close_app, quick_app
 from celery_redislock import (
     ConfigurationError,
@@ -33,9 +35,6 @@ from celery_redislock import (
 from celery_redislock.settings import load_config
 from engine_helpers import wait_until
 
-NS = "quick"
-PREFIX = "{" + NS + "}:"
-
 
 def make_app(redis_url: str, **conf: Any) -> Celery:
     app = quick_app(redis_url, "uq", NS, **conf)
@@ -44,10 +43,8 @@ def make_app(redis_url: str, **conf: Any) -> Celery:
 
 
 @pytest.fixture
-def app(redis_url: str) -> Iterator[Celery]:
-    app = make_app(redis_url)
-    yield app
-    close_app(app)
+def app(quick_apps: Callable[..., Celery]) -> Celery:
+    return quick_apps("uq")
 
 
 def holders(r: redis.Redis, key: str) -> list[str]:
