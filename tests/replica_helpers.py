@@ -6,7 +6,8 @@ the master's ``WAIT`` gets no acknowledgement (``resume_replica`` sends
 SIGCONT; ``close`` always does). :func:`start_master_and_replica` starts
 such a pair for other setups (a Sentinel group), and
 :func:`until_the_new_master_answers` is the retry loop a user writes while a
-failover switches masters.
+failover switches masters; ``assert_the_held_lock_survived`` and
+``assert_the_lost_grant_is_retaken`` check a lock held across one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from celery_redislock import LockManager, RedisUnavailable
+import pytest
+
+from celery_redislock import Lease, LockManager, LockTimeout, RedisUnavailable
+from celery_redislock.inspect import Inspector
 from engine_helpers import wait_until
 from redis_server import LOOPBACK, RedisServer
 
@@ -62,6 +66,38 @@ def until_the_new_master_answers(
 
     fence: int = wait_until(attempt, deadline, "an acquire on the new master", interval=0.02)
     return fence, failures
+
+
+def assert_the_held_lock_survived(mgr: LockManager, other: LockManager, held: Lease) -> None:
+    """After a failover to an in-sync replica, ``held`` (a lease of ``mgr`` on
+    "held") is there on the new master: same holder, same fence; ``other``
+    cannot take it; ``mgr``'s heartbeat beats there and the lease is not
+    lost; its release frees the lock."""
+    holders = Inspector(other).holders("held")
+    assert [(h.token, h.fence) for h in holders] == [(held.token, held.fencing_token)]
+    with pytest.raises(LockTimeout):
+        other.acquire(exclusive=["held"], timeout=0)
+    ticks = mgr.heartbeat.ticks
+    wait_until(lambda: mgr.heartbeat.ticks >= ticks + 2, what="two heartbeats on the new master")
+    assert not held.lost
+    held.release()
+    assert not held.lost and Inspector(other).holders("held") == []
+
+
+def assert_the_lost_grant_is_retaken(other: LockManager, held: Lease) -> Lease:
+    """After a failover that lost the grant ``held`` (of "held"), ``other``
+    takes the lock at once with a larger fence; the old lease's release frees
+    nothing of the new holder's and reports the lease lost. The new lease,
+    released again."""
+    newer = other.acquire(exclusive=["held"], timeout=0)
+    assert newer.fencing_token > held.fencing_token
+    assert not held.lost  # its owner is alive: nothing told it yet
+    held.release()
+    assert held.lost
+    holders = Inspector(other).holders("held")
+    assert [(h.token, h.fence) for h in holders] == [(newer.token, newer.fencing_token)]
+    newer.release()
+    return newer
 
 
 class Pair:
