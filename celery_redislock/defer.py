@@ -269,6 +269,36 @@ def park(
     )
 
 
+def park_again(
+    mgr: LockManager, task_id: str, message: dict[str, Any], min_life: int
+) -> ParkResult:
+    """Park a task again from its park record's message (its resources,
+    modes, park and grant TTLs), as a new request at the back of the line,
+    in a life of at least ``min_life``: a dispatcher parking a grant nobody
+    adopted, or a guard parking a task the lock Redis lost (docs/defer.md,
+    D6, D12). Granted at once, it is dispatched (never adopted here); a
+    record that holds the task already makes it a ``duplicate``."""
+    names = list(message.get("resources") or ())
+    modes = str(message.get("modes") or "x" * len(names))
+    req = mgr.request(
+        [n for n, m in zip(names, modes) if m == "x"],
+        [n for n, m in zip(names, modes) if m == "s"],
+    )
+    message = dict(message)
+    park_ttl = park_limit(message, float(message.get("park_ttl") or 86400.0))
+    return park(
+        mgr,
+        task_id,
+        req,
+        message,
+        park_ttl=park_ttl,
+        grant_ttl=float(message.get("grant_ttl") or 300.0),
+        label=f"{message.get('name', '?')} {task_id}",
+        adopt_now=False,
+        min_life=min_life,
+    )
+
+
 def take_over(
     mgr: LockManager,
     task_id: str,
@@ -765,30 +795,11 @@ class Dispatcher:
         is not its own and is dropped); if the locks are free it is granted
         and dispatched at once.
         """
-        mgr = self.manager
-        names = list(message.get("resources") or ())
-        modes = str(message.get("modes") or "x" * len(names))
-        req = mgr.request(
-            [n for n, m in zip(names, modes) if m == "x"],
-            [n for n, m in zip(names, modes) if m == "s"],
-        )
         left = expires_in(message.get("options", {}).get("expires"))
         if left is not None and left <= 0:
             self._withdrawn(task_id, "expired-message", kjson.dumps(message))
             return
-        message = dict(message)
-        park_ttl = park_limit(message, float(message.get("park_ttl") or 86400.0))
-        result = park(
-            mgr,
-            task_id,
-            req,
-            message,
-            park_ttl=park_ttl,
-            grant_ttl=float(message.get("grant_ttl") or 300.0),
-            label=f"{message.get('name', '?')} {task_id}",
-            adopt_now=False,
-            min_life=life,
-        )
+        result = park_again(self.manager, task_id, message, life)
         log.info("defer.reparked id=%s outcome=%s", task_id, result.outcome)
 
     def handle(self, task_id: str) -> None:
@@ -835,7 +846,7 @@ class Dispatcher:
                 self.due(task_id)
                 return
             holder = str((message or {}).get("holder") or "")
-            self._attempt(task_id, token, modes, res, pttl, holder)
+            self.acquirer.attempt(task_id, token, modes, res, pttl, holder)
 
     def nudge(self, task_id: str, fence: int) -> int:
         """Tell the waiting requests that wait for the grant ``fence`` of
@@ -964,6 +975,7 @@ __all__ = [
     "capture_message",
     "mark_done",
     "park",
+    "park_again",
     "take_over",
     "task_owner",
     "withdraw",

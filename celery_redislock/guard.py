@@ -11,23 +11,29 @@ comes due, a worker looks at the park record (``defer_guard.lua``):
 * parked or granted: the guard claims the record (one guard message per
   record goes on: a sequence number and the guard's id, compare-and-set in
   the record) and is sent again for the next interval;
-* adopted or done, or watched by another live guard: the guard ends;
+* adopted or done, watched by another live guard, or holding a later
+  attempt of the task (a retry parked again, with a guard of its own): the
+  guard ends. A guard watches one attempt: its message's retry number;
 * no record: the result backend says why. A ready state (SUCCESS, FAILURE,
-  REVOKED: the task ran, or was withdrawn) or an adoption marker of this
-  life or a later one (the body started) ends the guard. ``DEFERRED``
+  REVOKED: the task ran, or was withdrawn) or an adoption marker of a later
+  attempt, or of this attempt in this life or a later one (the body
+  started), ends the guard. ``DEFERRED``
   (written at the park, before the guard was sent): the guard looks once
   more one interval later (a record is briefly absent while the dispatcher
-  parks a task again) and then *recovers* the task: it publishes the
-  task's message again with the header ``redislock_defer: recover`` and
-  goes on guarding. The recovery copy goes straight to the park step, where
-  the record decides: none (the lock Redis lost it) makes it a new arrival,
-  any record makes it a duplicate. ``PENDING`` at both looks: the result
+  parks a task again) and then *recovers* the task: it parks it again
+  itself, from its message, in a life above its own (:func:`defer.park_again`:
+  the park record decides, so any number of guards of one task park it
+  once and nothing travels through the broker), and goes on guarding.
+  ``PENDING`` at both looks: the result
   backend lost the task too, nothing tells whether it ran; it fails with
   ``LockLost`` (cause "Redis lost the lock") instead of running twice.
 
 The adoption marker is a result-backend entry of its own
 (:func:`marker_id`), written by the child that adopts a deferred task's
-grant: the body is running or ran, and its own message is in charge.
+grant: the body is running or ran, and its own message is in charge. A
+copy of a task's message that finds no park record reads it too
+(:func:`copy_is_stale`): after a loss, a copy of a task that ran or
+started is dropped instead of running again.
 docs/defer.md (D12) gives the races.
 """
 
@@ -42,8 +48,9 @@ log = logging.getLogger("celery_redislock.defer")
 
 #: The registered name of the guard task.
 GUARD_TASK = "celery_redislock.defer_guard"
-#: Value of the ``redislock_defer`` header of a recovery copy: no grant to
-#: adopt, the park step decides (duplicate if any record holds the task).
+#: Value of the ``redislock_defer`` header of a recovery copy, which an
+#: earlier release's guards published: no grant to adopt, the park step
+#: decides (duplicate if any record holds the task).
 RECOVER = "recover"
 #: State of the adoption marker's result-backend entry (:func:`marker_id`).
 ADOPTED = "ADOPTED"
@@ -114,51 +121,98 @@ def send_guard(
     return gid
 
 
-def send_recovery(app: Any, task_id: str, message: dict[str, Any]) -> None:
-    """Publish the task's message again, as a recovery copy (same id)."""
-    from .defer import HEADER
-
-    app.send_task(
-        message["name"],
-        args=message.get("args") or [],
-        kwargs=message.get("kwargs") or {},
-        task_id=task_id,
-        headers={HEADER: RECOVER},
-        add_to_parent=False,
-        **dict(message.get("options") or {}),
-    )
+def attempt_of(message: dict[str, Any]) -> int:
+    """The attempt a parked task's message is: its retry number (Celery's
+    ``request.retries``, kept in the message's options when not 0)."""
+    try:
+        return int((message.get("options") or {}).get("retries") or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
-def mark_adopted(app: Any, task_id: str, life: int) -> None:
-    """Record in the result backend that life ``life`` of ``task_id`` was
-    adopted (its body runs): a guard that finds no record then ends."""
+def mark_adopted(app: Any, task_id: str, life: int, attempt: int = 0) -> None:
+    """Record in the result backend that life ``life`` of attempt ``attempt``
+    (its retry number) of ``task_id`` was adopted (its body runs): a guard
+    that finds no record then ends."""
     try:
         # A state of its own: a backend never overwrites a SUCCESS result, and
         # a later life's adoption must overwrite the marker.
-        app.backend.store_result(marker_id(task_id), {"life": life, "at": time.time()}, ADOPTED)
+        marker = {"life": life, "retries": attempt, "at": time.time()}
+        app.backend.store_result(marker_id(task_id), marker, ADOPTED)
     except Exception as exc:  # only a guard's decision after a data loss needs it
         log.warning("defer.marker-error id=%s error=%r", task_id, exc)
 
 
-def _adopted_life(app: Any, task_id: str) -> int | None:
+def _adopted(app: Any, task_id: str) -> tuple[int, int] | None:
+    """``(retry number, life)`` of the task's latest adoption marker, or None."""
     meta = app.backend.get_task_meta(marker_id(task_id), cache=False)
     result = meta.get("result") if meta.get("status") == ADOPTED else None
     if isinstance(result, dict) and isinstance(result.get("life"), int):
-        return int(result["life"])
+        retries = result.get("retries")  # a marker of an earlier release has none
+        return (int(retries) if isinstance(retries, int) else 0), int(result["life"])
+    return None
+
+
+def _started(app: Any, task_id: str, attempt: int, life: int | None) -> bool:
+    """Whether the adoption marker says that a body of a later attempt, or
+    of ``attempt`` in life ``life`` or a later one (any life: None), started."""
+    marker = _adopted(app, task_id)
+    if marker is None:
+        return False
+    m_attempt, m_life = marker
+    return m_attempt > attempt or (m_attempt == attempt and (life is None or m_life >= life))
+
+
+def copy_is_stale(
+    locks: Any, task_id: str, attempt: int, life: int | None, redelivered: bool
+) -> str | None:
+    """Why a copy of a deferred task's message that is about to be parked
+    record-first (a grant not adopted, a redelivery, a recovery copy) must
+    be dropped although no park record holds the task, or None.
+
+    With no park record, the lock Redis may have lost the record of a task
+    that ran or started, and the copy would run it again: a ready result
+    (the task ended), or an adoption marker of a later attempt, of a later
+    life than the copy's grant ``life``, of any life for a copy without
+    one (None: a redelivered original message, whose task parked), or of
+    the copy's own life for a copy that was not redelivered (a second
+    publish of that grant), drops it. A redelivered copy of the grant that
+    was adopted is the message of a body that was cut short: it runs again,
+    as any ``acks_late`` task does. One read of the record; the result
+    backend is read only when there is none (docs/defer.md, D12)."""
+    from .defer import record_key
+
+    mgr = locks.manager
+    if mgr.channel.command("exists", record_key(mgr, task_id)):
+        return None  # the record decides (duplicate, or a dead adopter's task runs again)
+    state = locks.app.backend.get_task_meta(task_id, cache=False).get("status")
+    if state in _FINAL:
+        return str(state)
+    marker = _adopted(locks.app, task_id)
+    if marker is None:
+        return None
+    m_attempt, m_life = marker
+    if m_attempt != attempt:
+        return "adopted" if m_attempt > attempt else None
+    if life is None or m_life > life or (m_life == life and not redelivered):
+        return "adopted"
     return None
 
 
 def _look(
-    locks: Any, task_id: str, gid: str, seq: int, life: int, interval: float
+    locks: Any, task_id: str, gid: str, seq: int, life: int, interval: float, attempt: int
 ) -> tuple[str, int, str | None]:
     """``(what, record's life, result state)``: ``rearm`` (claimed), an
-    ending (``adopted``, ``done``, ``other``, ``stale``, a ready state), or
-    ``none`` (no record, and the task neither ended nor started)."""
+    ending (``adopted``, ``done``, ``other``, ``stale``, ``superseded``, a
+    ready state), or ``none`` (no record, and the task neither ended nor
+    started)."""
     from .defer import record_key
 
     mgr = locks.manager
     claim_ms = str(max(1, int(3 * interval * 1000)))
-    reply = mgr.channel.call("defer_guard", [record_key(mgr, task_id)], [gid, str(seq), claim_ms])
+    reply = mgr.channel.call(
+        "defer_guard", [record_key(mgr, task_id)], [gid, str(seq), claim_ms, str(attempt)]
+    )
     what = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if what == "rearm":
         raw = reply[1]
@@ -168,8 +222,7 @@ def _look(
     state = locks.app.backend.get_task_meta(task_id).get("status")
     if state in _FINAL:
         return str(state), life, state
-    adopted = _adopted_life(locks.app, task_id)
-    if adopted is not None and adopted >= life:
+    if _started(locks.app, task_id, attempt, life):
         return "adopted", life, state
     return "none", life, state
 
@@ -186,13 +239,16 @@ def check(
 ) -> str:
     """One guard check (the body of :data:`GUARD_TASK`); returns what it did:
     ``rearm``, ``ended:<why>``, ``wait:<state>``, ``suspect``, ``recovered``
-    or ``retry`` (the
+    (parked again), ``recovered:<outcome>`` (``granted``: parked and handed
+    its locks at once; ``duplicate``: a record held it already) or
+    ``retry`` (the
     lock Redis or the result backend did not answer: the same guard message
     is sent again for the next interval, so the guard is never lost to an
     outage, such as the restart it is there for)."""
     app = locks.app
+    attempt = attempt_of(message)
     try:
-        what, record_life, state = _look(locks, task_id, gid, seq, life, interval)
+        what, record_life, state = _look(locks, task_id, gid, seq, life, interval, attempt)
     except Exception as exc:
         log.warning("defer.guard-retry id=%s error=%r: looking again later", task_id, exc)
         send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=suspect)
@@ -230,18 +286,31 @@ def check(
         lost = LockLost(list(message.get("resources") or ()), owner, 0, CAUSE_REDIS_LOST)
         app.backend.mark_as_failure(task_id, lost)
         return "ended:lost"
+    from .defer import park_again
+
+    try:
+        # Parked here, record-first, in a life above any this guard saw: every
+        # guard of the task may do this, the record keeps one; a copy of an
+        # older life still in the broker finds nothing of its own to adopt.
+        result = park_again(locks.manager, task_id, message, life + 1)
+    except Exception as exc:
+        log.warning("defer.guard-retry id=%s error=%r: parking it again later", task_id, exc)
+        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=True)
+        return "retry"
     log.error(
-        "defer.recovered id=%s task=%s state=%s: the lock Redis holds no record of this "
-        "parked task (it lost its data: a restart without persistence, or a failover "
-        "that lost writes); publishing it again as a new arrival (its place in line "
-        "is lost)",
+        "defer.recovered id=%s task=%s state=%s outcome=%s life=%d: the lock Redis held no "
+        "record of this parked task (it lost its data: a restart without persistence, or "
+        "a failover that lost writes); parked it again as a new arrival (its place in "
+        "line is lost)",
         task_id,
         message.get("name", "?"),
         state,
+        result.outcome,
+        result.life,
     )
-    send_recovery(app, task_id, message)
-    send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq)
-    return "recovered"
+    new_life = result.life if result.life >= 0 else life
+    send_guard(app, task_id, message, interval, life=new_life, gid=gid, seq=seq)
+    return "recovered" if result.outcome == "parked" else f"recovered:{result.outcome}"
 
 
 def register(app: Any, locks: Any) -> None:
@@ -270,4 +339,13 @@ def register(app: Any, locks: Any) -> None:
             raise
 
 
-__all__ = ["GUARD_TASK", "RECOVER", "check", "mark_adopted", "marker_id", "send_guard"]
+__all__ = [
+    "GUARD_TASK",
+    "RECOVER",
+    "attempt_of",
+    "check",
+    "copy_is_stale",
+    "mark_adopted",
+    "marker_id",
+    "send_guard",
+]

@@ -597,6 +597,14 @@ def _send_guard(
         )
 
 
+def _attempt(task: Any) -> int:
+    """The retry number of ``task``'s current request (0 for the first run)."""
+    try:
+        return int(getattr(getattr(task, "request", None), "retries", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _redelivered(request: Any) -> bool:
     """Whether the broker delivered ``request``'s message before (kombu marks a
     message it restores after its consumer died ``redelivered``)."""
@@ -846,7 +854,7 @@ def _parked_behind_transit(
             _mark_done_after_store(task, mgr, task_id, leases[0].owner_id)
 
         if guarded:  # a guard that later finds no record must not recover a started task
-            guard.mark_adopted(locks.app, task_id, result.life)
+            guard.mark_adopted(locks.app, task_id, result.life, _attempt(task))
         return _run_adopted(leases, resources, run, fun, args, kwargs, mark)
     _store_deferred(task, task_id, resources)
     _send_guard(locks, task_id, message, result.life, guarded)
@@ -987,8 +995,13 @@ def _run_deferred(
 
     def adopted(life: int) -> None:
         if guarded:  # a guard that later finds no record must not recover a started task
-            guard.mark_adopted(locks.app, task_id, life)
+            guard.mark_adopted(locks.app, task_id, life, _attempt(task))
 
+    # A copy parked record-first (below): the life its grant header names
+    # (None: a recovery copy or a redelivery), and the lowest life to park in.
+    copy_life: int | None = None
+    record_first = False
+    min_life = 0
     grant = _grant_header(request)
     if grant is not None:
         life, fence = grant
@@ -1012,17 +1025,21 @@ def _run_deferred(
             outcome,
         )
         lease = None  # a copy of a dispatched message never tries once: park decides
+        # Parked as a new arrival, it takes a life above the grant's: a later
+        # loss of its record must not leave a life number the adoption
+        # marker has passed already (D12).
+        copy_life, record_first, min_life = life, True, life + 1
     elif _header_value(request) == guard.RECOVER:
-        # A guard's recovery copy (D12): the park record decides, as for a
-        # stale grant's copy: none makes it a new arrival, any a duplicate.
+        # An earlier release's recovery copy (D12): the park record decides,
+        # as for a stale grant's copy: none makes it a new arrival, any a duplicate.
         log.info("defer.recovery-copy task=%s id=%s: parking this copy", label, task_id)
-        lease = None
+        lease, record_first = None, True
     elif _redelivered(request):
         # The broker gave the message back (its worker died before the ack):
         # the task may have parked, and even run, meanwhile (D2). The park
         # record decides, as for a recovery copy; only redeliveries pay for it.
         log.info("defer.redelivered task=%s id=%s: parking this copy", label, task_id)
-        lease = None
+        lease, record_first = None, True
     else:
         # A new arrival: try once, as on_busy="raise" does (busy is no
         # timeout for the metrics: the park says what happened).
@@ -1033,6 +1050,23 @@ def _run_deferred(
             lease = None
         if lease is not None:
             return _run_body(lease, run, fun, args, kwargs)
+    if record_first and guarded:
+        # No record at all may mean the lock Redis lost the record of a task
+        # that ran or started: then the result backend says so (D12).
+        stale = guard.copy_is_stale(
+            locks, task_id, _attempt(task), copy_life, _redelivered(request)
+        )
+        if stale is not None:
+            log.warning(
+                "defer.stale-copy task=%s id=%s why=%s: no park record, but this task ran "
+                "or started; dropping this copy",
+                label,
+                task_id,
+                stale,
+            )
+            if hooks is not None:
+                hooks.dropped()
+            raise Ignore()
     try:
         message = defer.capture_message(task)
         park_ttl = cfg.defer_ttl if timeout is _DEFAULT or timeout is None else float(timeout)
@@ -1053,6 +1087,7 @@ def _run_deferred(
             grant_ttl=cfg.defer_grant_ttl,
             label=f"{task.name} {task_id}",
             holder=holder,
+            min_life=min_life,
         )
     except ReplicationTimeout as exc:  # granted at once, adopted, replicas short
         replication_short(exc)

@@ -8,10 +8,15 @@ publishes are read from the broker's queue list. Pinned here:
   of a handled guard message ends, another guard's live claim ends the
   newcomer, a claim that ran out is taken over;
 - a guard ends when the record is adopted or done;
+- a guard watches one attempt (its message's retry number): a record of a
+  later attempt ends it, and so does an adoption marker of a later attempt;
 - with no record (the lock Redis lost it) the guard looks once more, then
-  publishes a recovery copy (same task id, header ``redislock_defer:
-  recover``) and goes on, unless the result is ready or the adoption marker
-  says the body of this life (or a later one) started;
+  parks the task again itself, in a life above its own, and goes on (it
+  publishes nothing but its own next message), unless the result is ready
+  or the adoption marker says the body of this attempt's life (or a later
+  one) started;
+- a copy of the message that finds no record is dropped when the result is
+  ready or the marker says a later life (or attempt) started;
 - with no result either (the result backend lost it too) the task fails
   with ``LockLost`` instead of running twice; another state (``STARTED``)
   makes it look again later;
@@ -33,15 +38,24 @@ import redis
 from celery import Celery
 
 from celery_helpers import close_app, quick_app
-from celery_redislock import LockLost, RedisLock
+from celery_redislock import LockLost, LockManager, RedisLock
 from celery_redislock.defer import adopt, mark_done, park
 from celery_redislock.exceptions import CAUSE_REDIS_LOST, ConfigurationError
-from celery_redislock.guard import GUARD_TASK, check, enabled, mark_adopted
+from celery_redislock.guard import GUARD_TASK, check, copy_is_stale, enabled, mark_adopted
 from celery_redislock.settings import load_config
 
 NS = "tg"
 P = "{tg}:"
-MESSAGE: dict[str, Any] = {"name": "t.task", "args": [1], "kwargs": {}, "options": {}}
+MESSAGE: dict[str, Any] = {
+    "name": "t.task",
+    "args": [1],
+    "kwargs": {},
+    "options": {},
+    "resources": ["a"],
+    "modes": "x",
+    "park_ttl": 600,
+    "grant_ttl": 60,
+}
 
 
 @pytest.fixture
@@ -65,10 +79,9 @@ def _locks(app: Celery) -> RedisLock:
     return locks
 
 
-def _park(app: Celery, task_id: str) -> int:
+def _park(app: Celery, task_id: str, message: dict[str, Any] = MESSAGE) -> int:
     mgr = _locks(app).manager
     req = mgr.request(["a"], [])
-    message = {**MESSAGE, "resources": ["a"]}
     result = park(mgr, task_id, req, message, park_ttl=600, grant_ttl=60)
     assert result.outcome == "parked"
     return result.life
@@ -90,7 +103,7 @@ def _check(app: Celery, task_id: str, gid: str, seq: int, life: int = 0, **kw: A
     return check(
         _locks(app),
         task_id,
-        MESSAGE,
+        kw.get("message", MESSAGE),
         gid,
         seq,
         life,
@@ -151,18 +164,28 @@ def test_a_guard_recovers_a_parked_task_the_lock_redis_lost(app: Celery, rs: red
     _sent(app, rs)
     for key in rs.keys(f"{P}*"):  # the lock Redis loses its data
         rs.delete(key)
+    other = LockManager(redis.Redis.from_url(app.conf.redislock_url), NS)
+    other.acquire("a")  # busy again after the loss (another process holds it)
 
     # First look: no record, not started: look once more.
     assert _check(app, "g3", "G", 1) == "suspect"
     [again] = _sent(app, rs)
     assert again["task"] == GUARD_TASK and again["args"][3:6] == [1, 0, True]
-    # Second look: recover (a copy of the task, same id, parked record-first)
-    # and go on guarding.
+    # Second look: recover (parked again here, record-first, in a life above
+    # the guard's: nothing but the guard's next message goes to the broker)
+    # and go on guarding that life.
     assert _check(app, "g3", "G", 1, suspect=True) == "recovered"
-    copy, guard = _sent(app, rs)
-    assert (copy["task"], copy["id"], copy["args"]) == ("t.task", "g3", [1])
-    assert copy["h"]["redislock_defer"] == "recover"
-    assert guard["task"] == GUARD_TASK and guard["args"][3:6] == [1, 0, False]
+    [guard] = _sent(app, rs)
+    assert guard["task"] == GUARD_TASK and guard["args"][3:6] == [1, 1, False]
+    record = rs.hgetall(f"{P}defer:g3")
+    assert (record["state"], record["life"]) == ("parked", "1")
+    assert rs.zscore(f"{P}q:a", "xdefer+1:g3|task:g3") is not None
+    # Another guard of the task (a spare one) finds the record: nothing more
+    # is parked; one of the two guards goes on.
+    assert _check(app, "g3", "SPARE", 0, suspect=True) == "rearm"
+    assert rs.zcard(f"{P}q:a") == 1
+    assert _check(app, "g3", "G", 1, life=1) == "ended:other"
+    other.close()
 
 
 def test_a_guard_never_recovers_a_task_that_started_or_ended(app: Celery, rs: redis.Redis) -> None:
@@ -170,8 +193,9 @@ def test_a_guard_never_recovers_a_task_that_started_or_ended(app: Celery, rs: re
     app.backend.store_result("g4", {"resources": ["res:a"]}, "DEFERRED")
     # An adoption of an earlier life does not count: it was parked again since.
     mark_adopted(app, "g4", 0)
-    assert _check(app, "g4", "G", 0, life=1, suspect=True) == "recovered"
+    assert _check(app, "g4", "G", 0, life=1, suspect=True).startswith("recovered")
     _sent(app, rs)
+    rs.delete(f"{P}defer:g4")  # lost again
     # The body of this life started: the running message is in charge.
     mark_adopted(app, "g4", 1)
     assert _check(app, "g4", "G", 0, life=1, suspect=True) == "ended:adopted"
@@ -244,3 +268,66 @@ def test_guards_need_a_result_backend_a_worker_can_read(redis_url: str) -> None:
             assert not enabled(a, 300.0)
         finally:
             a.close()
+
+
+RETRY: dict[str, Any] = {**MESSAGE, "options": {"retries": 1}}
+
+
+def test_a_guard_of_one_attempt_ends_at_the_record_of_the_retry(
+    app: Celery, rs: redis.Redis
+) -> None:
+    # Attempt 0 parked and sent its guard, was adopted, ran and retried; the
+    # retry parked (a new life, retries 1) and sent a guard of its own. The
+    # first guard must not take the retry's record over: recovered from its
+    # message after a loss, the task would run attempt 0 again.
+    _locks(app).manager.acquire("a")
+    life0 = _park(app, "g10")
+    rs.hset(f"{P}defer:g10", mapping={"state": "done"})
+    life1 = _park(app, "g10", RETRY)
+    assert life1 > life0 and rs.hget(f"{P}defer:g10", "retries") == "1"
+    assert _check(app, "g10", "G0", 0, life=life0) == "ended:superseded"
+    assert _check(app, "g10", "G1", 0, life=life1, message=RETRY) == "rearm"
+    assert rs.hget(f"{P}defer:g10", "guard") == "G1"
+
+
+def test_an_adoption_of_an_earlier_attempt_does_not_end_the_retrys_guard(
+    app: Celery, rs: redis.Redis
+) -> None:
+    # The lock Redis lost the retry's record (attempt 1, life 0 after an
+    # earlier loss): the marker of attempt 0's adoption (life 0) must not
+    # count as the retry having started.
+    _locks(app).manager.acquire("a")
+    app.backend.store_result("g11", {"resources": ["a"]}, "DEFERRED")
+    mark_adopted(app, "g11", 0, 0)
+    assert _check(app, "g11", "G", 3, life=0, message=RETRY, suspect=True).startswith("recovered")
+    assert rs.hget(f"{P}defer:g11", "retries") == "1"
+    rs.delete(f"{P}defer:g11")
+    # The retry's own adoption, or a later attempt's, does end it.
+    mark_adopted(app, "g11", 1, 1)
+    assert _check(app, "g11", "G", 3, life=1, message=RETRY, suspect=True) == "ended:adopted"
+    mark_adopted(app, "g11", 0, 2)
+    assert _check(app, "g11", "G", 3, life=5, message=RETRY, suspect=True) == "ended:adopted"
+
+
+def test_a_copy_finding_no_record_of_a_task_that_ran_is_stale(app: Celery, rs: redis.Redis) -> None:
+    locks = _locks(app)
+    # No record, no marker: the copy parks (the task never started).
+    assert copy_is_stale(locks, "g12", 0, 0, False) is None
+    # A later life was adopted (a regrant ran it): a copy of life 0 is stale,
+    # redelivered or not; a copy without a grant (a redelivered original) too.
+    mark_adopted(app, "g12", 1, 0)
+    assert copy_is_stale(locks, "g12", 0, 0, False) == "adopted"
+    assert copy_is_stale(locks, "g12", 0, 0, True) == "adopted"
+    assert copy_is_stale(locks, "g12", 0, None, True) == "adopted"
+    # The copy's own life: a second publish of that grant is stale, a
+    # redelivery of the message whose body was cut short runs again.
+    assert copy_is_stale(locks, "g12", 0, 1, False) == "adopted"
+    assert copy_is_stale(locks, "g12", 0, 1, True) is None
+    # A retry (attempt 1) is not stale because attempt 0 started.
+    assert copy_is_stale(locks, "g12", 1, None, True) is None
+    # A ready result drops any copy; a record lets the record decide.
+    app.backend.store_result("g12", "ok", "SUCCESS")
+    assert copy_is_stale(locks, "g12", 1, None, True) == "SUCCESS"
+    locks.manager.acquire("a")
+    _park(app, "g12")
+    assert copy_is_stale(locks, "g12", 0, 0, False) is None

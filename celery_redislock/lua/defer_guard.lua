@@ -10,10 +10,15 @@
 --   2 the guard message's sequence number (a decimal string)
 --   3 how long the claim stands without a check, ms (a guard whose claimant
 --     has not checked in for that long may take the record over)
+--   4 (optional) the attempt the guard watches: its message's retry number
+--     (Celery's request.retries); '' or absent: any attempt
 --
 -- Atomic steps: read the record's state, life and guard claim ('guard' id,
 -- 'gseq' the sequence number it expects next, 'gdue' its deadline, ms
 -- Redis TIME). A record that is not 'parked' or 'granted' is left alone.
+-- A record of a later attempt than ARGV[4] (its 'retries' higher: the retry
+-- of a run that adopted this guard's attempt parked again, and sent a guard
+-- of its own) is left alone.
 -- A record claimed by another guard whose deadline has not passed is left
 -- alone. A record claimed by this guard whose expected sequence number is
 -- not ARGV[2] is left alone (a second delivery of a guard message already
@@ -24,13 +29,17 @@
 --   {'rearm', life}   claimed: send the next guard message (sequence ARGV[2] + 1)
 --   {'other', life}   another guard watches the record: this one ends
 --   {'stale', life}   this guard message was handled already: it ends
+--   {'superseded', life} the record holds a later attempt: this guard ends
 --   {state}           'adopted' or 'done': the task left the park; it ends
 --   {'none'}          no record: the caller asks the result backend why
 
-local st = redis.call('HMGET', KEYS[1], 'state', 'life', 'guard', 'gseq', 'gdue')
+local st = redis.call('HMGET', KEYS[1], 'state', 'life', 'guard', 'gseq', 'gdue', 'retries')
 if not st[1] then return {'none'} end
 if st[1] ~= 'parked' and st[1] ~= 'granted' then return {st[1]} end
 local life = st[2] or '0'
+if (ARGV[4] or '') ~= '' and (tonumber(st[6]) or 0) > tonumber(ARGV[4]) then
+  return {'superseded', life}
+end
 local now = tonumber(time_ms_plus('0'))
 if st[3] and st[3] ~= ARGV[1] then
   if tonumber(st[5] or '0') > now then return {'other', life} end
