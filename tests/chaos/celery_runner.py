@@ -66,6 +66,12 @@ class CeleryConfig:
     visibility: float = 0.0
     #: Seconds between two sends, and between two faults.
     send_gap: tuple[float, float] = (0.05, 0.35)
+    #: Most tasks of one resource outstanding (sent, not yet SUCCESS, FAILURE
+    #: or REVOKED) before the producer sends another on it (0: no bound). The
+    #: load is a little above what four pool slots serve on c:r0, so without
+    #: a bound its line grows for as long as the run lasts: after a few
+    #: minutes waiting tasks time out behind it and the drain cannot end.
+    max_backlog: int = 30
     fault_gap: tuple[float, float] = (2.0, 5.0)
     #: Longest drain (0: derived from the TTLs and the visibility timeout).
     drain: float = 0.0
@@ -126,6 +132,9 @@ class CeleryRunner:
         self.fault_file = open(self.out / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
         self.workers: dict[str, Worker] = {}
         self.sent_ids: list[str] = []
+        #: Resource -> ids sent and not yet seen final (the producer's bound).
+        self.open_ids: dict[str, set[str]] = {}
+        self.held_s = 0.0
         self.key_ids: dict[str, set[str]] = {}
         self.last_stall = 0.0
         self.cluster: Cluster | None = None
@@ -296,14 +305,35 @@ class CeleryRunner:
             out.append(("stall", 2.0))
         return out
 
+    def hold_back(self, client: redis.Redis, res: str) -> float:
+        """Wait while ``res`` has ``max_backlog`` tasks outstanding; seconds waited.
+        Waiting draws nothing from the seeded generator: the sends stay the seed's."""
+        bound, t = self.cfg.max_backlog, time.monotonic()
+        ids = self.open_ids.setdefault(res, set())
+        while bound and len(ids) >= bound and not self.stop.is_set():
+            chunk = sorted(ids)
+            for tid, raw in zip(chunk, client.mget([f"celery-task-meta-{x}" for x in chunk])):
+                if raw and json.loads(raw)["status"] in FINAL_STATES:
+                    ids.discard(tid)
+            if len(ids) >= bound:
+                self.stop.wait(0.25)
+        return time.monotonic() - t
+
     def send_one(
-        self, app: Celery, unique: Any, recent: list[tuple[str, str, float]], res: str = ""
+        self,
+        app: Celery,
+        unique: Any,
+        recent: list[tuple[str, str, float]],
+        res: str = "",
+        client: redis.Redis | None = None,
     ) -> None:
         rng = self.send_rng
         kinds = self.kinds()
         kind = rng.choices([k for k, _ in kinds], [w for _, w in kinds])[0]
         n = self.cfg.resources
         res = res or f"r{rng.choices(range(n), [1 / (i + 1) for i in range(n)])[0]}"
+        held = self.hold_back(client, res) if client is not None else 0.0
+        self.held_s += held
         if kind == "stall":
             # One stalled task at a time: each holds its resource idle for
             # about the grant TTL, more would starve the rest of the load.
@@ -314,6 +344,8 @@ class CeleryRunner:
         mode = "x" if kind == "unique" or rng.random() < 0.7 else "s"
         hold = round(rng.uniform(0.05, 0.4), 3)
         rec: dict[str, Any] = {"kind": kind, "res": res, "mode": mode, "hold": hold}
+        if held >= 0.01:
+            rec["held_back_s"] = round(held, 3)
         kwargs: dict[str, Any] = {"res": res, "hold": hold}
         if kind == "retry":
             kwargs["retry"] = True
@@ -353,24 +385,28 @@ class CeleryRunner:
                 del recent[:-50]
         if not rec.get("dup_of"):
             self.sent_ids.append(result.id)
+            self.open_ids.setdefault(res, set()).add(result.id)
         with self.io_lock:
             self.sent_file.write(json.dumps(rec) + "\n")
 
     def produce(self, end: float) -> None:
         app, unique = self.producer()
+        client = redis.Redis.from_url(self.broker_srv.url, decode_responses=True)
         recent: list[tuple[str, str, float]] = []
         try:
             while time.monotonic() < end and not self.stop.is_set():
                 if self.send_rng.random() < 0.12:
                     # A burst on one resource: more tasks than pool slots queue for it.
                     res = f"r{self.send_rng.randrange(self.cfg.resources)}"
+                    self.held_s += self.hold_back(client, res)
                     for _ in range(self.send_rng.randint(4, 8)):
                         self.send_one(app, unique, recent, res)
                 else:
-                    self.send_one(app, unique, recent)
+                    self.send_one(app, unique, recent, client=client)
                 self.stop.wait(self.send_rng.uniform(*self.cfg.send_gap))
         finally:
             app.close()
+            client.close()
 
     # -- drain ----------------------------------------------------------------
 
@@ -475,7 +511,10 @@ class CeleryRunner:
             self.faults_over.wait()
         if self.fault_error is not None:
             raise self.fault_error
-        self.say(f"load done: {len(self.sent_ids)} tasks sent")
+        self.say(
+            f"load done: {len(self.sent_ids)} tasks sent "
+            f"(held back {self.held_s:.1f}s by the backlog bound)"
+        )
         final = self.drain()
         (self.out / "final.json").write_text(json.dumps(final, indent=1))
         report = checker.check(self.out)

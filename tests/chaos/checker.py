@@ -1225,6 +1225,7 @@ def celery_stats(run: CeleryRun, violations: list[Violation]) -> dict[str, Any]:
         "sent_by_kind": dict(Counter(s.kind for s in run.sent.values())),
         "unique_duplicate_delays": sum(bool(d.get("dup_of")) for d in run.delays),
         "send_errors": sum(bool(d.get("error")) for d in run.delays),
+        "held_back_s": round(sum(float(d.get("held_back_s") or 0.0) for d in run.delays), 1),
         "bodies": len(run.bodies),
         "bodies_killed": sum(b.killed is not None for b in run.bodies),
         "bodies_lost": sum(bool(b.lost) for b in run.bodies),
