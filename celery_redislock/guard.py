@@ -130,27 +130,39 @@ def attempt_of(message: dict[str, Any]) -> int:
         return 0
 
 
-def mark_adopted(app: Any, task_id: str, life: int, attempt: int = 0) -> None:
+def mark_adopted(
+    app: Any, task_id: str, life: int, attempt: int = 0, via: int | None = None
+) -> None:
     """Record in the result backend that life ``life`` of attempt ``attempt``
-    (its retry number) of ``task_id`` was adopted (its body runs): a guard
-    that finds no record then ends."""
+    (its retry number) of ``task_id`` was adopted (its body runs) by a
+    message carrying the grant of life ``via`` (None: no grant header, a
+    message parked and granted at once): a guard that finds no record
+    then ends, and :func:`copy_is_stale` tells another message from this one."""
     try:
         # A state of its own: a backend never overwrites a SUCCESS result, and
         # a later life's adoption must overwrite the marker.
-        marker = {"life": life, "retries": attempt, "at": time.time()}
+        marker = {"life": life, "retries": attempt, "via": via, "at": time.time()}
         app.backend.store_result(marker_id(task_id), marker, ADOPTED)
     except Exception as exc:  # only a guard's decision after a data loss needs it
         log.warning("defer.marker-error id=%s error=%r", task_id, exc)
 
 
-def _adopted(app: Any, task_id: str) -> tuple[int, int] | None:
-    """``(retry number, life)`` of the task's latest adoption marker, or None."""
+def _marker(app: Any, task_id: str) -> dict[str, Any] | None:
+    """The task's latest adoption marker (``life``, ``retries``, ``via``), or None."""
     meta = app.backend.get_task_meta(marker_id(task_id), cache=False)
     result = meta.get("result") if meta.get("status") == ADOPTED else None
     if isinstance(result, dict) and isinstance(result.get("life"), int):
-        retries = result.get("retries")  # a marker of an earlier release has none
-        return (int(retries) if isinstance(retries, int) else 0), int(result["life"])
+        return result
     return None
+
+
+def _adopted(app: Any, task_id: str) -> tuple[int, int] | None:
+    """``(retry number, life)`` of the task's latest adoption marker, or None."""
+    result = _marker(app, task_id)
+    if result is None:
+        return None
+    retries = result.get("retries")  # a marker of an earlier release has none
+    return (int(retries) if isinstance(retries, int) else 0), int(result["life"])
 
 
 def _started(app: Any, task_id: str, attempt: int, life: int | None) -> bool:
@@ -171,15 +183,17 @@ def copy_is_stale(
     be dropped although no park record holds the task, or None.
 
     With no park record, the lock Redis may have lost the record of a task
-    that ran or started, and the copy would run it again: a ready result
-    (the task ended), or an adoption marker of a later attempt, of a later
-    life than the copy's grant ``life``, of any life for a copy without
-    one (None: a redelivered original message, whose task parked), or of
-    the copy's own life for a copy that was not redelivered (a second
-    publish of that grant), drops it. A redelivered copy of the grant that
-    was adopted is the message of a body that was cut short: it runs again,
-    as any ``acks_late`` task does. One read of the record; the result
-    backend is read only when there is none (docs/defer.md, D12)."""
+    that ran or started, and the copy would run it again. It is stale when
+    the result is ready (the task ended), or the adoption marker names a
+    later attempt, or this attempt adopted by another message: for a copy
+    of the grant of life ``life``, an adoption of that life or a later one
+    by a message of another grant (or, the copy not redelivered, by any:
+    a first delivery never adopted); for a copy without a grant (None: a
+    redelivered original message, an earlier release's recovery copy), an
+    adoption by a dispatched grant. A redelivered copy whose own earlier
+    delivery adopted (its body cut short by a kill) runs again, as any
+    ``acks_late`` task does. One read of the record; the result backend is
+    read only when there is none (docs/defer.md, D12)."""
     from .defer import record_key
 
     mgr = locks.manager
@@ -188,13 +202,19 @@ def copy_is_stale(
     state = locks.app.backend.get_task_meta(task_id, cache=False).get("status")
     if state in _FINAL:
         return str(state)
-    marker = _adopted(locks.app, task_id)
+    marker = _marker(locks.app, task_id)
     if marker is None:
         return None
-    m_attempt, m_life = marker
+    raw = marker.get("retries")
+    m_attempt = int(raw) if isinstance(raw, int) else 0
     if m_attempt != attempt:
         return "adopted" if m_attempt > attempt else None
-    if life is None or m_life > life or (m_life == life and not redelivered):
+    if "via" not in marker:  # an earlier release's marker: no telling who adopted
+        return None
+    via = marker["via"]
+    if life is None:
+        return "adopted" if via is not None else None
+    if int(marker["life"]) >= life and (via != life or not redelivered):
         return "adopted"
     return None
 

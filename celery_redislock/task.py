@@ -993,9 +993,9 @@ def _run_deferred(
     # Guards of parked tasks against a loss of the lock Redis's data (D12).
     guarded = guard.enabled(locks.app, cfg.defer_guard_interval)
 
-    def adopted(life: int) -> None:
+    def adopted(life: int, via: int | None) -> None:
         if guarded:  # a guard that later finds no record must not recover a started task
-            guard.mark_adopted(locks.app, task_id, life, _attempt(task))
+            guard.mark_adopted(locks.app, task_id, life, _attempt(task), via)
 
     # A copy parked record-first (below): the life its grant header names
     # (None: a recovery copy or a redelivery), and the lowest life to park in.
@@ -1013,7 +1013,7 @@ def _run_deferred(
             replication_short(exc)
             raise
         if leases:
-            adopted(life)
+            adopted(life, life)
             return _run_adopted(leases, resources, run, fun, args, kwargs, done_marker(leases))
         log.info(
             "defer.not-adopted task=%s id=%s life=%d fence=%d why=%s: parking this copy "
@@ -1110,7 +1110,7 @@ def _run_deferred(
             raise
         return _run_body(lease, run, fun, args, kwargs)
     if result.outcome == "granted" and result.leases:
-        adopted(result.life)
+        adopted(result.life, copy_life)
         return _run_adopted(
             result.leases, resources, run, fun, args, kwargs, done_marker(result.leases)
         )

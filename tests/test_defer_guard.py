@@ -313,16 +313,24 @@ def test_a_copy_finding_no_record_of_a_task_that_ran_is_stale(app: Celery, rs: r
     locks = _locks(app)
     # No record, no marker: the copy parks (the task never started).
     assert copy_is_stale(locks, "g12", 0, 0, False) is None
-    # A later life was adopted (a regrant ran it): a copy of life 0 is stale,
-    # redelivered or not; a copy without a grant (a redelivered original) too.
-    mark_adopted(app, "g12", 1, 0)
+    # The grant of life 1 (a regrant) was adopted: a copy of the grant of
+    # life 0 is stale, redelivered or not (R3); so is a redelivered
+    # original message (no grant).
+    mark_adopted(app, "g12", 1, 0, via=1)
     assert copy_is_stale(locks, "g12", 0, 0, False) == "adopted"
     assert copy_is_stale(locks, "g12", 0, 0, True) == "adopted"
     assert copy_is_stale(locks, "g12", 0, None, True) == "adopted"
-    # The copy's own life: a second publish of that grant is stale, a
-    # redelivery of the message whose body was cut short runs again.
+    # The copy's own grant: a second publish of it (not redelivered) is
+    # stale; the redelivered message whose body was cut short runs again.
     assert copy_is_stale(locks, "g12", 0, 1, False) == "adopted"
     assert copy_is_stale(locks, "g12", 0, 1, True) is None
+    # The message of the grant of life 0 parked itself again and adopted
+    # life 1 at once (its first grant had gone): redelivered after a kill,
+    # it runs again.
+    mark_adopted(app, "g12", 1, 0, via=0)
+    assert copy_is_stale(locks, "g12", 0, 0, True) is None
+    # A grant of a later life than the marker's is the current one.
+    assert copy_is_stale(locks, "g12", 0, 2, False) is None
     # A retry (attempt 1) is not stale because attempt 0 started.
     assert copy_is_stale(locks, "g12", 1, None, True) is None
     # A ready result drops any copy; a record lets the record decide.
