@@ -846,7 +846,7 @@ class Dispatcher:
                 self.due(task_id)
                 return
             holder = str((message or {}).get("holder") or "")
-            self.acquirer.attempt(task_id, token, modes, res, pttl, holder)
+            self._attempt(task_id, token, modes, res, pttl, holder)
 
     def nudge(self, task_id: str, fence: int) -> int:
         """Tell the waiting requests that wait for the grant ``fence`` of
