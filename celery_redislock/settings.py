@@ -123,9 +123,9 @@ SETTINGS: tuple[Setting, ...] = (
         "redislock_defer_grant_ttl",
         "float (seconds)",
         "300.0",
-        "How long a lock handed to a deferred task waits for a worker to adopt it "
-        "(broker transit and queueing); past it the lock is handed on and the task "
-        "published again. 1..2592000.",
+        "How long a lock handed to a deferred task waits for a worker to take the "
+        "re-published task (broker transit and queueing); past it the lock is handed on "
+        "and the task parked again. 1..2592000.",
     ),
     Setting(
         "redislock_defer_guard_interval",
@@ -133,7 +133,7 @@ SETTINGS: tuple[Setting, ...] = (
         "300.0 when redislock_url is set, else None",
         "How often a parked deferred task's guard message (a copy in the broker) checks "
         "that the lock Redis still holds it, and re-publishes the task if that Redis "
-        "lost it (docs/defer.md, D12). Keep it below the broker's visibility_timeout. "
+        'lost it (docs/defer.md, "Guards"). Keep it below the broker\'s visibility_timeout. '
         "None or 0: no guards (the default when the lock Redis is the broker's, whose "
         "loss takes the queues with it). 1..2592000.",
     ),
@@ -142,7 +142,8 @@ SETTINGS: tuple[Setting, ...] = (
         "bool",
         "True",
         "At worker start, free the locks of the same-name predecessor once its "
-        "heartbeat has stopped for two intervals (compare-and-set, tombstone). "
+        "heartbeat has stopped for two intervals (compare-and-set: one successor does "
+        "it, and the predecessor can never hold locks again). "
         "False: they are freed when its owners' liveness expires.",
     ),
     Setting(
