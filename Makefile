@@ -119,7 +119,7 @@ docs: venv
 
 # Screenshots of the built site at a laptop and a phone width, in headless
 # Chromium (Debian's package), to look at before a docs change is done.
-SHOT_PAGES := index tutorial usage concepts howto defer configuration operations metrics
+SHOT_PAGES := index tutorial usage concepts howto defer configuration operations metrics benchmarks
 docs-shots: docs
 	@command -v chromium >/dev/null || { echo "docs-shots: needs chromium (apt-get install chromium)"; exit 1; }
 	mkdir -p docs/_build/shots
