@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.dev-install.stamp
+# The stamp lives in the venv BIN names (BIN=<another venv>/bin reuses that
+# venv as it is, never re-installing it from this checkout).
+STAMP  := $(dir $(BIN)).dev-install.stamp
 PYTEST_ARGS ?=
 # make chaos: seconds of load, seed to replay (empty: random), fault kinds;
 # CELERY=1 (default) also runs the Celery participants (real prefork workers)
