@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _validate as _v
-from .channel import REDIS_DOWN_ERRORS, Channel
+from .channel import REDIS_DOWN_ERRORS
 from .context import AcquireContext, ContextStack
+from .core import Core
 from .exceptions import (
     LockError,
     LockTimeout,
@@ -32,14 +33,12 @@ from .exceptions import (
 from .identity import OwnerIdentity, new_request_id
 from .lease import Lease
 from .liveness import Liveness
-from .metrics import Telemetry
-from .options import EngineOptions
 from .outage import Outage, riding_out
 from .protocol import acquire_reclaimed, acquire_transit, resend, text
 from .reentry import Reentry, plan
 from .release import Releaser
 from .request import Request, RequestCache
-from .state import Depth, ProcessState
+from .state import Depth
 from .watcher import LostWatcher
 
 __all__ = ["TRANSIT_WAKE", "Acquirer", "RequestMoved"]
@@ -136,29 +135,25 @@ class Acquirer:
 
     def __init__(
         self,
-        options: EngineOptions,
-        channel: Channel,
-        state: ProcessState,
+        core: Core,
         liveness: Liveness,
         releaser: Releaser,
         watcher: LostWatcher,
         requests: RequestCache,
         context: ContextStack,
-        telemetry: Telemetry,
-        closed: Callable[[], bool],
     ) -> None:
-        self._options = options
-        self._channel = channel
-        self._protocol = channel.protocol
-        self._state = state
+        self._core = core
+        self._options = core.options
+        self._channel = core.channel
+        self._protocol = core.protocol
+        self._state = core.state
+        self._telemetry = core.telemetry
         self._liveness = liveness
         self._releaser = releaser
         self._watcher = watcher
         self._requests = requests
         self._context = context
-        self._telemetry = telemetry
-        self._closed = closed
-        self.keys = channel.keys
+        self.keys = core.keys
         #: Worker mode: ``{ns}:halt:<inc>``, the list the worker's main
         #: process pushes to when it begins shutting down. Waiters block on
         #: it next to their wake list (same BLPOP) and give up with
@@ -197,7 +192,7 @@ class Acquirer:
     ) -> Lease:
         """``LockManager.acquire`` (see its docstring for the contract)."""
         req = self._requests.get(exclusive, shared)
-        if self._closed():
+        if self._core.closed:
             raise self.closed_error()
         timeout = _v.seconds("timeout", timeout, allow_none=True, allow_inf=True)
         if timeout is not None and math.isinf(timeout):
@@ -251,7 +246,7 @@ class Acquirer:
         # Who holds it, only when a Celery task acquires (@locked sets it).
         holder = ctx.holder or ""
         while True:
-            if self._closed():
+            if self._core.closed:
                 raise self.closed_error(closed_now=True)
             if t.reply is None:
                 started = time.monotonic()
@@ -334,7 +329,7 @@ class Acquirer:
         # identity, e.g. handed off just as a cleanup declared the owner dead,
         # is never returned.
         with self._state.lock:
-            current = self._liveness.identity.peek() is t.ident and not self._closed()
+            current = self._liveness.identity.peek() is t.ident and not self._core.closed
             if current:
                 # Counted last: an interrupt before this must not leave
                 # the thread looking nested (it would skip the queue).
@@ -359,7 +354,7 @@ class Acquirer:
         the manager was closed): end that request, ask again as the current
         identity."""
         self._releaser.end_request(t.ident.owner_id, t.token, t.req)
-        if self._closed():
+        if self._core.closed:
             raise self.closed_error(closed_now=True)
         t.renew(self._liveness.identity.current())
         log.warning(
@@ -425,7 +420,7 @@ class Acquirer:
             # timeout; the park that follows tells its outcome.
             if outcome != "timeout" or not ctx.parking:
                 hook.acquired(time.monotonic() - t.began, outcome)
-        if self._closed() and isinstance(exc, Exception) and not isinstance(exc, LockError):
+        if self._core.closed and isinstance(exc, Exception) and not isinstance(exc, LockError):
             # close() shut the connection under a waiting thread
             raise self.closed_error(closed_now=True) from exc
 

@@ -14,16 +14,13 @@ import redis
 
 from . import _validate as _v
 from .causes import CLEANUP_REASONS
-from .channel import Channel
+from .core import Core
 from .exceptions import ConfigurationError, LockError, PermissionDenied, permission_denied
 from .keys import validate_owner_id
 from .liveness import Liveness
-from .metrics import Telemetry
-from .options import EngineOptions
 from .protocol import text
 from .release import Releaser
 from .reports import CleanupReport, ReconcileReport
-from .state import ProcessState
 
 __all__ = ["Cleaner"]
 
@@ -35,22 +32,13 @@ log_release = logging.getLogger("celery_redislock.release")
 class Cleaner:
     """Free the locks of owners that are dead (or forced)."""
 
-    def __init__(
-        self,
-        options: EngineOptions,
-        channel: Channel,
-        state: ProcessState,
-        liveness: Liveness,
-        releaser: Releaser,
-        telemetry: Telemetry,
-    ) -> None:
-        self._options = options
-        self._channel = channel
-        self._state = state
+    def __init__(self, core: Core, liveness: Liveness, releaser: Releaser) -> None:
+        self._channel = core.channel
+        self._state = core.state
+        self._telemetry = core.telemetry
         self._liveness = liveness
         self._releaser = releaser
-        self._telemetry = telemetry
-        self.keys = channel.keys
+        self.keys = core.keys
 
     def cleanup_owner(
         self, owner_id: str, *, force: bool = False, reason: str = "dead"

@@ -17,14 +17,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .causes import KEY_GONE, cause_text, explain
-from .channel import Channel
 from .connect import AnyRedis, clone_client
+from .core import Core
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity
-from .metrics import Telemetry
-from .options import EngineOptions
 from .protocol import text
-from .state import ProcessState
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -44,19 +41,13 @@ class Liveness:
     construction, since the parts doing it sit above this one.
     """
 
-    def __init__(
-        self,
-        options: EngineOptions,
-        channel: Channel,
-        state: ProcessState,
-        telemetry: Telemetry,
-        on_fork: Callable[[], None],
-    ) -> None:
+    def __init__(self, core: Core, on_fork: Callable[[], None]) -> None:
+        options = core.options
         self._options = options
-        self._channel = channel
-        self._state = state
-        self._telemetry = telemetry
-        self.keys = channel.keys
+        self._channel = core.channel
+        self._state = core.state
+        self._telemetry = core.telemetry
+        self.keys = core.keys
         self.identity = IdentitySource(on_fork=on_fork)
         self.upkeep: Callable[[AnyRedis], None] = lambda client: None
         self.heartbeat = Heartbeat(

@@ -42,6 +42,7 @@ from .connect import (
     redact,
 )
 from .context import ContextStack
+from .core import Core
 from .exceptions import ConfigurationError, LockTimeout
 from .heartbeat import Heartbeat
 from .keys import Keyspace, text, validate_resource
@@ -230,55 +231,32 @@ class LockManager:
         self.wait_policy = opts.wait_policy
         #: Seconds the local liveness deadline keeps from owner_ttl.
         self.liveness_margin = opts.liveness_margin
-        self._closed = False
-        # The parts, each below the next (docs/architecture.md); named
-        # without an underscore for the worker services built on the engine
-        # (node, defer): package-internal, not public API.
+        self._build_parts(opts, metrics)
+
+    def _build_parts(self, opts: EngineOptions, metrics: MetricsHook | None) -> None:
+        """The parts, each below the next (docs/architecture.md); named
+        without an underscore for the worker services built on the engine
+        (node, defer): package-internal, not public API."""
         self.protocol = Protocol(self.keys, opts)
         self.channel = Channel(self.client, self.url, self.protocol)
         self.state = ProcessState()
         self.telemetry = Telemetry(metrics)
+        self.core = core = Core(opts, self.channel, self.state, self.telemetry)
         #: What ``@locked`` and ``UniqueTask`` tell this thread's acquires
-        #: (:mod:`.context`): holder record, haltable wait, request id.
+        #: (``celery_redislock.context``): holder record, haltable wait, request id.
         self.context = ContextStack()
         self.requests = RequestCache(self.keys)
-        self.liveness = Liveness(
-            opts, self.channel, self.state, self.telemetry, self._after_fork_in_child
-        )
+        self.liveness = Liveness(core, self._after_fork_in_child)
         self.liveness.upkeep = self.tend
-        self.releaser = Releaser(opts, self.channel, self.state, self.liveness, self.telemetry)
-        self.watcher = LostWatcher(
-            opts, self.channel, self.state, self.liveness, self.tend, self._is_closed
-        )
-        self.cleaner = Cleaner(
-            opts, self.channel, self.state, self.liveness, self.releaser, self.telemetry
-        )
+        self.releaser = Releaser(core, self.liveness)
+        self.watcher = LostWatcher(core, self.liveness, self.tend)
+        self.cleaner = Cleaner(core, self.liveness, self.releaser)
         self.acquirer = Acquirer(
-            opts,
-            self.channel,
-            self.state,
-            self.liveness,
-            self.releaser,
-            self.watcher,
-            self.requests,
-            self.context,
-            self.telemetry,
-            self._is_closed,
+            core, self.liveness, self.releaser, self.watcher, self.requests, self.context
         )
         self.tasks = TaskOwners(
-            opts,
-            self.channel,
-            self.state,
-            self.liveness,
-            self.releaser,
-            self.cleaner,
-            self.acquirer,
-            self.requests,
-            self._is_closed,
+            core, self.liveness, self.releaser, self.cleaner, self.acquirer, self.requests
         )
-
-    def _is_closed(self) -> bool:
-        return self._closed
 
     def _after_fork_in_child(self) -> None:
         self.channel.after_fork_in_child()
@@ -624,7 +602,7 @@ class LockManager:
     @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
-        return self._closed
+        return self.core.closed
 
     def close(self) -> None:
         """Release what this manager holds, then stop it for good.
@@ -640,8 +618,8 @@ class LockManager:
         liveness another process refreshes (``heartbeat=False``, a Celery
         pool child) leaves its owner to that process. Idempotent.
         """
-        first = not self._closed
-        self._closed = True
+        first = not self.core.closed
+        self.core.closed = True
         self.liveness.heartbeat.stop()
         ident = self.liveness.identity.peek()
         if first and ident is not None:

@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import _validate as _v
 from .causes import metric_label
-from .channel import Channel
+from .core import Core
 from .exceptions import RedisUnavailable
-from .metrics import Telemetry
-from .options import EngineOptions
 from .protocol import text
-from .state import ProcessState, ReleaseRetry
+from .state import ReleaseRetry
 
 if TYPE_CHECKING:
     from .identity import OwnerIdentity
@@ -37,20 +35,13 @@ log = logging.getLogger("celery_redislock.release")
 class Releaser:
     """Release grants and requests of this process (see the module docstring)."""
 
-    def __init__(
-        self,
-        options: EngineOptions,
-        channel: Channel,
-        state: ProcessState,
-        liveness: Liveness,
-        telemetry: Telemetry,
-    ) -> None:
-        self._options = options
-        self._channel = channel
-        self._state = state
+    def __init__(self, core: Core, liveness: Liveness) -> None:
+        self._options = core.options
+        self._channel = core.channel
+        self._state = core.state
+        self._telemetry = core.telemetry
         self._liveness = liveness
-        self._telemetry = telemetry
-        self.keys = channel.keys
+        self.keys = core.keys
         #: Failed retries of deferred releases (see :meth:`retry_deferred`).
         self.retry_failures = 0
 

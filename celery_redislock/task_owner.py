@@ -22,19 +22,19 @@ import redis
 
 from . import _validate as _v
 from .acquire import Acquirer
-from .channel import REDIS_DOWN_ERRORS, Channel
+from .channel import REDIS_DOWN_ERRORS
 from .cleanup import Cleaner
+from .core import Core
 from .exceptions import LockError, RedisUnavailable, ReplicationTimeout, permission_denied
 from .identity import OwnerIdentity
 from .keys import task_id_of_token, task_owner_id, task_token, validate_owner_id
 from .lease import Lease
 from .liveness import Liveness
-from .options import EngineOptions
 from .protocol import adopted_grants, blocking_holder, text
 from .release import Releaser
 from .reports import CleanupReport
 from .request import Request, RequestCache
-from .state import Depth, ProcessState
+from .state import Depth
 
 __all__ = ["Adoption", "TaskGrant", "TaskOwners"]
 
@@ -109,27 +109,23 @@ class TaskOwners:
 
     def __init__(
         self,
-        options: EngineOptions,
-        channel: Channel,
-        state: ProcessState,
+        core: Core,
         liveness: Liveness,
         releaser: Releaser,
         cleaner: Cleaner,
         acquirer: Acquirer,
         requests: RequestCache,
-        closed: Any,
     ) -> None:
-        self._options = options
-        self._channel = channel
-        self._protocol = channel.protocol
-        self._state = state
+        self._core = core
+        self._options = core.options
+        self._channel = core.channel
+        self._protocol = core.protocol
+        self._state = core.state
         self._liveness = liveness
         self._releaser = releaser
         self._cleaner = cleaner
         self._acquirer = acquirer
         self._requests = requests
-        self._closed = closed
-        self.keys = channel.keys
 
     # -- acquire_for_task ---------------------------------------------------
 
@@ -145,7 +141,7 @@ class TaskOwners:
     ) -> TaskGrant:
         """``LockManager.acquire_for_task`` (see its docstring)."""
         req = self._requests.get(exclusive, shared)
-        if self._closed():
+        if self._core.closed:
             raise self._acquirer.closed_error()
         owner = task_owner_id(task_id, attempt)
         ttl = _v.duration("ttl", ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL)
@@ -259,7 +255,7 @@ class TaskOwners:
             owner = task_owner_id(task_id, attempt)
         else:
             validate_owner_id(owner)
-        if self._closed():
+        if self._core.closed:
             raise self._acquirer.closed_error()
         ident = self._acquirer.start_liveness()
         record: tuple[str, str, float] | None = None
@@ -299,7 +295,7 @@ class TaskOwners:
             # acquire a nested one.
             leases.append(Lease(self._releaser, req, ident, grant.token, grant.fence, Depth()))
         with self._state.lock:
-            current = self._liveness.identity.peek() is ident and not self._closed()
+            current = self._liveness.identity.peek() is ident and not self._core.closed
             if current:
                 for lease in leases:
                     self._state.leases[lease.token] = lease

@@ -19,13 +19,12 @@ import time
 from collections.abc import Callable
 
 from ._threads import real_sleep, start_os_thread
-from .channel import REDIS_DOWN_ERRORS, Channel
+from .channel import REDIS_DOWN_ERRORS
 from .connect import AnyRedis
+from .core import Core
 from .identity import OwnerIdentity
 from .liveness import Liveness
-from .options import EngineOptions
 from .protocol import text
-from .state import ProcessState
 
 __all__ = ["LostWatcher"]
 
@@ -44,25 +43,17 @@ class LostWatcher:
     """One watcher thread per process (started on the first acquire).
 
     ``upkeep(client)``: what each pass does after its wait (the manager's
-    upkeep); ``closed()``: whether the manager was closed (the thread ends).
+    upkeep). The thread ends once the manager is closed.
     """
 
-    def __init__(
-        self,
-        options: EngineOptions,
-        channel: Channel,
-        state: ProcessState,
-        liveness: Liveness,
-        upkeep: Callable[[AnyRedis], None],
-        closed: Callable[[], bool],
-    ) -> None:
-        self._options = options
-        self._channel = channel
-        self._state = state
+    def __init__(self, core: Core, liveness: Liveness, upkeep: Callable[[AnyRedis], None]) -> None:
+        self._core = core
+        self._options = core.options
+        self._channel = core.channel
+        self._state = core.state
         self._liveness = liveness
         self._upkeep = upkeep
-        self._closed = closed
-        self.keys = channel.keys
+        self.keys = core.keys
         self._pid = 0
         self.running = False
         #: Passes the watcher made (idle ones included).
@@ -90,7 +81,7 @@ class LostWatcher:
         ``min(block_cap, heartbeat_interval / 2)`` seconds, plus one PTTL
         per pass while holding.
         """
-        if self._pid == os.getpid() or self._closed():
+        if self._pid == os.getpid() or self._core.closed:
             return
         if os.getpid() == self.exempt_pid:
             return
@@ -112,7 +103,7 @@ class LostWatcher:
         outage = False
         block = max(0.01, min(self._options.block_cap, self._options.heartbeat_interval / 2))
         idle = min(WATCH_IDLE_SLICE, block)  # a tiny owner_ttl watches sooner
-        while not self._closed() and self._pid == pid:
+        while not self._core.closed and self._pid == pid:
             self.passes += 1
             try:
                 ident = self._liveness.identity.peek()
@@ -135,10 +126,10 @@ class LostWatcher:
                     )
                 self._upkeep(client)
             except REDIS_DOWN_ERRORS as exc:  # an outage: one line, not a traceback a second
-                if self._closed():
+                if self._core.closed:
                     return
                 self._liveness.heartbeat_failed()
-                if not outage and not self._closed():
+                if not outage and not self._core.closed:
                     outage = True
                     log.warning(
                         "heartbeat.watch-unavailable url=%s error=%s: retrying every second",
@@ -147,7 +138,7 @@ class LostWatcher:
                     )
                 real_sleep(1.0)
             except Exception:  # the watcher must outlive anything else too
-                if self._closed():
+                if self._core.closed:
                     return
                 log.exception("heartbeat.watch-error")
                 real_sleep(1.0)

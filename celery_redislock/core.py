@@ -1,0 +1,47 @@
+"""What every part of the lock engine shares: options, channel, state, metrics.
+
+One :class:`Core` per manager, built first and handed to each part
+(liveness, release, watcher, cleanup, acquire, task owners): the parts
+then take only the other parts they call.
+"""
+
+from __future__ import annotations
+
+from .channel import Channel
+from .keys import Keyspace
+from .metrics import Telemetry
+from .options import EngineOptions
+from .protocol import Protocol
+from .state import ProcessState
+
+__all__ = ["Core"]
+
+
+class Core:
+    """The shared ground of one manager's parts.
+
+    Attributes:
+        options: the validated options.
+        channel: every round trip.
+        protocol: the script calls (``channel.protocol``).
+        keys: the namespace's key names.
+        state: what this process holds and owes.
+        telemetry: the metrics hook.
+        closed: the manager was closed (set by ``LockManager.close``; a
+            forked child of a closed manager is closed too).
+    """
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        channel: Channel,
+        state: ProcessState,
+        telemetry: Telemetry,
+    ) -> None:
+        self.options = options
+        self.channel = channel
+        self.protocol: Protocol = channel.protocol
+        self.keys: Keyspace = channel.keys
+        self.state = state
+        self.telemetry = telemetry
+        self.closed = False
