@@ -16,9 +16,17 @@ from .exceptions import (
     CAUSE_REDIS_LOST,
     LOST_CAUSES,
 )
-from .metrics import LOST_CAUSE_LABELS
 
 __all__ = ["CLEANUP_REASONS", "cause_text", "explain", "metric_label"]
+
+#: The ``cause`` label of the lost-lease metric for each cause (and
+#: ``unknown`` when none is known).
+LOST_CAUSE_LABELS = {
+    CAUSE_OPERATOR: "operator",
+    CAUSE_DECLARED_DEAD: "declared_dead",
+    CAUSE_EXPIRED: "expired",
+    CAUSE_REDIS_LOST: "redis_lost",
+}
 
 #: What each place that finds an owner lost tells the operator (logged once).
 _GONE = (

@@ -348,3 +348,35 @@ class Keyspace:
         if not lock_key.startswith(head):
             raise ValueError(f"not a lock key of namespace {self.namespace!r}: {lock_key!r}")
         return lock_key[len(head) :]
+
+
+# -- a worker node's keys (celery_redislock.node) ---------------------------
+
+
+def node_key(prefix: str, nodename: str) -> str:
+    """``{ns}:node:<nodename>``: the node record (hash)."""
+    return f"{prefix}node:{nodename}"
+
+
+def group_key(prefix: str, incarnation: str) -> str:
+    """``{ns}:group:<inc>``: owner id -> process tag of one incarnation's owners.
+
+    The value is ``identity.process_tag`` of the owner's process
+    (``"<pid>.<starttime>"``), or a bare pid from an older registration.
+    """
+    return f"{prefix}group:{incarnation}"
+
+
+def tomb_key(prefix: str, incarnation: str) -> str:
+    """``{ns}:tomb:<inc>``: set when a successor evicted that incarnation."""
+    return f"{prefix}tomb:{incarnation}"
+
+
+def halt_key(prefix: str, incarnation: str) -> str:
+    """``{ns}:halt:<inc>``: pushed when that incarnation begins shutting down.
+
+    Its waiters block on it next to their wake list and leave the queue
+    (:class:`~celery_redislock.exceptions.ShuttingDown`); each pushes the
+    entry back for the next one.
+    """
+    return f"{prefix}halt:{incarnation}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .exceptions import CAUSE_DECLARED_DEAD, CAUSE_EXPIRED, CAUSE_OPERATOR, CAUSE_REDIS_LOST
+from . import causes
 
 #: ``acquired(outcome=...)`` values.
 OUTCOMES = ("granted", "timeout", "error")
@@ -35,12 +35,7 @@ CLEANUP_PATHS = ("child", "startup", "reconcile", "reclaim")
 #: ``lease_lost(cause=...)`` values: a lost lease's cause
 #: (:attr:`Lease.lost_cause <celery_redislock.Lease>`, one of
 #: ``exceptions.LOST_CAUSES``) as a label; ``unknown`` when none is known.
-LOST_CAUSE_LABELS = {
-    CAUSE_OPERATOR: "operator",
-    CAUSE_DECLARED_DEAD: "declared_dead",
-    CAUSE_EXPIRED: "expired",
-    CAUSE_REDIS_LOST: "redis_lost",
-}
+LOST_CAUSE_LABELS = causes.LOST_CAUSE_LABELS
 
 
 class MetricsHook(Protocol):

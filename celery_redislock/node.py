@@ -30,12 +30,14 @@ from typing import Any
 
 import redis
 
+from . import protocol as calls
 from .connect import clone_client
 from .exceptions import LockError
 from .heartbeat import Heartbeat
 from .identity import pid_of_tag, read_proc_stat
-from .keys import validate_node_name
+from .keys import group_key, halt_key, node_key, text, tomb_key, validate_node_name
 from .manager import LockManager
+from .protocol import ScriptCall
 from .reports import CleanupReport
 
 log = logging.getLogger("celery_redislock.node")
@@ -107,39 +109,6 @@ class IncarnationCell:
                 return data.rstrip(b"\0").decode()
 
 
-def node_key(prefix: str, nodename: str) -> str:
-    """``{ns}:node:<nodename>``: the node record (hash)."""
-    return f"{prefix}node:{nodename}"
-
-
-def group_key(prefix: str, incarnation: str) -> str:
-    """``{ns}:group:<inc>``: owner id -> process tag of one incarnation's owners.
-
-    The value is ``identity.process_tag`` of the owner's process
-    (``"<pid>.<starttime>"``), or a bare pid from an older registration.
-    """
-    return f"{prefix}group:{incarnation}"
-
-
-def tomb_key(prefix: str, incarnation: str) -> str:
-    """``{ns}:tomb:<inc>``: set when a successor evicted that incarnation."""
-    return f"{prefix}tomb:{incarnation}"
-
-
-def halt_key(prefix: str, incarnation: str) -> str:
-    """``{ns}:halt:<inc>``: pushed when that incarnation begins shutting down.
-
-    Its waiters block on it next to their wake list and leave the queue
-    (:class:`~celery_redislock.exceptions.ShuttingDown`); each pushes the
-    entry back for the next one.
-    """
-    return f"{prefix}halt:{incarnation}"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _pid(tag: str) -> int:
     try:
         return pid_of_tag(tag)
@@ -149,7 +118,7 @@ def _pid(tag: str) -> int:
 
 def _pairs(values: Iterable[Any]) -> list[tuple[str, str]]:
     """``(owner, process tag)`` pairs of a flat reply."""
-    flat = [_text(v) for v in values]
+    flat = [text(v) for v in values]
     return list(zip(flat[::2], flat[1::2]))
 
 
@@ -241,7 +210,7 @@ def free_dead_member(manager: LockManager, owner_id: str) -> CleanupReport | Non
     tag = manager.channel.command("HGET", group, owner_id)
     if tag is None:
         return None
-    tag = _text(tag)
+    tag = text(tag)
     pid = _pid(tag)
     if pid <= 0 or _same_process(tag, live_tag(pid)):
         return None
@@ -398,8 +367,8 @@ class Node:
             self._ops_by_thread[key] = ops
         return ops
 
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self._ops().channel.call(name, keys, args)
+    def _run(self, call: ScriptCall) -> Any:
+        return self._ops().channel.run(call)
 
     def _record_args(self) -> list[str]:
         return [str(self.pid), self.host, str(self.started)]
@@ -424,21 +393,20 @@ class Node:
 
     def _start_locked(self) -> str:
         reply = self._run(
-            "node_start",
-            [self.node_key],
-            [
+            calls.node_start(
+                self.node_key,
                 self.incarnation,
-                *self._record_args(),
-                str(self._iv_ms),
-                str(self._record_ttl_ms),
-            ],
+                self._record_args(),
+                self._iv_ms,
+                self._record_ttl_ms,
+            )
         )
-        kind = _text(reply[0])
+        kind = text(reply[0])
         if kind in ("new", "ours"):
             self.state = "owner"
             log.info("node.start node=%s inc=%s predecessor=none", self.nodename, self.incarnation)
             return self.state
-        inc, hb, hb_ms, iv, now = (_text(x) for x in reply[1:6])
+        inc, hb, hb_ms, iv, now = (text(x) for x in reply[1:6])
         self.state = "watching"
         self._seen = (inc, hb)
         log.info(
@@ -487,23 +455,21 @@ class Node:
 
     def _evict(self, inc: str, hb: str, threshold: int, mode: str, result: TickResult) -> None:
         reply = self._run(
-            "node_evict",
-            [self.node_key],
-            [
+            calls.node_evict(
                 self.prefix,
+                self.node_key,
                 inc,
                 hb,
-                str(threshold),
+                threshold,
                 mode,
                 self.incarnation,
-                *self._record_args(),
-                str(self._iv_ms),
-                str(self._record_ttl_ms),
-                str(self._record_ttl_ms),
-                str(3 * self._ttl_ms),
-            ],
+                self._record_args(),
+                self._iv_ms,
+                self._record_ttl_ms,
+                self._ttl_ms,
+            )
         )
-        kind = _text(reply[0])
+        kind = text(reply[0])
         if kind == "changed":
             log.info(
                 "node.evict-refused node=%s predecessor=%s reason=heartbeat-advanced",
@@ -513,7 +479,7 @@ class Node:
             return
         if kind == "not-yet":
             return
-        owners = [_text(o) for o in reply[1]]
+        owners = [text(o) for o in reply[1]]
         self.state = "owner"
         self._seen = None
         result.predecessor = inc
@@ -599,27 +565,26 @@ class Node:
             else:
                 self._adopt = None
         reply = self._run(
-            "node_heartbeat",
-            keys,
-            [
-                self.incarnation,
-                str(self._ttl_ms),
+            calls.node_heartbeat(
                 self.prefix,
-                str(self._record_ttl_ms),
-                "1" if self.state == "owner" else "0",
-                str(self._iv_ms),
+                keys,
+                self.incarnation,
+                self._ttl_ms,
+                self._record_ttl_ms,
+                self.state == "owner",
+                self._iv_ms,
                 ident.owner_id if ident is not None else "",
-                *sorted(live),
-            ],
+                sorted(live),
+            )
         )
-        kind = _text(reply[0])
+        kind = text(reply[0])
         if kind == "evicted":
             self._fence()
             return TickResult(self.state, evicted=True)
         if kind == "gone":
-            return self._state_lost(_text(reply[1]))
+            return self._state_lost(text(reply[1]))
         owned = int(reply[1]) == 1
-        inc, hb, hb_ms, iv, now = (_text(x) for x in reply[2:7])
+        inc, hb, hb_ms, iv, now = (text(x) for x in reply[2:7])
         result = TickResult(self.state, owned=owned)
         dead = _pairs(reply[7])
         lost = _pairs(reply[8])
@@ -870,8 +835,8 @@ class Node:
         if ident is not None:
             self.manager.liveness.identity.retire(ident)
         ops = self._ops()
-        reply = ops.channel.call("node_stop", [self.node_key, self.group_key], [self.incarnation])
-        owners = [_text(o) for o in reply[1]]
+        reply = ops.channel.run(calls.node_stop(self.node_key, self.group_key, self.incarnation))
+        owners = [text(o) for o in reply[1]]
         reports: list[CleanupReport] = []
         failed = 0
         for owner in owners:

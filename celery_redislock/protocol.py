@@ -262,3 +262,91 @@ def blocking_holder(modes: str, holders: Iterable[Any]) -> str | None:
             if mode == "x" or v.startswith("x"):
                 return t
     return None
+
+
+# -- a worker node's scripts (celery_redislock.node) -------------------------
+
+
+def node_start(
+    node_key: str, incarnation: str, record: list[str], interval_ms: int, record_ttl_ms: int
+) -> ScriptCall:
+    """node_start.lua: claim ``node_key`` for ``incarnation`` (see its header).
+
+    ``record``: the node record's pid, host and start time."""
+    return ScriptCall(
+        "node_start",
+        [node_key],
+        [incarnation, *record, str(interval_ms), str(record_ttl_ms)],
+    )
+
+
+def node_evict(
+    prefix: str,
+    node_key: str,
+    predecessor: str,
+    heartbeat: str,
+    threshold_ms: int,
+    mode: str,
+    incarnation: str,
+    record: list[str],
+    interval_ms: int,
+    record_ttl_ms: int,
+    ttl_ms: int,
+) -> ScriptCall:
+    """node_evict.lua: take ``node_key`` over from ``predecessor`` whose
+    heartbeat (last seen ``heartbeat``) stopped (see its header)."""
+    return ScriptCall(
+        "node_evict",
+        [node_key],
+        [
+            prefix,
+            predecessor,
+            heartbeat,
+            str(threshold_ms),
+            mode,
+            incarnation,
+            *record,
+            str(interval_ms),
+            str(record_ttl_ms),
+            str(record_ttl_ms),
+            str(3 * ttl_ms),
+        ],
+    )
+
+
+def node_heartbeat(
+    prefix: str,
+    keys: list[str],
+    incarnation: str,
+    ttl_ms: int,
+    record_ttl_ms: int,
+    owner: bool,
+    interval_ms: int,
+    own_owner: str,
+    live: list[str],
+) -> ScriptCall:
+    """node_heartbeat.lua: one tick of ``incarnation`` (see its header).
+
+    ``keys``: the node record, group and tombstone keys (and the group of
+    an incarnation being adopted); ``owner``: this node owns its record;
+    ``own_owner``: this process's owner id ('' when none); ``live``: the
+    tags of the live processes."""
+    return ScriptCall(
+        "node_heartbeat",
+        keys,
+        [
+            incarnation,
+            str(ttl_ms),
+            prefix,
+            str(record_ttl_ms),
+            "1" if owner else "0",
+            str(interval_ms),
+            own_owner,
+            *live,
+        ],
+    )
+
+
+def node_stop(node_key: str, group_key: str, incarnation: str) -> ScriptCall:
+    """node_stop.lua: release the node record and list the group's owners."""
+    return ScriptCall("node_stop", [node_key, group_key], [incarnation])

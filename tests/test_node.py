@@ -302,7 +302,7 @@ def test_eviction_compare_and_set_refuses_when_heartbeat_advanced(
     seen_hb = r.hget(node_key(PREFIX, "celery@host"), "hb").decode()
     old.node.tick()  # it beats between our watch and our eviction
     age_record(r, "celery@host", 10_000)
-    reply = new.node._run(
+    reply = new.node.manager.channel.call(
         "node_evict",
         [new.node.node_key],
         [PREFIX, old.inc, seen_hb, "1", "evict", new.inc, "1", "h", "0", "200", "60000", "60000"],
