@@ -22,7 +22,7 @@ from typing import Any
 from . import _validate as _v
 from .channel import REDIS_DOWN_ERRORS
 from .context import AcquireContext, ContextStack
-from .core import Core
+from .core import Core, Part
 from .exceptions import (
     LockError,
     LockTimeout,
@@ -130,7 +130,7 @@ class _Try:
         self.reply = None
 
 
-class Acquirer:
+class Acquirer(Part):
     """Acquire requests of this process (the engine's ``acquire``)."""
 
     def __init__(
@@ -142,18 +142,12 @@ class Acquirer:
         requests: RequestCache,
         context: ContextStack,
     ) -> None:
-        self._core = core
-        self._options = core.options
-        self._channel = core.channel
-        self._protocol = core.protocol
-        self._state = core.state
-        self._telemetry = core.telemetry
+        super().__init__(core)
         self._liveness = liveness
         self._releaser = releaser
         self._watcher = watcher
         self._requests = requests
         self._context = context
-        self.keys = core.keys
         #: Worker mode: ``{ns}:halt:<inc>``, the list the worker's main
         #: process pushes to when it begins shutting down. Waiters block on
         #: it next to their wake list (same BLPOP) and give up with

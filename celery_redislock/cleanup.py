@@ -14,7 +14,7 @@ import redis
 
 from . import _validate as _v
 from .causes import CLEANUP_REASONS
-from .core import Core
+from .core import Core, Part
 from .exceptions import ConfigurationError, LockError, PermissionDenied, permission_denied
 from .keys import validate_owner_id
 from .liveness import Liveness
@@ -29,16 +29,13 @@ log_reconcile = logging.getLogger("celery_redislock.reconcile")
 log_release = logging.getLogger("celery_redislock.release")
 
 
-class Cleaner:
+class Cleaner(Part):
     """Free the locks of owners that are dead (or forced)."""
 
     def __init__(self, core: Core, liveness: Liveness, releaser: Releaser) -> None:
-        self._channel = core.channel
-        self._state = core.state
-        self._telemetry = core.telemetry
+        super().__init__(core)
         self._liveness = liveness
         self._releaser = releaser
-        self.keys = core.keys
 
     def cleanup_owner(
         self, owner_id: str, *, force: bool = False, reason: str = "dead"

@@ -14,7 +14,7 @@ from .options import EngineOptions
 from .protocol import Protocol
 from .state import ProcessState
 
-__all__ = ["Core"]
+__all__ = ["Core", "Part"]
 
 
 class Core:
@@ -45,3 +45,21 @@ class Core:
         self.state = state
         self.telemetry = telemetry
         self.closed = False
+
+
+class Part:
+    """Base of the engine's parts: each keeps the shared ground at hand.
+
+    ``_core`` is the :class:`Core`; ``_options``, ``_channel``,
+    ``_protocol``, ``_state``, ``_telemetry`` and ``keys`` are its fields,
+    read once here (the acquire path reads them on every call).
+    """
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+        self._options = core.options
+        self._channel = core.channel
+        self._protocol = core.protocol
+        self._state = core.state
+        self._telemetry = core.telemetry
+        self.keys = core.keys

@@ -81,8 +81,11 @@ class Lease:
         clean: bool = False,
     ) -> None:
         self._host = host
-        self._request = request
-        self._ident = ident
+        # Engine side (read by the engine that granted the lease, never
+        # written from outside it): the validated request and the identity
+        # the grant is registered to.
+        self.request = request
+        self.ident = ident
         self.owner_id = ident.owner_id
         self.token = token
         self.fencing_token = fencing_token
@@ -102,17 +105,17 @@ class Lease:
         self._released = not own
         #: :meth:`release` was called on this lease.
         self._handle_released = False
-        #: Whether this lease has a grant of its own (False: purely reentrant).
-        self._own = own
+        #: Whether this lease has a grant of its own (not when purely reentrant).
+        self.own = own
         #: Leases counting on this lease's grant, itself included; the grant
         #: is released in Redis when it drops to 0.
         self._holds = 1
         #: Outer leases this one counts on (reentrant resources).
-        self._parents: tuple[Lease, ...] = ()
+        self.parents: tuple[Lease, ...] = ()
         #: The grant left no request state, wake list or holder record in
         #: Redis (acquire.lua granted it in the call that replied, without
         #: holder info): release.lua need not delete them.
-        self._clean = clean
+        self.clean = clean
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -127,12 +130,12 @@ class Lease:
         deadline passed (:attr:`deadline`): a holder resumed from a pause
         longer than ``owner_ttl`` sees it at once.
         """
-        if self._parents and any(p.lost for p in self._parents):
+        if self.parents and any(p.lost for p in self.parents):
             return True
-        if not self._own:
+        if not self.own:
             return self._lost
-        if not self._lost and not self._released and time.monotonic() > self._ident.valid_until:
-            self._host.deadline_passed(self._ident)
+        if not self._lost and not self._released and time.monotonic() > self.ident.valid_until:
+            self._host.deadline_passed(self.ident)
             self.mark_lost("deadline")
         return self._lost
 
@@ -148,7 +151,7 @@ class Lease:
             return None
         if self._lost_cause is not None:
             return self._lost_cause
-        for p in self._parents:
+        for p in self.parents:
             if p.lost:
                 return p.lost_cause
         return None
@@ -156,7 +159,7 @@ class Lease:
     @property
     def reentrant(self) -> bool:
         """True when some resources are held through an outer lease (nested)."""
-        return bool(self._parents)
+        return bool(self.parents)
 
     @property
     def deadline(self) -> float:
@@ -166,7 +169,7 @@ class Lease:
         ``owner_ttl``, less a safety margin (docs/design.md, "Loss model");
         moved forward by every heartbeat that extends the liveness key.
         """
-        return self._ident.valid_until
+        return self.ident.valid_until
 
     @property
     def released(self) -> bool:
@@ -227,37 +230,12 @@ class Lease:
         tick): they must be quick and must not block.
         """
         self._lost_hooks.append(hook)
-        for p in self._parents:
+        for p in self.parents:
             p.add_lost_hook(lambda _lease, cause: hook(self, cause))
         if self._lost:
             hook(self, self._lost_cause)
 
     # -- engine side: called by the engine that granted the lease ----------
-
-    @property
-    def request(self) -> Request:
-        """The validated request the lease was granted for."""
-        return self._request
-
-    @property
-    def ident(self) -> OwnerIdentity:
-        """The owner identity the grant is registered to."""
-        return self._ident
-
-    @property
-    def own(self) -> bool:
-        """Whether the lease has a grant of its own (not when purely reentrant)."""
-        return self._own
-
-    @property
-    def parents(self) -> tuple[Lease, ...]:
-        """The outer leases this one counts on (reentrant resources)."""
-        return self._parents
-
-    @property
-    def clean(self) -> bool:
-        """The grant left no request state, wake list or holder record in Redis."""
-        return self._clean
 
     @property
     def active(self) -> bool:
@@ -292,7 +270,7 @@ class Lease:
         """Count on ``parents`` for some resources (a reentrant acquire)."""
         for p in parents:
             p.hold()
-        self._parents = parents
+        self.parents = parents
 
     def hold(self) -> None:
         """One more lease counts on this lease's grant."""
@@ -350,7 +328,7 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "lost" if self._lost else "released" if self._handle_released else "held"
-        if self._parents:
+        if self.parents:
             state += " reentrant"
         return (
             f"<Lease {state} exclusive={list(self.exclusive)} shared={list(self.shared)} "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .causes import KEY_GONE, cause_text, explain
 from .connect import AnyRedis, clone_client
-from .core import Core
+from .core import Core, Part
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity
 from .protocol import text
@@ -31,7 +31,7 @@ __all__ = ["Liveness"]
 log = logging.getLogger("celery_redislock.heartbeat")
 
 
-class Liveness:
+class Liveness(Part):
     """This process's owner: identity, heartbeat, deadline, loss.
 
     ``on_fork``: called in a forked child before anything else runs there
@@ -42,16 +42,11 @@ class Liveness:
     """
 
     def __init__(self, core: Core, on_fork: Callable[[], None]) -> None:
-        options = core.options
-        self._options = options
-        self._channel = core.channel
-        self._state = core.state
-        self._telemetry = core.telemetry
-        self.keys = core.keys
+        super().__init__(core)
         self.identity = IdentitySource(on_fork=on_fork)
         self.upkeep: Callable[[AnyRedis], None] = lambda client: None
         self.heartbeat = Heartbeat(
-            options.heartbeat_interval, self.beat, "redislock-heartbeat", self.heartbeat_failed
+            core.options.heartbeat_interval, self.beat, "redislock-heartbeat", self.heartbeat_failed
         )
         self._hb_client: AnyRedis | None = None
         self._hb_client_pid = 0

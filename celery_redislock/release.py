@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _validate as _v
 from .causes import metric_label
-from .core import Core
+from .core import Core, Part
 from .exceptions import RedisUnavailable
 from .protocol import text
 from .state import ReleaseRetry
@@ -32,16 +32,12 @@ __all__ = ["Releaser"]
 log = logging.getLogger("celery_redislock.release")
 
 
-class Releaser:
+class Releaser(Part):
     """Release grants and requests of this process (see the module docstring)."""
 
     def __init__(self, core: Core, liveness: Liveness) -> None:
-        self._options = core.options
-        self._channel = core.channel
-        self._state = core.state
-        self._telemetry = core.telemetry
+        super().__init__(core)
         self._liveness = liveness
-        self.keys = core.keys
         #: Failed retries of deferred releases (see :meth:`retry_deferred`).
         self.retry_failures = 0
 

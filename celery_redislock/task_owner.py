@@ -24,7 +24,7 @@ from . import _validate as _v
 from .acquire import Acquirer
 from .channel import REDIS_DOWN_ERRORS
 from .cleanup import Cleaner
-from .core import Core
+from .core import Core, Part
 from .exceptions import LockError, RedisUnavailable, ReplicationTimeout, permission_denied
 from .identity import OwnerIdentity
 from .keys import task_id_of_token, task_owner_id, task_token, validate_owner_id
@@ -104,7 +104,7 @@ class Adoption:
         return self.status == "adopted"
 
 
-class TaskOwners:
+class TaskOwners(Part):
     """Take locks for a task id; adopt them in the process that runs it."""
 
     def __init__(
@@ -116,11 +116,7 @@ class TaskOwners:
         acquirer: Acquirer,
         requests: RequestCache,
     ) -> None:
-        self._core = core
-        self._options = core.options
-        self._channel = core.channel
-        self._protocol = core.protocol
-        self._state = core.state
+        super().__init__(core)
         self._liveness = liveness
         self._releaser = releaser
         self._cleaner = cleaner

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from ._threads import real_sleep, start_os_thread
 from .channel import REDIS_DOWN_ERRORS
 from .connect import AnyRedis
-from .core import Core
+from .core import Core, Part
 from .identity import OwnerIdentity
 from .liveness import Liveness
 from .protocol import text
@@ -39,7 +39,7 @@ WATCH_STOP = "closing"
 WATCH_IDLE_SLICE = 0.05
 
 
-class LostWatcher:
+class LostWatcher(Part):
     """One watcher thread per process (started on the first acquire).
 
     ``upkeep(client)``: what each pass does after its wait (the manager's
@@ -47,13 +47,9 @@ class LostWatcher:
     """
 
     def __init__(self, core: Core, liveness: Liveness, upkeep: Callable[[AnyRedis], None]) -> None:
-        self._core = core
-        self._options = core.options
-        self._channel = core.channel
-        self._state = core.state
+        super().__init__(core)
         self._liveness = liveness
         self._upkeep = upkeep
-        self.keys = core.keys
         self._pid = 0
         self.running = False
         #: Passes the watcher made (idle ones included).
