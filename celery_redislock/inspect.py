@@ -479,28 +479,23 @@ class Inspector:
 
     def _sscan(self, key: str) -> Iterator[list[str]]:
         """Members of a set, one SSCAN batch at a time (deduplicated)."""
-        seen: set[str] = set()
-        cursor: int = 0
-        while True:
-            cursor, members = self._call(
-                "SSCAN", functools.partial(self.client.sscan, key, cursor, count=self.batch_size)
-            )
-            batch = [m for m in (_text(x) for x in members) if m not in seen]
-            seen.update(batch)
-            if batch:
-                yield batch
-            if int(cursor) == 0:
-                return
+        return self._scan("SSCAN", self.client.sscan, key)
 
     def _hscan_keys(self, key: str) -> Iterator[list[str]]:
         """Field names of a hash, one HSCAN batch at a time (deduplicated)."""
+        return self._scan("HSCAN", self.client.hscan, key)
+
+    def _scan(self, name: str, scan: Callable[..., Any], key: str) -> Iterator[list[str]]:
+        """What ``scan`` (SSCAN, HSCAN) walks of ``key``: names, one batch
+        at a time, each name once (a cursor may return one twice)."""
         seen: set[str] = set()
         cursor: int = 0
         while True:
-            cursor, fields = self._call(
-                "HSCAN", functools.partial(self.client.hscan, key, cursor, count=self.batch_size)
+            cursor, found = self._call(
+                name, functools.partial(scan, key, cursor, count=self.batch_size)
             )
-            batch = [f for f in (_text(x) for x in fields) if f not in seen]
+            # HSCAN answers a mapping field -> value; SSCAN a list of members.
+            batch = [n for n in (_text(x) for x in found) if n not in seen]
             seen.update(batch)
             if batch:
                 yield batch
