@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
@@ -29,6 +30,8 @@ from redis.exceptions import NoScriptError
 from . import wire
 from .connect import AnyRedis
 from .keys import FORMAT_VERSION
+
+_T = TypeVar("_T")
 
 #: Scripts shipped in ``celery_redislock/lua``, one per operation.
 SCRIPT_NAMES = (
@@ -161,18 +164,28 @@ class Scripts:
         """Script name -> SHA1 that EVALSHA runs it by."""
         return dict(self._sha)
 
-    def run(self, name: str, keys: list[str], args: list[Any], client: Any = None) -> Any:
+    def _loading(self, name: str, client: Any, send: Callable[[bool], _T]) -> _T:
+        """``send(False)``; on NOSCRIPT (a Redis restart, SCRIPT FLUSH), load
+        script ``name`` with ``client`` and ``send(True)``: the one place a
+        missing script is handled. A pipeline's ``send`` raises the
+        NoScriptError its reply holds."""
+        try:
+            return send(False)
+        except NoScriptError:
+            client.script_load(self._source[name])
+            return send(True)
+
+    def run(self, name: str, keys: list[Any], args: list[Any], client: Any = None) -> Any:
         """Run script ``name`` (EVALSHA, loading it on NOSCRIPT); one round trip.
 
         ``client``: another client of the same server (e.g. the heartbeat's);
         default the one given at construction.
         """
         c = self._client if client is None else client
-        try:
-            return c.execute_command("EVALSHA", self._sha[name], len(keys), *keys, *args)
-        except NoScriptError:
-            c.script_load(self._source[name])
-            return c.execute_command("EVALSHA", self._sha[name], len(keys), *keys, *args)
+        sha = self._sha[name]
+        return self._loading(
+            name, c, lambda _again: c.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        )
 
     def run_direct(
         self,
@@ -197,11 +210,12 @@ class Scripts:
             def later() -> bytes:
                 return wire.pack(conn, head, (len(keys), *keys, *again), 2)
 
-        try:
-            return wire.call(conn, packed, later)
-        except NoScriptError:
-            client.script_load(self._source[name])
+        def send(retry: bool) -> Any:
+            if not retry:
+                return wire.call(conn, packed, later)
             return wire.call(conn, packed if later is None else later())
+
+        return self._loading(name, client, send)
 
     def run_then_read(
         self,
@@ -239,7 +253,8 @@ class Scripts:
             if then is not None:
                 self.run(then[0], then[1], [])
             return reply, read, probed, None
-        for attempt in (1, 2):
+
+        def send(_again: bool) -> tuple[Any, list[Any], Any, int | None]:
             pipe = c.pipeline(transaction=False)
             if probe is not None:
                 pipe.hget(*probe)
@@ -255,9 +270,8 @@ class Scripts:
             acked = out.pop() if wait is not None else None
             last = out.pop() if then is not None else None
             reply, *read = out
-            if isinstance(reply, NoScriptError) and attempt == 1:
-                c.script_load(self._source[name])
-                continue
+            if isinstance(reply, NoScriptError):
+                raise reply  # nothing ran: load it, send the pipeline again
             if then is not None and isinstance(last, NoScriptError):
                 # The main script ran: only the last one is run again (the
                 # whole pipeline again would read its own grant as earlier).
@@ -266,7 +280,8 @@ class Scripts:
                 if isinstance(item, Exception):
                     raise item
             return reply, read, probed, None if acked is None else int(acked)
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        return self._loading(name, c, send)
 
     def run_and_wait(
         self, name: str, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
@@ -281,16 +296,15 @@ class Scripts:
         Cluster (``WAIT`` has no key there to route it by).
         """
         c = self._client
-        for attempt in (1, 2):
+
+        def send(_again: bool) -> tuple[Any, int]:
             pipe = c.pipeline(transaction=False)
             pipe.evalsha(self._sha[name], len(keys), *keys, *args)
             pipe.execute_command("WAIT", replicas, timeout_ms)
             reply, acked = pipe.execute(raise_on_error=False)
-            if isinstance(reply, NoScriptError) and attempt == 1:
-                c.script_load(self._source[name])
-                continue
             for item in (reply, acked):
                 if isinstance(item, Exception):
-                    raise item
+                    raise item  # a NoScriptError: loaded, sent again (the first WAIT dropped)
             return reply, int(acked)
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        return self._loading(name, c, send)
