@@ -386,6 +386,11 @@ class Inspector:
 
     Raises :class:`RedisUnavailable` (naming the URL) when Redis cannot be
     reached; nothing here writes, so an interrupted call leaves no trace.
+
+    One class holds every view (about 700 lines), so that the CLI, the
+    metrics collector and users' scripts read the namespace the same
+    batched way; its batched readers and its release plans are the parts to
+    move out first when it grows.
     """
 
     def __init__(self, manager: LockManager, *, batch_size: int = DEFAULT_BATCH_SIZE) -> None:

@@ -15,6 +15,9 @@ do the work and hands each call to one of them (docs/architecture.md):
 - :mod:`.watcher`: the lost-owner watcher thread of a pool child;
 - :mod:`.cleanup`: freeing dead owners, reconcile, close;
 - :mod:`.acquire`: the acquire loop; :mod:`.task_owner`: task-owned grants.
+
+Most of the class's lines are the docstrings of its public methods (the
+API reference); its code is a few hundred lines.
 """
 
 from __future__ import annotations

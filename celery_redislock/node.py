@@ -284,6 +284,11 @@ class Node:
     ours), ``watching`` (another incarnation's record, deciding),
     ``duplicate`` (that incarnation is beating: a live duplicate),
     ``evicted`` (a successor evicted us), ``stopped``.
+
+    The node's whole lifecycle (start and succession, tick, dead children,
+    fencing, shutdown) is one class of about 600 lines, because every step
+    changes the same few fields under one tick lock; the succession
+    (``start``, ``_decide``, ``_evict``) is the part to move out first.
     """
 
     def __init__(
