@@ -20,7 +20,8 @@ from . import _validate as _v
 from .exceptions import ConfigurationError, LockTimeout, ReplicationTimeout
 from .lease import Lease
 from .manager import LockManager
-from .settings import Config, hide_url_password, load_config
+from .settings import EX_CONFIG as EX_CONFIG  # importable from here, as before
+from .settings import Config, config_error_line, hide_url_password, load_config
 
 log = logging.getLogger("celery_redislock.app")
 log_reconcile = logging.getLogger("celery_redislock.reconcile")
@@ -29,10 +30,8 @@ log_reconcile = logging.getLogger("celery_redislock.reconcile")
 RECONCILE_TASK = "celery_redislock.reconcile"
 #: Engine resource that lets one reconcile run at a time, fleet-wide.
 RECONCILE_RESOURCE = "celery_redislock:reconcile"
-
-#: Exit status of a worker or beat that refuses to start because a
-#: ``redislock_*`` setting is refused (EX_CONFIG in sysexits.h).
-EX_CONFIG = 78
+#: The worker bootstep, by the dotted name Celery's blueprint loads it by.
+WORKER_STEP = "celery_redislock.bootsteps:RedisLockNode"
 
 _ATTR = "_celery_redislock"
 _instances: weakref.WeakSet[RedisLock] = weakref.WeakSet()
@@ -50,7 +49,6 @@ def _connect_signals() -> None:
 
         signals.worker_process_init.connect(_on_worker_process_init, weak=False)
         signals.beat_init.connect(_on_beat_init, weak=False)
-        signals.task_revoked.connect(_on_task_revoked, weak=False)
         signals.task_postrun.connect(_on_task_postrun, weak=False)
         _signals_connected = True
 
@@ -58,15 +56,7 @@ def _connect_signals() -> None:
 def _on_worker_process_init(**_: Any) -> None:
     # No Redis round trip here: the pool kills a child not ready in ~4 s.
     for locks in list(_instances):
-        locks._process_init()
-
-
-def _on_task_revoked(**kwargs: Any) -> None:
-    # A unique task discarded before it ran frees its key (celery_redislock.unique).
-    if getattr(kwargs.get("sender"), "_redislock_unique", False):
-        from .unique import on_task_revoked
-
-        on_task_revoked(**kwargs)
+        locks.process_init()
 
 
 def _on_task_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
@@ -77,11 +67,6 @@ def _on_task_postrun(sender: Any = None, task_id: Any = None, state: Any = None,
     deferred_run_ended(sender, task_id, state)
 
 
-def config_error_line(exc: ConfigurationError) -> str:
-    """The one line every process prints for a refused ``redislock_*`` setting."""
-    return f"celery_redislock: invalid setting {exc}"
-
-
 def _on_beat_init(sender: Any = None, **_: Any) -> None:
     scheduler = getattr(sender, "scheduler", None)
     app = getattr(sender, "app", None)
@@ -89,7 +74,7 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
     if scheduler is None or locks is None:
         return
     try:
-        entry = locks._beat_entry()
+        entry = locks.beat_entry()
     except ConfigurationError as exc:
         # Beat without its reconcile entry would run silently degraded.
         locks.refuse_to_start(exc, "celery beat")
@@ -132,7 +117,8 @@ class RedisLock:
         self._worker_pids: frozenset[int] = frozenset()
         #: The pid of this process when it is a prefork pool child (set by
         #: worker_process_init): ``@locked(on_lost="terminate")`` may kill it.
-        self._pool_child_pid = 0
+        #: Read by the worker integration (``@locked``); 0 elsewhere.
+        self.pool_child_pid = 0
         #: The worker's node name (``celery@host``), in a worker.
         self.nodename: str | None = None
         if app is not None:
@@ -142,13 +128,13 @@ class RedisLock:
 
     def init_app(self, app: Any) -> RedisLock:
         """Attach to ``app``: bootstep, signals, reconcile task, beat entry."""
-        from .bootsteps import RedisLockNode
-
         self.app = app
         setattr(app, _ATTR, self)
         _instances.add(self)
         _connect_signals()
-        app.steps["worker"].add(RedisLockNode)
+        # By name: Celery's worker blueprint loads it (symbol_by_name) when
+        # a worker starts, so this module never imports the bootstep's.
+        app.steps["worker"].add(WORKER_STEP)
         self._register_reconcile_task(app)
         from . import guard
 
@@ -164,6 +150,28 @@ class RedisLock:
         """The RedisLock attached to ``app``, or None."""
         found = getattr(app, _ATTR, None)
         return found if isinstance(found, RedisLock) else None
+
+    @classmethod
+    def for_task(cls, task: Any) -> RedisLock:
+        """The RedisLock of ``task``'s app (Celery's current app when
+        ``task`` is None or has no app).
+
+        Raises :class:`ConfigurationError` when that app has none: the
+        ``@locked`` and ``UniqueTask`` code asks for it at each call.
+        """
+        app = getattr(task, "app", None) if task is not None else None
+        if app is None:
+            from celery import current_app
+
+            app = current_app
+        locks = cls.of(app)
+        if locks is None:
+            raise ConfigurationError(
+                "RedisLock",
+                f"app {getattr(app, 'main', app)!r} has no RedisLock: call RedisLock(app) "
+                "where the app is created, before @locked tasks run",
+            )
+        return locks
 
     def _on_after_configure(self, sender: Any = None, source: Any = None, **_: Any) -> None:
         if sender is not None and sender is not self.app:
@@ -193,7 +201,10 @@ class RedisLock:
         log.critical("%s (%s refuses to start)", config_error_line(exc), process)
         raise SystemExit(EX_CONFIG)
 
-    def _beat_entry(self, conf: Any = None) -> dict[str, Any] | None:
+    def beat_entry(self, conf: Any = None) -> dict[str, Any] | None:
+        """The reconcile task's ``beat_schedule`` entry (None: reconcile is
+        off), from ``conf`` or the app's settings. For the integration (the
+        ``beat_init`` handler), not public API."""
         cfg = load_config(conf) if conf is not None else self.config
         if cfg.reconcile_interval is None:
             return None
@@ -206,7 +217,7 @@ class RedisLock:
         }
 
     def _merge_beat_schedule(self, conf: Any) -> None:
-        entry = self._beat_entry(conf)
+        entry = self.beat_entry(conf)
         if entry is None:
             return
         schedule = conf.get("beat_schedule")
@@ -290,7 +301,7 @@ class RedisLock:
                 eviction_check="ignore",  # the worker bootstep checks at start-up
                 **self._wait_kwargs(cfg),
             )
-            mgr.acquirer.halt_key = halt_key(prefix, inc) if inc else None
+            mgr.set_halt_key(halt_key(prefix, inc) if inc else None)
             return mgr
         return LockManager(
             cfg.url,
@@ -314,8 +325,10 @@ class RedisLock:
             "wait_policy": cfg.wait_policy,
         }
 
-    def _enter_worker(self, incarnation: str, nodename: str | None = None) -> LockManager:
-        """Main process, before the pool forks: switch to worker mode."""
+    def enter_worker(self, incarnation: str, nodename: str | None = None) -> LockManager:
+        """Main process, before the pool forks: switch to worker mode.
+
+        Called by the worker bootstep (the integration), not public API."""
         from .node import IncarnationCell
 
         with self._lock:
@@ -328,11 +341,13 @@ class RedisLock:
             # leases lost); a watcher thread here would only be one more real
             # thread blocked in Redis at interpreter exit (under eventlet that
             # crashed the worker at shutdown). Forked children still watch.
-            self._manager.watcher.exempt_pid = os.getpid()
+            self._manager.exempt_from_lost_watch()
             return self._manager
 
-    def _leave_worker(self) -> None:
-        """After worker shutdown: later use gets a standalone manager."""
+    def leave_worker(self) -> None:
+        """After worker shutdown: later use gets a standalone manager.
+
+        Called by the worker bootstep (the integration), not public API."""
         with self._lock:
             self.incarnation = None
             self.incarnation_cell = None
@@ -340,10 +355,13 @@ class RedisLock:
             self.nodename = None
             self._manager = None
             self._worker_pids = frozenset()
-            self._pool_child_pid = 0
+            self.pool_child_pid = 0
 
-    def _process_init(self) -> None:
+    def process_init(self) -> None:
         """Pool child start: a fresh owner id, and the worker's group again.
+
+        Called by the ``worker_process_init`` handler (the integration), not
+        public API.
 
         After a fork the engine makes the child a standalone owner (its own
         heartbeat, no group): right for a helper process a task forks, which
@@ -359,7 +377,7 @@ class RedisLock:
         # No self._lock here: a thread of the parent may have held it when
         # the pool forked, and this child would wait for ever.
         self._worker_pids = frozenset({pid})
-        self._pool_child_pid = pid
+        self.pool_child_pid = pid
         self.node = None  # the main process's; never used from a child
         mgr = self._manager
         if mgr is not None:

@@ -15,9 +15,10 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.platforms import EX_UNAVAILABLE
 
-from .app import EX_CONFIG, RedisLock
+from .app import RedisLock
 from .exceptions import ConfigurationError, FormatMismatch, RedisUnavailable
 from .node import Node, new_incarnation
+from .settings import EX_CONFIG
 
 log = logging.getLogger("celery_redislock.worker")
 
@@ -204,7 +205,7 @@ class RedisLockNode(bootsteps.StartStopStep):
         try:
             cfg = locks.config
             # may refuse redislock_wait_timeout
-            mgr = locks._enter_worker(inc, nodename=w.hostname)
+            mgr = locks.enter_worker(inc, nodename=w.hostname)
             if cfg.metrics_port is not None:
                 # Before the pool forks: the children inherit the hook and
                 # write to the multiprocess directory set up here.
@@ -426,7 +427,7 @@ class RedisLockNode(bootsteps.StartStopStep):
             log.exception("worker.release-error node=%s", getattr(node, "nodename", "?"))
         finally:
             if locks is not None and locks.node is node:
-                locks._leave_worker()
+                locks.leave_worker()
 
     def _fence(self, w: Any) -> None:
         """Evicted by a successor: kill the pool's children, cold-shut down."""

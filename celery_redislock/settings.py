@@ -45,6 +45,28 @@ MAX_DEFER_TTL = 30 * 86400.0
 #: Marks a setting left unset (where None is a value of its own).
 _UNSET: Any = object()
 
+#: Exit status of a worker or beat that refuses to start because a
+#: ``redislock_*`` setting is refused (EX_CONFIG in sysexits.h).
+EX_CONFIG = 78
+
+
+class _AppDefault:
+    """Marks an option left to the app's ``redislock_*`` setting."""
+
+    def __repr__(self) -> str:
+        return "<app setting>"
+
+
+#: Marks "use the app's setting" (redislock_default_timeout, ...) in an
+#: option of ``@locked``; its repr keeps ``inspect.signature(locked)`` and
+#: ``help(locked)`` readable.
+APP_DEFAULT: Any = _AppDefault()
+
+
+def config_error_line(exc: ConfigurationError) -> str:
+    """The one line every process prints for a refused ``redislock_*`` setting."""
+    return f"celery_redislock: invalid setting {exc}"
+
 
 @dataclass(frozen=True)
 class Setting:

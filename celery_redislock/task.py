@@ -26,9 +26,8 @@ import math
 import os
 import random
 import signal
-import string
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -46,7 +45,17 @@ from .exceptions import (
 )
 from .lease import Lease
 from .manager import RequestMoved
-from .settings import ON_BUSY_MODES, ON_LOST_MODES
+from .settings import APP_DEFAULT, ON_BUSY_MODES, ON_LOST_MODES
+from .templates import (
+    ArgumentBinder,
+    check_fields,
+    check_templates,
+    format_all,
+    holder_info,
+    holder_record,
+    template_list,
+)
+from .templates import TemplateError as TemplateError  # importable from here, as before
 
 log = logging.getLogger("celery_redislock.task")
 
@@ -55,53 +64,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _leases: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
     "celery_redislock_leases", default=()
 )
-
-
-class _AppDefault:
-    """Marks an option left to the app's ``redislock_*`` setting."""
-
-    def __repr__(self) -> str:
-        return "<app setting>"
-
-
-#: Marks "use the app's setting" (redislock_default_timeout, ...); its repr
-#: keeps ``inspect.signature(locked)`` and ``help(locked)`` readable.
-_DEFAULT: Any = _AppDefault()
-
-
-class TemplateError(LockError, ValueError):
-    """A resource template cannot be formatted from the task's arguments.
-
-    Raised when ``@locked`` decorates a function whose parameters do not
-    include a name the template uses (at import time), or when a call lacks
-    an argument or has a value the template cannot format (before anything
-    is locked). Attributes: ``template``, ``argument``, ``task`` and
-    ``detail`` (None, or what went wrong when it is not a missing argument).
-    """
-
-    def __init__(
-        self,
-        template: str,
-        argument: str = "?",
-        task: str = "the task",
-        detail: str | None = None,
-    ) -> None:
-        self.template = template
-        self.argument = argument
-        self.task = task
-        self.detail = detail
-        # args are the fields, so the error survives Celery's result backend.
-        super().__init__(template, argument, task, detail)
-
-    def __str__(self) -> str:
-        # UniqueTask labels its key template '<task name>.unique_key'.
-        kind = "unique_key" if self.task.endswith(".unique_key") else "@locked"
-        if self.detail is not None:
-            return f"{kind} template {self.template!r} of {self.task}: {self.detail}"
-        return (
-            f"{kind} template {self.template!r} of {self.task} needs argument "
-            f"{self.argument!r}, which this call does not have; pass it or fix the template"
-        )
 
 
 def current_lease() -> Lease | None:
@@ -113,88 +75,6 @@ def current_lease() -> Lease | None:
     """
     stack = _leases.get()
     return stack[-1] if stack else None
-
-
-def _fields(template: str) -> list[tuple[str, str | None]]:
-    """``(root name, conversion)`` of every field, nested spec fields included.
-
-    The root is what the template looks up in the arguments: ``repo`` for
-    ``{repo.id}`` and ``{repo[0]}``; ``""`` or digits for positional fields.
-    Raises ValueError for a malformed template (unbalanced braces).
-    """
-    out: list[tuple[str, str | None]] = []
-    for _, field, spec, conversion in string.Formatter().parse(template):
-        if field is None:
-            continue
-        out.append((field.split(".", 1)[0].split("[", 1)[0], conversion))
-        if spec:
-            out.extend(_fields(spec))
-    return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _roots(template: str) -> tuple[str, ...]:
-    """The argument names ``template`` looks up (parsed once per template)."""
-    return tuple(field for field, _ in _fields(template))
-
-
-def _format(templates: Iterable[str], args: Mapping[str, Any], task: str) -> list[str]:
-    out = []
-    for template in templates:
-        for field in _roots(template):
-            if field not in args:
-                raise TemplateError(template, field, task)
-        try:
-            out.append(template.format_map(args))
-        except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
-            raise TemplateError(
-                template,
-                str(exc),
-                task,
-                f"cannot be formatted from this call's arguments ({type(exc).__name__}: {exc})",
-            ) from exc
-    return out
-
-
-def _check_templates(name: str, templates: Iterable[Any]) -> tuple[str, ...]:
-    """Type and syntax of the templates, checked before any function is seen."""
-    out = []
-    for t in templates:
-        if isinstance(t, (list, tuple, set, frozenset)) and name == "locked":
-            raise ConfigurationError(
-                name,
-                f"exclusive templates are separate arguments, not a {type(t).__name__}: "
-                f"write @locked('a', 'b'), not @locked(['a', 'b']) ({t!r})",
-            )
-        if callable(t) and name == "locked":
-            raise ConfigurationError(
-                name,
-                f"was applied to {getattr(t, '__qualname__', t)!r} without templates: "
-                "write @locked('repo:{repo_id}', ...), not a bare @locked",
-            )
-        if not isinstance(t, str) or not t:
-            raise ConfigurationError(name, f"resource templates must be non-empty str, not {t!r}")
-        try:
-            fields = _fields(t)
-        except ValueError as exc:
-            raise ConfigurationError(name, f"template {t!r} is malformed: {exc}") from None
-        for field, conversion in fields:
-            if conversion not in (None, "r", "s", "a"):
-                raise ConfigurationError(
-                    name,
-                    f"template {t!r} has conversion !{conversion} in field {{{field}...}}; "
-                    "use !r, !s or !a",
-                )
-        out.append(t)
-    return tuple(out)
-
-
-def _template_list(name: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return _check_templates(name, [value])
-    if isinstance(value, (bytes, bytearray)) or not isinstance(value, Iterable):
-        raise ConfigurationError(name, f"must be a str template or a list of them, not {value!r}")
-    return _check_templates(name, value)
 
 
 def _number(name: str, value: Any, low: float, what: str) -> None:
@@ -248,66 +128,6 @@ def _check_target(fun: Any) -> None:
         raise TypeError(f"@locked decorates a function, not {fun!r}")
 
 
-def _parameter_list(sig: inspect.Signature) -> str:
-    names = []
-    for p in sig.parameters.values():
-        if p.kind is inspect.Parameter.VAR_POSITIONAL:
-            names.append("*" + p.name)
-        elif p.kind is inspect.Parameter.VAR_KEYWORD:
-            names.append("**" + p.name)
-        else:
-            names.append(p.name)
-    return ", ".join(names)
-
-
-def _check_fields(templates: Iterable[str], sig: inspect.Signature, label: str) -> None:
-    """Every template's root names must be parameters of the function.
-
-    A function with ``**kwargs`` may receive any name: only positional
-    fields are refused then, the names are checked at each call.
-    """
-    params = sig.parameters
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    names = [p.name for p in params.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    example = next((n for n in names if n != "self"), "repo_id")
-    for template in templates:
-        for field, _ in _fields(template):
-            if field == "" or field.isdigit():
-                raise TemplateError(
-                    template,
-                    field or "{}",
-                    label,
-                    f"has a positional field {{{field}}}; templates name parameters, "
-                    f"e.g. {{{example}}} (parameters of {label}: "
-                    f"{_parameter_list(sig) or 'none'})",
-                )
-            if field not in names and not var_kw:
-                raise TemplateError(
-                    template,
-                    field,
-                    label,
-                    f"names {field!r}, which is not a parameter of {label}; its parameters "
-                    f"are: {_parameter_list(sig) or 'none'}. Fix the template or the "
-                    "function's parameters",
-                )
-
-
-def _find_locks(task: Any) -> RedisLock:
-    app = getattr(task, "app", None) if task is not None else None
-    if app is None:
-        from celery import current_app
-
-        app = current_app
-    locks = RedisLock.of(app)
-    if locks is None:
-        raise ConfigurationError(
-            "RedisLock",
-            f"app {getattr(app, 'main', app)!r} has no RedisLock: call RedisLock(app) "
-            "where the app is created, before @locked tasks run",
-        )
-    return locks
-
-
 def _retry_deferred(mgr: Any) -> None:
     """Retry releases the engine deferred (Redis was down at release time).
 
@@ -349,26 +169,6 @@ def _hand_back(task: Any, label: str, exc: ShuttingDown) -> None:
 
         raise Reject(exc, requeue=True) from exc
     raise task.retry(countdown=0, exc=exc) from exc
-
-
-def holder_info(task: Any, label: str, nodename: str | None = None) -> str:
-    """What the lock records about a task holder: ``name\nid\nnode``.
-
-    Recorded with the grant (the holder record, the resource's value in the
-    owner's registry) only when the locks are taken from a task, and shown
-    by ``redislock locks`` and the Inspector.
-    The node is the worker's node name (``celery@host``), else the request's
-    hostname.
-    """
-    request = getattr(task, "request", None) if task is not None else None
-    name = getattr(task, "name", None) or label
-    return _holder_record(name, getattr(request, "id", None), nodename, request)
-
-
-def _holder_record(name: Any, task_id: Any, nodename: str | None, request: Any) -> str:
-    """:func:`holder_info` from the task's name and id, already looked up."""
-    node = nodename or getattr(request, "hostname", None) or ""
-    return "\n".join(str(x).replace("\n", " ") for x in (name, task_id or "", node))
 
 
 class _LossWatch:
@@ -448,7 +248,7 @@ def _lost_after_body(lease: Lease, label: str, task_id: str, mode: str, pool_chi
 
 
 def _shown(on_busy: Any) -> str:
-    return "the app default" if on_busy is _DEFAULT else repr(on_busy)
+    return "the app default" if on_busy is APP_DEFAULT else repr(on_busy)
 
 
 @dataclass
@@ -693,7 +493,7 @@ def defers(task: Any, fun: Any) -> bool:
         return False
     mode = spec.get("on_busy")
     if mode is None:
-        mode = _find_locks(task).config.default_on_busy
+        mode = RedisLock.for_task(task).config.default_on_busy
     return bool(mode == "defer")
 
 
@@ -812,7 +612,7 @@ def _deferred_body_run(
         task_id,
         lost_mode,
         True,
-        locks._pool_child_pid,
+        locks.pool_child_pid,
         holder if mgr.context.current().holder is None else None,
     )
 
@@ -1069,7 +869,7 @@ def _run_deferred(
             raise Ignore()
     try:
         message = defer.capture_message(task)
-        park_ttl = cfg.defer_ttl if timeout is _DEFAULT or timeout is None else float(timeout)
+        park_ttl = cfg.defer_ttl if timeout is APP_DEFAULT or timeout is None else float(timeout)
         message["resources"] = resources
         message["park_ttl"] = park_ttl  # the time-out (LockTimeout's), not capped
         # Never parked past the task's own expires (then it is revoked as expired).
@@ -1099,7 +899,7 @@ def _run_deferred(
             task_id,
             exc,
         )
-        wait = cfg.default_timeout if timeout is _DEFAULT else timeout
+        wait = cfg.default_timeout if timeout is APP_DEFAULT else timeout
         # The body has not started: this wait may give way to a warm
         # shutdown, as @locked's own wait does.
         try:
@@ -1147,14 +947,14 @@ def _store_deferred(task: Any, task_id: str, resources: list[str]) -> None:
 def locked(
     *exclusive: str,
     shared: str | Iterable[str] = (),
-    timeout: float | None = _DEFAULT,
-    on_busy: str = _DEFAULT,
-    retry_countdown: float = _DEFAULT,
-    retry_backoff: float = _DEFAULT,
-    retry_backoff_max: float = _DEFAULT,
-    retry_jitter: bool = _DEFAULT,
-    max_retries: int | None = _DEFAULT,
-    on_lost: str = _DEFAULT,
+    timeout: float | None = APP_DEFAULT,
+    on_busy: str = APP_DEFAULT,
+    retry_countdown: float = APP_DEFAULT,
+    retry_backoff: float = APP_DEFAULT,
+    retry_backoff_max: float = APP_DEFAULT,
+    retry_jitter: bool = APP_DEFAULT,
+    max_retries: int | None = APP_DEFAULT,
+    on_lost: str = APP_DEFAULT,
 ) -> Callable[[F], F]:
     """Hold locks on the formatted resource names while the task body runs.
 
@@ -1223,8 +1023,8 @@ def locked(
     child killed by a hard time limit or revoke-terminate has its locks freed
     by the worker's main process within one heartbeat tick.
     """
-    ex = _check_templates("locked", exclusive)
-    sh = _template_list("locked(shared=)", shared)
+    ex = check_templates("locked", exclusive)
+    sh = template_list("locked(shared=)", shared)
     if not ex and not sh:
         raise ConfigurationError("locked", "needs at least one resource template")
     both = sorted(set(ex) & set(sh))
@@ -1234,20 +1034,24 @@ def locked(
             f"templates {both} are both exclusive and shared; an exclusive lock "
             "already covers reading: drop them from shared=",
         )
-    if on_lost is not _DEFAULT and (not isinstance(on_lost, str) or on_lost not in ON_LOST_MODES):
+    if on_lost is not APP_DEFAULT and (
+        not isinstance(on_lost, str) or on_lost not in ON_LOST_MODES
+    ):
         raise ConfigurationError(
             "locked(on_lost=)", f"must be one of {', '.join(ON_LOST_MODES)}, not {on_lost!r}"
         )
-    if on_busy is not _DEFAULT and (not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES):
+    if on_busy is not APP_DEFAULT and (
+        not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES
+    ):
         raise ConfigurationError(
             "locked(on_busy=)", f"must be one of {', '.join(ON_BUSY_MODES)}, not {on_busy!r}"
         )
-    if timeout is not _DEFAULT:
+    if timeout is not APP_DEFAULT:
         # None, or seconds >= 0 (infinity: None); 10**400 is refused, not an OverflowError.
         timeout = _v.seconds("locked(timeout=)", timeout, allow_none=True, allow_inf=True)
         if timeout is not None and math.isinf(timeout):
             timeout = None
-    if on_busy not in ("wait", "defer", _DEFAULT) and timeout is not _DEFAULT:
+    if on_busy not in ("wait", "defer", APP_DEFAULT) and timeout is not APP_DEFAULT:
         raise ConfigurationError(
             "locked(timeout=)",
             f"applies to on_busy='wait' or 'defer' only (on_busy={on_busy!r} tries once)",
@@ -1259,24 +1063,24 @@ def locked(
         "retry_jitter": retry_jitter,
         "max_retries": max_retries,
     }
-    given = [name for name, value in retry_opts.items() if value is not _DEFAULT]
+    given = [name for name, value in retry_opts.items() if value is not APP_DEFAULT]
     if given and on_busy != "retry":
         raise ConfigurationError(
             f"locked({given[0]}=)",
             f"applies to on_busy='retry' only (on_busy={on_busy!r}); "
             "add on_busy='retry' or drop it",
         )
-    countdown0 = 5.0 if retry_countdown is _DEFAULT else retry_countdown
-    backoff = 2.0 if retry_backoff is _DEFAULT else retry_backoff
-    backoff_max = 600.0 if retry_backoff_max is _DEFAULT else retry_backoff_max
-    jitter = True if retry_jitter is _DEFAULT else retry_jitter
+    countdown0 = 5.0 if retry_countdown is APP_DEFAULT else retry_countdown
+    backoff = 2.0 if retry_backoff is APP_DEFAULT else retry_backoff
+    backoff_max = 600.0 if retry_backoff_max is APP_DEFAULT else retry_backoff_max
+    jitter = True if retry_jitter is APP_DEFAULT else retry_jitter
     _number("locked(retry_countdown=)", countdown0, 0, "seconds >= 0")
     _number("locked(retry_backoff=)", backoff, 1, "a factor >= 1 (1: the same countdown each time)")
     _number("locked(retry_backoff_max=)", backoff_max, 0, "seconds >= 0")
     if not isinstance(jitter, bool):
         raise ConfigurationError("locked(retry_jitter=)", f"must be True or False, not {jitter!r}")
     if (
-        max_retries is not _DEFAULT
+        max_retries is not APP_DEFAULT
         and max_retries is not None
         and (isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0)
     ):
@@ -1288,35 +1092,22 @@ def locked(
         _check_target(fun)
         sig = inspect.signature(fun)
         label = getattr(fun, "__qualname__", repr(fun))
-        _check_fields(ex + sh, sig, label)
-        var_kw = next(
-            (p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD),
-            None,
-        )
+        check_fields(ex + sh, sig, label)
+        binder = ArgumentBinder(sig, label)
 
         from celery import current_task
 
         @functools.wraps(fun)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                bound = sig.bind(*args, **kwargs)
-            except TypeError as exc:
-                raise TypeError(f"{label}: {exc}") from exc
-            bound.apply_defaults()
-            mapping = dict(bound.arguments)
-            if var_kw is not None:
-                # A named parameter wins over a same-named keyword that only
-                # **kwargs could take (possible with positional-only ones).
-                for key, value in (mapping.pop(var_kw, None) or {}).items():
-                    mapping.setdefault(key, value)
-            exclusive_names = _format(ex, mapping, label)
+            mapping = binder.bind(args, kwargs)
+            exclusive_names = format_all(ex, mapping, label)
             # A resource both exclusive and shared (two templates formatting
             # to one name) is locked exclusively: that covers reading too.
-            shared_names = [n for n in _format(sh, mapping, label) if n not in exclusive_names]
+            shared_names = [n for n in format_all(sh, mapping, label) if n not in exclusive_names]
             # The task being run (None outside one): one look-up of Celery's task stack.
             task = current_task._get_current_object()
-            locks = _find_locks(task)
-            mode = locks.config.default_on_busy if on_busy is _DEFAULT else on_busy
+            locks = RedisLock.for_task(task)
+            mode = locks.config.default_on_busy if on_busy is APP_DEFAULT else on_busy
             hooks = _task_hooks(task)
             body = fun if hooks is None else _after_hook(fun, hooks.before_body)
             # The task's own @locked (not one called in a @locked body: that
@@ -1325,7 +1116,7 @@ def locked(
             # transit, then dispatched.
             outermost = not _leases.get()
             if (mode == "defer" or (outermost and _carries_grant(task))) and _deferrable(task):
-                lost = locks.config.on_lost if on_lost is _DEFAULT else on_lost
+                lost = locks.config.on_lost if on_lost is APP_DEFAULT else on_lost
                 return _run_deferred(
                     task,
                     locks,
@@ -1340,13 +1131,13 @@ def locked(
                     hooks,
                 )
             if mode in ("wait", "defer"):
-                wait = locks.config.default_timeout if timeout is _DEFAULT else timeout
+                wait = locks.config.default_timeout if timeout is APP_DEFAULT else timeout
             else:
                 wait = 0
             mgr = locks.manager
             if mgr.state.deferred and not mgr.liveness.own_heartbeat:
                 _retry_deferred(mgr)
-            lost_mode = locks.config.on_lost if on_lost is _DEFAULT else on_lost
+            lost_mode = locks.config.on_lost if on_lost is APP_DEFAULT else on_lost
             request = getattr(task, "request", None) if task is not None else None
             in_task = request is not None and not getattr(request, "called_directly", True)
             request_id = getattr(request, "id", None) if in_task else None
@@ -1358,7 +1149,7 @@ def locked(
             # body makes in this thread is labelled the same way.
             outer_holder = mgr.context.current().holder
             holder = (
-                _holder_record(task_label, request_id, locks.nodename, request)
+                holder_record(task_label, request_id, locks.nodename, request)
                 if in_task and outer_holder is None
                 else None
             )
@@ -1413,9 +1204,9 @@ def locked(
                     if jitter:
                         countdown = countdown * (0.5 + random.random() / 2)
                     opts: dict[str, Any] = {"countdown": countdown, "exc": exc}
-                    if max_retries is not _DEFAULT:
+                    if max_retries is not APP_DEFAULT:
                         opts["max_retries"] = max_retries
-                    limit = max_retries if max_retries is not _DEFAULT else task.max_retries
+                    limit = max_retries if max_retries is not APP_DEFAULT else task.max_retries
                     resources = ",".join(exclusive_names + shared_names)
                     if limit is not None and retries >= limit:
                         # task.retry() raises the LockTimeout itself: no retry.
@@ -1443,7 +1234,7 @@ def locked(
                 task_id,
                 lost_mode,
                 in_task,
-                locks._pool_child_pid,
+                locks.pool_child_pid,
                 holder,
             )
             return _run_body(lease, run, body, args, kwargs)
@@ -1452,8 +1243,8 @@ def locked(
         wrapper.__redislock__ = {  # type: ignore[attr-defined]
             "exclusive": ex,
             "shared": sh,
-            "on_busy": None if on_busy is _DEFAULT else on_busy,
-            "on_lost": None if on_lost is _DEFAULT else on_lost,
+            "on_busy": None if on_busy is APP_DEFAULT else on_busy,
+            "on_lost": None if on_lost is APP_DEFAULT else on_lost,
         }
         return wrapper  # type: ignore[return-value]
 

@@ -36,11 +36,12 @@ import logging
 import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from celery import Task
+from celery import Task, signals
 
 from . import _validate as _v
+from .app import RedisLock
 from .exceptions import (
     ConfigurationError,
     DuplicateTask,
@@ -52,20 +53,8 @@ from .keys import TASK_OWNER_PREFIX
 from .lease import Lease
 from .manager import TaskGrant
 from .node import free_dead_member
-from .task import (
-    DeferHooks,
-    _check_fields,
-    _find_locks,
-    _format,
-    _template_list,
-    defer_hooks,
-    defers,
-    holder_info,
-    reset_defer_hooks,
-)
-
-if TYPE_CHECKING:
-    from .app import RedisLock
+from .task import DeferHooks, defer_hooks, defers, reset_defer_hooks
+from .templates import bind_arguments, check_fields, format_all, holder_info, template_list
 
 log = logging.getLogger("celery_redislock.unique")
 
@@ -229,7 +218,7 @@ def _check_options(cls: type) -> None:
     name = getattr(cls, "name", None) or cls.__qualname__
     key = cls.__dict__.get("unique_key")
     if key is not None:
-        [template] = _template_list(f"{name}.unique_key", key)
+        [template] = template_list(f"{name}.unique_key", key)
         run = cls.__dict__.get("run")
         fun = getattr(run, "__func__", run)
         if fun is not None and callable(fun):
@@ -238,7 +227,7 @@ def _check_options(cls: type) -> None:
             except (TypeError, ValueError):
                 sig = None
             if sig is not None:
-                _check_fields([template], sig, f"{name}.unique_key")
+                check_fields([template], sig, f"{name}.unique_key")
     ttl = cls.__dict__.get("unique_ttl")
     if ttl is not None:
         _v.duration(f"{name}.unique_ttl", ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL)
@@ -314,19 +303,9 @@ class UniqueTask(Task):
         """
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        sig = inspect.signature(self.run)
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}: {exc}") from exc
-        bound.apply_defaults()
-        mapping = dict(bound.arguments)
-        for p in sig.parameters.values():
-            if p.kind is inspect.Parameter.VAR_KEYWORD:
-                for k, v in (mapping.pop(p.name, None) or {}).items():
-                    mapping.setdefault(k, v)
+        mapping = bind_arguments(inspect.signature(self.run), args, kwargs, self.name)
         if self.unique_key is not None:
-            [key] = _format([self.unique_key], mapping, f"{self.name}.unique_key")
+            [key] = format_all([self.unique_key], mapping, f"{self.name}.unique_key")
             return key
         text = _stable(mapping, self.name)
         key = f"{self.name}:{text}"
@@ -335,7 +314,7 @@ class UniqueTask(Task):
         return key
 
     def _locks(self) -> RedisLock:
-        return _find_locks(self)
+        return RedisLock.for_task(self)
 
     def _ttl(self, locks: RedisLock, options: Mapping[str, Any]) -> float:
         ttl = self.unique_ttl if self.unique_ttl is not None else locks.config.unique_ttl
@@ -587,7 +566,9 @@ def on_task_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
     Runs in the worker's main process when it discards the message. For a
     task already running (revoked with terminate), the key was adopted: the
-    process holding it frees it when it ends or dies.
+    process holding it frees it when it ends or dies. Connected to
+    ``task_revoked`` when this module is imported, as it is before any
+    ``UniqueTask`` exists.
     """
     if sender is None or request is None or not getattr(sender, "_redislock_unique", False):
         return
@@ -595,10 +576,15 @@ def on_task_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if not task_id:
         return
     try:
-        locks = _find_locks(sender)
+        locks = RedisLock.for_task(sender)
         report = locks.manager.release_task(task_id, int(getattr(request, "retries", 0) or 0))
     except Exception as exc:  # never break the worker's revoke path
         log.error("unique.revoke-release-error id=%s error=%r", task_id, exc)
         return
     if report.released:
         log.info("unique.revoked-released id=%s locks=%d", task_id, report.released)
+
+
+# Next to the code it serves: any process that has a UniqueTask imported this
+# module first. Other tasks' revokes cost one getattr.
+signals.task_revoked.connect(on_task_revoked, weak=False, dispatch_uid="celery_redislock.unique")

@@ -480,7 +480,7 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
     from celery import signals
 
     locks = RedisLock(app)
-    mgr = locks._enter_worker("0123456789abcdef")
+    mgr = locks.enter_worker("0123456789abcdef")
     try:
         assert not mgr.liveness.own_heartbeat and mgr.liveness.group is not None  # the main process
         r.config_resetstat()
@@ -515,7 +515,7 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
             not mgr.liveness.own_heartbeat and mgr.liveness.group is not None
         )  # the parent is unchanged
     finally:
-        locks._leave_worker()
+        locks.leave_worker()
         mgr.close()
 
 
@@ -523,7 +523,7 @@ def test_close_in_a_forked_helper_stops_the_helpers_own_heartbeat(
     app: Celery, r: redis.Redis
 ) -> None:
     locks = RedisLock(app)
-    mgr = locks._enter_worker("0123456789abcdef")
+    mgr = locks.enter_worker("0123456789abcdef")
     try:
 
         def child() -> list[bool]:  # pragma: no cover - runs in the child
@@ -537,7 +537,7 @@ def test_close_in_a_forked_helper_stops_the_helpers_own_heartbeat(
         out = fork_and_report(child)
         assert out == [True, False, False]  # a fresh standalone manager after close
     finally:
-        locks._leave_worker()
+        locks.leave_worker()
         mgr.close()
 
 

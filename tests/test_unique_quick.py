@@ -538,7 +538,7 @@ def test_a_redelivered_message_frees_the_key_a_dead_pool_sibling_adopted(
     res = sib.apply_async(queue="uq.nobody")  # queued; nobody consumes it
     locks = RedisLock.of(app)
     assert locks is not None
-    mgr = locks._enter_worker("fedcba9876543210")
+    mgr = locks.enter_worker("fedcba9876543210")
     try:
         read_fd, write_fd = os.pipe()
         pid = os.fork()
@@ -567,7 +567,7 @@ def test_a_redelivered_message_frees_the_key_a_dead_pool_sibling_adopted(
         assert f"owner={child_owner}" in caplog.text  # the dead sibling's clean-up is logged
         assert holders(r, "sib") == []
     finally:
-        locks._leave_worker()
+        locks.leave_worker()
         mgr.close()
 
 
