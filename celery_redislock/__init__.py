@@ -11,6 +11,7 @@ import Celery).
 """
 
 from .app import RedisLock
+from .body import current_lease
 from .checks import EvictionCheck, check_eviction
 from .exceptions import (
     ConfigurationError,
@@ -31,7 +32,8 @@ from .keys import FORMAT_VERSION
 from .lease import Lease
 from .manager import Adoption, LockManager, TaskGrant
 from .reports import CleanupReport, LockHolder, ReconcileReport
-from .task import TemplateError, current_lease, locked
+from .task import locked
+from .templates import TemplateError
 
 __version__ = "0.1.0"
 

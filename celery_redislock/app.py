@@ -49,7 +49,6 @@ def _connect_signals() -> None:
 
         signals.worker_process_init.connect(_on_worker_process_init, weak=False)
         signals.beat_init.connect(_on_beat_init, weak=False)
-        signals.task_postrun.connect(_on_task_postrun, weak=False)
         _signals_connected = True
 
 
@@ -57,14 +56,6 @@ def _on_worker_process_init(**_: Any) -> None:
     # No Redis round trip here: the pool kills a child not ready in ~4 s.
     for locks in list(_instances):
         locks.process_init()
-
-
-def _on_task_postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
-    # An adopted deferred task's park record is marked done once its result
-    # is stored (celery_redislock.task; Celery sends this after the store).
-    from .task import deferred_run_ended
-
-    deferred_run_ended(sender, task_id, state)
 
 
 def _on_beat_init(sender: Any = None, **_: Any) -> None:

@@ -22,6 +22,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -445,10 +446,18 @@ def _legacy_owner(mgr: LockManager, task_id: str, owner: str) -> str | None:
 
 #: Seconds a 'done' or 'adopted' record is kept (set by the app; default 1 day).
 DONE_TTL = 86400.0
+#: The 'done' record TTL of each manager that was given one (:func:`set_done_ttl`).
+_done_ttls: weakref.WeakKeyDictionary[LockManager, float] = weakref.WeakKeyDictionary()
+
+
+def set_done_ttl(mgr: LockManager, ttl: float) -> None:
+    """Keep ``mgr``'s 'done' and 'adopted' records ``ttl`` seconds (default
+    :data:`DONE_TTL`): the worker integration sets ``redislock_defer_ttl``."""
+    _done_ttls[mgr] = float(ttl)
 
 
 def _done_ttl(mgr: LockManager) -> float:
-    return float(getattr(mgr, "_defer_done_ttl", DONE_TTL))
+    return _done_ttls.get(mgr, DONE_TTL)
 
 
 def mark_done(mgr: LockManager, task_id: str, owner: str) -> None:
@@ -605,7 +614,7 @@ class Dispatcher:
             # the parked tasks whose time ran out (timeouts).
             metrics=manager.metrics,
         )
-        self.manager._defer_done_ttl = _done_ttl(manager)  # type: ignore[attr-defined]
+        set_done_ttl(self.manager, _done_ttl(manager))
         self.incarnation = incarnation
         self._publish = publish
         self._on_withdrawn = on_withdrawn

@@ -42,6 +42,7 @@ from celery import Task, signals
 
 from . import _validate as _v
 from .app import RedisLock
+from .deferred import DeferHooks, defer_hooks, defers, reset_defer_hooks
 from .exceptions import (
     ConfigurationError,
     DuplicateTask,
@@ -53,7 +54,6 @@ from .keys import TASK_OWNER_PREFIX
 from .lease import Lease
 from .manager import TaskGrant
 from .node import free_dead_member
-from .task import DeferHooks, defer_hooks, defers, reset_defer_hooks
 from .templates import bind_arguments, check_fields, format_all, holder_info, template_list
 
 log = logging.getLogger("celery_redislock.unique")

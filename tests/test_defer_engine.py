@@ -1088,11 +1088,11 @@ def test_the_grant_header_is_taken_off_the_request_so_a_retry_does_not_carry_it(
     grant's message."""
     from celery.app.task import Context
 
-    from celery_redislock.task import _grant_header
+    from celery_redislock.deferred import grant_header
 
     request = Context({"id": "t1", "task": "t.task", "retries": 0, "redislock_defer": "0:7"})
     assert request.as_execution_options()["headers"] == {"redislock_defer": "0:7"}
-    assert _grant_header(request) == (0, 7)
+    assert grant_header(request) == (0, 7)
     assert request.as_execution_options()["headers"] == {}  # what a retry sends
     assert request.redislock_defer == "0:7"  # the body may still read it
 
