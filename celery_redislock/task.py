@@ -422,8 +422,9 @@ def _call(
     # A resource both exclusive and shared (two templates formatting
     # to one name) is locked exclusively: that covers reading too.
     shared_names = [n for n in format_all(opts.shared, mapping, label) if n not in exclusive_names]
-    # The task being run (None outside one): one look-up of Celery's task stack.
-    task = current_task._get_current_object()
+    # The task being run (None outside one): one look-up of Celery's task
+    # stack (_get_current_object is the documented way to unwrap a Proxy).
+    task = current_task._get_current_object()  # noqa: SLF001
     locks = RedisLock.for_task(task)
     mode = locks.config.default_on_busy if opts.on_busy is APP_DEFAULT else opts.on_busy
     hooks = task_hooks(task)

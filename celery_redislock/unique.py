@@ -93,7 +93,7 @@ class _KeyHold:
         if self.state == "taken":
             return
         self.state = "taken"
-        self.lease = self.task._take_over(self.request, self.args, self.kwargs)
+        self.lease = self._take_over()
 
     def parked(self, seconds: float) -> None:
         """The task was parked: the task owner keeps the key while it waits.
@@ -106,9 +106,9 @@ class _KeyHold:
         self.state = "parked"
         task = self.task
         try:
-            locks = task._locks()
+            locks = RedisLock.for_task(task)
             key = task.unique_key_for(self.args, self.kwargs)
-            ttl = max(float(seconds), task._ttl(locks, {}))
+            ttl = max(float(seconds), _key_ttl(task, locks, {}))
             grant = locks.manager.acquire_for_task(
                 self.task_id,
                 UNIQUE_PREFIX + key,
@@ -146,7 +146,7 @@ class _KeyHold:
             return
         self.state = "freed"
         try:
-            self.task._locks().manager.release_task(self.task_id, self.attempt)
+            RedisLock.for_task(self.task).manager.release_task(self.task_id, self.attempt)
         except Exception as exc:
             log.error(
                 "unique.release-error task=%s id=%s error=%r (the key is freed after unique_ttl)",
@@ -154,6 +154,90 @@ class _KeyHold:
                 self.task_id,
                 exc,
             )
+
+    def _abandon(self, mgr: Any, task_id: str, attempt: int) -> None:
+        try:
+            adoption = mgr.adopt(task_id, attempt)
+            for lease in adoption.leases:
+                lease.release()
+        except BaseException as exc:
+            log.error(
+                "unique.adopt-interrupted id=%s error=%r: the key is freed when this "
+                "process ends (or by reconcile after its liveness)",
+                task_id,
+                exc,
+            )
+            if not isinstance(exc, Exception):
+                raise
+
+    def _take_over(self) -> Lease | None:
+        """Adopt the key from the task owner; or take it afresh; or run without.
+
+        A message whose key was not adopted (its task owner expired while
+        queued, or it is redelivered after the process that adopted it died)
+        takes the key for this process without waiting. If another task
+        holds it meanwhile, the task still runs (it was sent): logged.
+        """
+        task = self.task
+        locks = RedisLock.for_task(task)
+        mgr = locks.manager
+        task_id = self.request.id
+        attempt = self.attempt
+        try:
+            adoption = mgr.adopt(
+                task_id, attempt, holder=holder_info(task, task.name, locks.nodename)
+            )
+        except ReplicationTimeout as exc:
+            # Adopted, then released again (too few replicas have it): the
+            # task runs without its key, as when another task holds it.
+            log.warning(
+                "unique.run-without-key task=%s id=%s adopt=replication-short: %s",
+                task.name,
+                task_id,
+                exc,
+            )
+            return None
+        except BaseException:
+            # Interrupted (a soft time limit, a kill) maybe after Redis moved
+            # the key to this process: adopt again (idempotent: the same
+            # grants come back) and release them, or this long-lived process
+            # would keep the key until it exits.
+            self._abandon(mgr, task_id, attempt)
+            raise
+        if adoption.adopted and adoption.leases:
+            for extra in adoption.leases[1:]:  # a unique task's owner holds one grant
+                extra.release()
+            return adoption.leases[0]
+        if adoption.by is not None:
+            # Adopted by a process that may have died (this is a redelivery):
+            # if it was a process of this worker, the node frees it within a
+            # tick; don't race that clean-up, do it.
+            free_dead_member(mgr, adoption.by)
+        key = task.unique_key_for(self.args, self.kwargs)
+        try:
+            with mgr.context.using(
+                request_id=TASK_OWNER_PREFIX + task_id,
+                holder=holder_info(task, task.name, locks.nodename),
+            ):
+                lease = mgr.acquire(UNIQUE_PREFIX + key, timeout=0)
+        except LockTimeout:
+            log.warning(
+                "unique.run-without-key task=%s id=%s key=%s adopt=%s: another task holds the "
+                "key; this one runs anyway (it was sent)",
+                task.name,
+                task_id,
+                key,
+                adoption.status,
+            )
+            return None
+        log.info(
+            "unique.key-retaken task=%s id=%s key=%s adopt=%s",
+            task.name,
+            task_id,
+            key,
+            adoption.status,
+        )
+        return lease
 
 
 #: The unique key of each task running in this thread or greenlet (task id
@@ -313,24 +397,6 @@ class UniqueTask(Task):
             key = f"{self.name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
         return key
 
-    def _locks(self) -> RedisLock:
-        return RedisLock.for_task(self)
-
-    def _ttl(self, locks: RedisLock, options: Mapping[str, Any]) -> float:
-        ttl = self.unique_ttl if self.unique_ttl is not None else locks.config.unique_ttl
-        delay = 0.0
-        countdown = options.get("countdown")
-        eta = options.get("eta")
-        if countdown:
-            delay = float(countdown)
-        elif eta is not None:
-            if isinstance(eta, str):
-                eta = datetime.fromisoformat(eta)
-            if eta.tzinfo is None:
-                eta = eta.replace(tzinfo=timezone.utc)
-            delay = (eta - datetime.now(timezone.utc)).total_seconds()
-        return min(_v.MAX_OWNER_TTL, float(ttl) + max(0.0, delay))
-
     # -- enqueue ----------------------------------------------------------
 
     def apply_async(
@@ -351,22 +417,16 @@ class UniqueTask(Task):
         or :class:`DuplicateTask` (see the class doc). If sending fails, the
         key is released before the error propagates.
         """
-        locks = self._locks()
+        locks = RedisLock.for_task(self)
         mgr = locks.manager
         key = self.unique_key_for(args, kwargs)
         resource = UNIQUE_PREFIX + key
         explicit_id = task_id is not None
         task_id = task_id or str(uuid.uuid4())
         attempt = int(options.get("retries") or 0)
-        ttl = self._ttl(locks, options)
+        ttl = _key_ttl(self, locks, options)
         if attempt:
-            # A retry sent from the running body: hand the key on from this
-            # process to the retry's message (its own task owner).
-            hold = dict(_running.get()).get(task_id)
-            if hold is not None and hold.lease is not None and not hold.lease.released:
-                hold.lease.release()
-            elif hold is not None:
-                hold.free_unused()  # a deferred run's key, still its task owner's
+            _hand_on(task_id)
         try:
             grant = mgr.acquire_for_task(
                 task_id, resource, ttl=ttl, attempt=attempt, holder=f"{self.name}\n{task_id}\n"
@@ -407,17 +467,7 @@ class UniqueTask(Task):
             )
         except BaseException:
             if grant.granted:
-                try:
-                    mgr.release_task(task_id, attempt)
-                except LockError as exc:
-                    log.error(
-                        "unique.release-error task=%s id=%s key=%s error=%r "
-                        "(the key is freed after unique_ttl)",
-                        self.name,
-                        task_id,
-                        key,
-                        exc,
-                    )
+                _release_unsent(self, mgr, task_id, attempt, key)
             raise
 
     def _duplicate(self, key: str, existing: str | None) -> Any:
@@ -458,88 +508,48 @@ class UniqueTask(Task):
                         "unique.release-error task=%s id=%s error=%r", self.name, request.id, exc
                     )
 
-    def _abandon(self, mgr: Any, task_id: str, attempt: int) -> None:
-        try:
-            adoption = mgr.adopt(task_id, attempt)
-            for lease in adoption.leases:
-                lease.release()
-        except BaseException as exc:
-            log.error(
-                "unique.adopt-interrupted id=%s error=%r: the key is freed when this "
-                "process ends (or by reconcile after its liveness)",
-                task_id,
-                exc,
-            )
-            if not isinstance(exc, Exception):
-                raise
 
-    def _take_over(self, request: Any, args: Any, kwargs: Any) -> Lease | None:
-        """Adopt the key from the task owner; or take it afresh; or run without.
+def _hand_on(task_id: str) -> None:
+    """A retry sent from the running body: hand the key on from this
+    process to the retry's message (its own task owner)."""
+    hold = dict(_running.get()).get(task_id)
+    if hold is not None and hold.lease is not None and not hold.lease.released:
+        hold.lease.release()
+    elif hold is not None:
+        hold.free_unused()  # a deferred run's key, still its task owner's
 
-        A message whose key was not adopted (its task owner expired while
-        queued, or it is redelivered after the process that adopted it died)
-        takes the key for this process without waiting. If another task
-        holds it meanwhile, the task still runs (it was sent): logged.
-        """
-        mgr = self._locks().manager
-        task_id = request.id
-        attempt = int(request.retries or 0)
-        locks = self._locks()
-        try:
-            adoption = mgr.adopt(
-                task_id, attempt, holder=holder_info(self, self.name, locks.nodename)
-            )
-        except ReplicationTimeout as exc:
-            # Adopted, then released again (too few replicas have it): the
-            # task runs without its key, as when another task holds it.
-            log.warning(
-                "unique.run-without-key task=%s id=%s adopt=replication-short: %s",
-                self.name,
-                task_id,
-                exc,
-            )
-            return None
-        except BaseException:
-            # Interrupted (a soft time limit, a kill) maybe after Redis moved
-            # the key to this process: adopt again (idempotent: the same
-            # grants come back) and release them, or this long-lived process
-            # would keep the key until it exits.
-            self._abandon(mgr, task_id, attempt)
-            raise
-        if adoption.adopted and adoption.leases:
-            for extra in adoption.leases[1:]:  # a unique task's owner holds one grant
-                extra.release()
-            return adoption.leases[0]
-        if adoption.by is not None:
-            # Adopted by a process that may have died (this is a redelivery):
-            # if it was a process of this worker, the node frees it within a
-            # tick; don't race that clean-up, do it.
-            free_dead_member(mgr, adoption.by)
-        key = self.unique_key_for(args, kwargs)
-        try:
-            with mgr.context.using(
-                request_id=TASK_OWNER_PREFIX + task_id,
-                holder=holder_info(self, self.name, locks.nodename),
-            ):
-                lease = mgr.acquire(UNIQUE_PREFIX + key, timeout=0)
-        except LockTimeout:
-            log.warning(
-                "unique.run-without-key task=%s id=%s key=%s adopt=%s: another task holds the "
-                "key; this one runs anyway (it was sent)",
-                self.name,
-                task_id,
-                key,
-                adoption.status,
-            )
-            return None
-        log.info(
-            "unique.key-retaken task=%s id=%s key=%s adopt=%s",
-            self.name,
+
+def _release_unsent(task: UniqueTask, mgr: Any, task_id: str, attempt: int, key: str) -> None:
+    """The message was not sent: free the key its task owner took for it."""
+    try:
+        mgr.release_task(task_id, attempt)
+    except LockError as exc:
+        log.error(
+            "unique.release-error task=%s id=%s key=%s error=%r "
+            "(the key is freed after unique_ttl)",
+            task.name,
             task_id,
             key,
-            adoption.status,
+            exc,
         )
-        return lease
+
+
+def _key_ttl(task: UniqueTask, locks: RedisLock, options: Mapping[str, Any]) -> float:
+    """Seconds the task owner holds ``task``'s key for a message sent with
+    ``options``: ``unique_ttl`` plus any countdown or eta."""
+    ttl = task.unique_ttl if task.unique_ttl is not None else locks.config.unique_ttl
+    delay = 0.0
+    countdown = options.get("countdown")
+    eta = options.get("eta")
+    if countdown:
+        delay = float(countdown)
+    elif eta is not None:
+        if isinstance(eta, str):
+            eta = datetime.fromisoformat(eta)
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=timezone.utc)
+        delay = (eta - datetime.now(timezone.utc)).total_seconds()
+    return min(_v.MAX_OWNER_TTL, float(ttl) + max(0.0, delay))
 
 
 def release_withdrawn(app: Any, manager: Any, task_id: str, message: Mapping[str, Any]) -> None:
