@@ -49,6 +49,7 @@ from .keys import FORMAT_VERSION, UNVERSIONED_FORMAT
 from .manager import DEFAULT_OWNER_TTL, LockManager
 from .reports import CleanupReport
 from .settings import default_url, load_config, reveal
+from .wire import text
 
 log = logging.getLogger("celery_redislock.cli")
 
@@ -868,7 +869,7 @@ def format_(
         pipe.exists(mgr.keys.fence)
         pipe.scard(mgr.keys.owners)
         stored, fenced, owners = pipe.execute()
-        found = _text(stored) if stored is not None else None
+        found = text(stored) if stored is not None else None
         unversioned = found is None and bool(fenced)
         if unversioned:
             found = str(UNVERSIONED_FORMAT)
@@ -920,10 +921,6 @@ def format_(
         click.echo(f"namespace {mgr.namespace!r} now has format {FORMAT_VERSION}")
 
     _guard(run)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 #: Help of --url / --namespace for the standalone entry, which has no app

@@ -54,6 +54,7 @@ from .keys import (
 )
 from .manager import REDIS_DOWN_ERRORS, LockManager, format_verdict
 from .redact import redact_url as redact_url  # old name, kept importable
+from .wire import text
 
 _T = TypeVar("_T")
 
@@ -81,10 +82,6 @@ def _is_spilled(index_len: Any) -> bool:
     return not isinstance(index_len, Exception) and int(index_len) > 0
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def _task_name(raw: str | None) -> str | None:
     """The task name in a park record's message (JSON), or None."""
     if not raw:
@@ -98,7 +95,7 @@ def _task_name(raw: str | None) -> str | None:
 
 
 def _opt_text(value: Any) -> str | None:
-    return None if value is None else _text(value)
+    return None if value is None else text(value, "replace")
 
 
 def describe_fields(description: str | None) -> dict[str, str]:
@@ -153,7 +150,7 @@ def _holder_fields(value: Any) -> tuple[str | None, str | None, str | None]:
     """``(task name, task id, node)`` of a holder record's ``name\nid\nnode``."""
     if value is None or isinstance(value, Exception):
         return None, None, None
-    parts = _text(value).split("\n")
+    parts = text(value, "replace").split("\n")
     parts += [""] * (3 - len(parts))
     name, task_id, node = parts[:3]
     return name or None, task_id or None, node or None
@@ -311,7 +308,7 @@ def _waited_names(value: Any) -> list[str]:
     """The resource names of one waits-hash value ``modes\nname\nname...``."""
     if value is None or isinstance(value, Exception):
         return []
-    return [n for n in _text(value).split("\n")[1:] if n]
+    return [n for n in text(value, "replace").split("\n")[1:] if n]
 
 
 def _by_length(counts: dict[str, int]) -> list[QueueLength]:
@@ -500,7 +497,7 @@ class Inspector:
                 name, functools.partial(scan, key, cursor, count=self.batch_size)
             )
             # HSCAN answers a mapping field -> value; SSCAN a list of members.
-            batch = [n for n in (_text(x) for x in found) if n not in seen]
+            batch = [n for n in (text(x, "replace") for x in found) if n not in seen]
             seen.update(batch)
             if batch:
                 yield batch
@@ -568,7 +565,7 @@ class Inspector:
                     continue
                 cursor, fields = reply
                 if int(cursor) == 0 and not _is_spilled(spilled):
-                    out[owner] = sorted({self.keys.lock(_text(f)) for f in fields})
+                    out[owner] = sorted({self.keys.lock(text(f, "replace")) for f in fields})
                 else:
                     out[owner] = sorted(set(self.registry(owner)))
         return out
@@ -628,12 +625,14 @@ class Inspector:
             for key in batch:
                 pipe.type(key)
             for key, t in zip(batch, self._run(pipe)):
-                types[key] = _text(t)
+                types[key] = text(t, "replace")
         grants: list[tuple[str, str, str, int | None]] = []  # key, token, mode, fence
         for key, h, _ in raw:
             if isinstance(h, dict):
                 for token, value in h.items():
-                    grants.append((key, _text(token), *parse_grant(_text(value))))
+                    grants.append(
+                        (key, text(token, "replace"), *parse_grant(text(value, "replace")))
+                    )
         live = self.liveness(owner_of_token(t) for _, t, _, _ in grants)
         tasks = self._holder_infos([(self.resource_of(k), t) for k, t, _, _ in grants])
         holders: dict[str, list[Holder]] = {}
@@ -696,10 +695,10 @@ class Inspector:
                 info = None
                 for record in replies[3 * i : 3 * i + 2]:
                     if info is None and isinstance(record, (str, bytes)):
-                        info = holder_info_of(_text(record), token)
+                        info = holder_info_of(text(record, "replace"), token)
                 legacy = replies[3 * i + 2]
                 if info is None and isinstance(legacy, (str, bytes)):
-                    info = _text(legacy)
+                    info = text(legacy, "replace")
                 out[token] = _holder_fields(info)
         return out
 
@@ -728,7 +727,7 @@ class Inspector:
             )
         except redis.ResponseError:
             return []  # not a zset: nothing the engine queued
-        parsed = [(_text(m), float(score)) for m, score in entries]
+        parsed = [(text(m, "replace"), float(score)) for m, score in entries]
         tokens = [m[1:] for m, _ in parsed]
         live = self.liveness(owner_of_token(t) for t in tokens)
         states: dict[str, str | None] = {}
@@ -858,7 +857,7 @@ class Inspector:
             return None  # not a hash: no node record
         if not raw:
             return None
-        record = {_text(k): _text(v) for k, v in raw.items()}
+        record = {text(k, "replace"): text(v, "replace") for k, v in raw.items()}
         inc = record.get("inc")
         owners: dict[str, int] = {}
         tomb = False
@@ -870,9 +869,9 @@ class Inspector:
             if isinstance(group, dict):
                 for k, v in group.items():
                     try:
-                        owners[_text(k)] = pid_of_tag(_text(v))
+                        owners[text(k, "replace")] = pid_of_tag(text(v, "replace"))
                     except ValueError:
-                        owners[_text(k)] = -1
+                        owners[text(k, "replace")] = -1
             tomb = bool(t) and not isinstance(t, Exception)
         return NodeInfo(name, inc, record, owners, tomb)
 
@@ -1028,7 +1027,7 @@ class Inspector:
             eviction_policy=ev.policy,
             may_evict=ev.may_evict,
             eviction_note=ev.describe(),
-            fence=int(_text(fence)) if fence is not None else None,
+            fence=int(text(fence, "replace")) if fence is not None else None,
             owners=owners,
             alive_owners=alive,
             dead_owners=dead,
