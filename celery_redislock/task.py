@@ -416,6 +416,8 @@ def _call(
     args: Any,
     kwargs: Any,
 ) -> Any:
+    """One call of the wrapper: format the names, then take the deferred
+    path or wait (:func:`_wait_and_run`)."""
     label = binder.label
     mapping = binder.bind(args, kwargs)
     exclusive_names = format_all(opts.exclusive, mapping, label)
