@@ -45,11 +45,10 @@ import redis
 
 from .exceptions import ConfigurationError, LockError
 from .inspect import Holder, Inspector, LockInfo, OwnerInfo, ReleasePlan, redact_url
-from .keys import FORMAT_VERSION, UNVERSIONED_FORMAT
+from .keys import FORMAT_VERSION, UNVERSIONED_FORMAT, text
 from .manager import DEFAULT_OWNER_TTL, LockManager
 from .reports import CleanupReport
 from .settings import default_url, load_config, reveal
-from .wire import text
 
 log = logging.getLogger("celery_redislock.cli")
 

@@ -48,13 +48,13 @@ from .keys import (
     owner_of_token,
     parse_grant,
     registry_bucket,
+    text,
     validate_node_name,
     validate_owner_id,
     validate_resource,
 )
 from .manager import REDIS_DOWN_ERRORS, LockManager, format_verdict
 from .redact import redact_url as redact_url  # old name, kept importable
-from .wire import text
 
 _T = TypeVar("_T")
 

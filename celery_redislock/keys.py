@@ -84,9 +84,11 @@ _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def text(value: object) -> str:
-    """A reply value as str (replies are bytes unless the client decodes them)."""
-    return value.decode() if isinstance(value, bytes) else str(value)
+def text(value: object, errors: str = "strict") -> str:
+    """A reply value as ``str``: ``bytes`` decoded as UTF-8 (``errors`` as for
+    :meth:`bytes.decode`; ``"replace"`` for what is only shown), anything
+    else through ``str()`` (replies are bytes unless the client decodes them)."""
+    return value.decode("utf-8", errors) if isinstance(value, bytes) else str(value)
 
 
 def validate_namespace(namespace: object) -> str:

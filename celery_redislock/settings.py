@@ -18,17 +18,18 @@ from . import _validate as _v
 from .connect import is_sentinel_url, parse_sentinel_url, redact, validate_url
 from .exceptions import ConfigurationError
 from .keys import validate_namespace
+from .options import (
+    EVICTION_CHECK_MODES,
+    MAX_WAIT_REPLICAS,
+    MAX_WAIT_TIMEOUT,
+    MIN_WAIT_TIMEOUT,
+    WAIT_POLICIES,
+)
 
 #: Broker URL schemes the lock engine can reuse as its own Redis URL.
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
-#: Values of ``redislock_eviction_check``.
-EVICTION_MODES = ("warn", "raise", "ignore")
-#: Values of ``redislock_wait_policy``.
-WAIT_POLICIES = ("fail", "retry")
-#: Bounds of ``redislock_wait_replicas`` and ``redislock_wait_timeout``.
-MAX_WAIT_REPLICAS = 100
-MIN_WAIT_TIMEOUT = 0.001
-MAX_WAIT_TIMEOUT = 60.0
+#: Values of ``redislock_eviction_check`` (the engine's ``eviction_check``).
+EVICTION_MODES = EVICTION_CHECK_MODES
 #: Bounds of ``redislock_reconcile_interval`` when set (seconds; 0 or None: off).
 MIN_RECONCILE_INTERVAL = 1.0
 MAX_RECONCILE_INTERVAL = 7 * 86400.0
@@ -314,24 +315,15 @@ class Config:
     defer_guard_interval: float | None = None
 
 
-def _number(
-    name: str,
-    value: Any,
-    *,
-    allow_none: bool = False,
-    allow_inf: bool = False,
-    minimum: float = 0.0,
-    maximum: float | None = None,
-) -> float | None:
-    """A number of seconds (a numeric string is accepted), range-checked."""
+def _number(name: str, value: Any, **bounds: Any) -> float | None:
+    """A number of seconds (a numeric string is accepted), range-checked
+    (``bounds``: those of :func:`celery_redislock._validate.seconds`)."""
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
             pass
-    return _v.seconds(
-        name, value, allow_none=allow_none, allow_inf=allow_inf, minimum=minimum, maximum=maximum
-    )
+    return _v.seconds(name, value, **bounds)
 
 
 def _bool(name: str, value: Any) -> bool:

@@ -77,13 +77,6 @@ def pack(conn: Any, head: bytes, args: list[Any] | tuple[Any, ...], extra: int) 
     return b"".join(out)
 
 
-def text(value: Any, errors: str = "strict") -> str:
-    """A reply as ``str``: ``bytes`` decoded as UTF-8 (``errors`` as for
-    :meth:`bytes.decode`; ``"replace"`` for what is only shown), anything
-    else through ``str()``."""
-    return value.decode("utf-8", errors) if isinstance(value, bytes) else str(value)
-
-
 def bulk(value: str) -> bytes:
     """One RESP bulk string of an ASCII constant (a command name, a SHA)."""
     data = value.encode("ascii")
