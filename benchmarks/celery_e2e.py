@@ -643,12 +643,12 @@ def run_profile(
                 # Paths relative to the checkout and to site-packages, for the report.
                 top = re.sub(r"/\S*/site-packages/", "", text.getvalue())
                 top = top.replace(str(ROOT) + "/", "").replace(str(out_dir) + "/", "")
-                wrapper = _entry(stats, "celery_redislock/task.py", "wrapper")
-                acquire = _entry(stats, "celery_redislock/manager.py", "acquire")
-                release = _entry(stats, "celery_redislock/lease.py", "release")
+                wrapper = _entry(stats, "celery_redislock/integration/locked.py", "wrapper")
+                acquire = _entry(stats, "celery_redislock/engine/manager.py", "acquire")
+                release = _entry(stats, "celery_redislock/engine/lease.py", "release")
                 # Scripts.run through redis-py, run_direct on a held connection.
-                trips = _entry(stats, "celery_redislock/scripts.py", "run") + _entry(
-                    stats, "celery_redislock/scripts.py", "run_direct"
+                trips = _entry(stats, "celery_redislock/store/scripts.py", "run") + _entry(
+                    stats, "celery_redislock/store/scripts.py", "run_direct"
                 )
                 socket = _socket_time(stats)
                 server = float(evalsha.get("usec", 0))

@@ -10,10 +10,10 @@ ratio shows whether its cost grows linearly in what it touches.
 
 1. **Heartbeats** (``--nodes``, default 500 and 1,000 worker nodes with 8
    pool children each, at the default interval of 10 s and owner TTL of
-   30 s). Per node: a real :class:`~celery_redislock.node.Node` whose
-   :meth:`~celery_redislock.node.Node.tick` runs ``node_heartbeat.lua``
+   30 s). Per node: a real :class:`~celery_redislock.worker.node.Node` whose
+   :meth:`~celery_redislock.worker.node.Node.tick` runs ``node_heartbeat.lua``
    (refreshing its 8 children's liveness keys) once per interval, and a real
-   deferred-task :class:`~celery_redislock.defer.Dispatcher` whose
+   deferred-task :class:`~celery_redislock.worker.defer.Dispatcher` whose
    ``upkeep()`` runs ``defer_tick.lua`` once per interval; both driven from
    a few threads on each node's schedule, the nodes of a thread sharing one
    connection. The children's owners are registered by real acquires (a
@@ -84,9 +84,9 @@ import redis
 
 from benchmarks.machine import load_average
 from celery_redislock import LockManager
-from celery_redislock.defer import Dispatcher
-from celery_redislock.node import Node, new_incarnation
-from celery_redislock.scripts import SCRIPT_NAMES, source
+from celery_redislock.store.scripts import SCRIPT_NAMES, source
+from celery_redislock.worker.defer import Dispatcher
+from celery_redislock.worker.node import Node, new_incarnation
 
 ROOT = Path(__file__).resolve().parents[1]
 

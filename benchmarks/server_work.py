@@ -275,8 +275,8 @@ def measure_upkeep(server: CallgrindServer, calls: int) -> dict[str, float]:
     worker with 8 idle pool children (``node_heartbeat.lua``, the fleet's
     per-tick cost; benchmarks/fleet.py's simulated node)."""
     from benchmarks import fleet
-    from celery_redislock.node import Node, new_incarnation
-    from celery_redislock.scripts import Scripts
+    from celery_redislock.store.scripts import Scripts
+    from celery_redislock.worker.node import Node, new_incarnation
 
     client = fleet._admin(server.url, scripts=True)
     mgr = fleet._manager(client, "upkeep", owner_ttl=30)

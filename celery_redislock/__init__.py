@@ -10,9 +10,8 @@ imported on first access, so that importing the package alone does not
 import Celery).
 """
 
-from .app import RedisLock
-from .body import current_lease
-from .checks import EvictionCheck, check_eviction
+from .engine.lease import Lease
+from .engine.manager import Adoption, LockManager, TaskGrant
 from .exceptions import (
     ConfigurationError,
     DuplicateTask,
@@ -27,20 +26,21 @@ from .exceptions import (
     ReplicationTimeout,
     ShuttingDown,
 )
-from .inspect import Inspector
-from .keys import FORMAT_VERSION
-from .lease import Lease
-from .manager import Adoption, LockManager, TaskGrant
-from .reports import CleanupReport, LockHolder, ReconcileReport
-from .task import locked
-from .templates import TemplateError
+from .integration.app import RedisLock
+from .integration.body import current_lease
+from .integration.locked import locked
+from .integration.templates import TemplateError
+from .ops.inspector import Inspector
+from .protocol.keys import FORMAT_VERSION
+from .protocol.reports import CleanupReport, LockHolder, ReconcileReport
+from .store.checks import EvictionCheck, check_eviction
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
     if name == "UniqueTask":
-        from .unique import UniqueTask
+        from .integration.unique import UniqueTask
 
         return UniqueTask
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ reconcile); ``--url`` (or ``REDISLOCK_URL``) is required here since there
 are no app settings to read it from.
 """
 
-from .cli import main
+from .integration.cli import main
 
 if __name__ == "__main__":
     main()

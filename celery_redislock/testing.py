@@ -60,9 +60,9 @@ from typing import Any
 import pytest
 import redis
 
-from .inspect import Inspector, Waiter
-from .manager import LockManager
-from .reports import LockHolder
+from .engine.manager import LockManager
+from .ops.inspector import Inspector, Waiter
+from .protocol.reports import LockHolder
 
 #: Environment variable naming the redis-server executable to use.
 SERVER_ENV = "REDISLOCK_REDIS_SERVER"

@@ -2,7 +2,7 @@
 
 The guides are the Markdown files of this directory (MyST); the API
 reference comes from the docstrings (autodoc), the settings reference from
-``celery_redislock.settings.SETTINGS`` (``_ext/redislock_docs.py``) and the
+``celery_redislock.integration.settings.SETTINGS`` (``_ext/redislock_docs.py``) and the
 CLI page from the click commands (sphinx-click). The build never touches the
 network: the intersphinx inventories are files under ``_inventories/``,
 written by ``_inventories/make_inventories.py``.
@@ -44,12 +44,12 @@ templates_path: list[str] = []
 nitpicky = True
 nitpick_ignore = [
     # A type variable of a signature.
-    ("py:class", "celery_redislock.task.F"),
+    ("py:class", "celery_redislock.integration.locked.F"),
     # Internal machinery named by the type of a public attribute; documented
     # in the guides (worker.md, design.md), not part of the API.
-    ("py:class", "celery_redislock.heartbeat.Heartbeat"),
-    ("py:class", "celery_redislock.node.Node"),
-    ("py:class", "celery_redislock.node.IncarnationCell"),
+    ("py:class", "celery_redislock.engine.heartbeat.Heartbeat"),
+    ("py:class", "celery_redislock.worker.node.Node"),
+    ("py:class", "celery_redislock.worker.node.IncarnationCell"),
     # redis-py documents its client as redis.Redis; a return annotation
     # resolves to where the class is defined.
     ("py:class", "redis.client.Redis"),
@@ -75,7 +75,7 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
 autodoc_default_options = {"members": True}
-autodoc_type_aliases = {"AnyRedis": "celery_redislock.connect.AnyRedis"}
+autodoc_type_aliases = {"AnyRedis": "celery_redislock.store.connect.AnyRedis"}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False

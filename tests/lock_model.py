@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from celery_redislock.keys import holder_record
+from celery_redislock.protocol.keys import holder_record
 
 #: A nested request's queue score is its arrival number minus this.
 NESTED_OFFSET = 10**15

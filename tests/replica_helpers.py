@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from celery_redislock import Lease, LockManager, LockTimeout, RedisUnavailable
-from celery_redislock.inspect import Inspector
+from celery_redislock.ops.inspector import Inspector
 from engine_helpers import wait_until
 from redis_server import LOOPBACK, RedisServer
 

@@ -36,10 +36,10 @@ from celery_redislock import (
     PermissionDenied,
     ShuttingDown,
     check_eviction,
-    defer,
 )
-from celery_redislock.cli import redislock
-from celery_redislock.node import Node, group_key, halt_key, new_incarnation
+from celery_redislock.integration.cli import redislock
+from celery_redislock.worker import defer
+from celery_redislock.worker.node import Node, group_key, halt_key, new_incarnation
 from engine_helpers import wait_until
 from redis_server import RedisServer
 from test_inspect import dead_owner

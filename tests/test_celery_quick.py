@@ -30,7 +30,7 @@ from celery_redislock import (
     current_lease,
     locked,
 )
-from celery_redislock.settings import SETTINGS, load_config, markdown_table
+from celery_redislock.integration.settings import SETTINGS, load_config, markdown_table
 from engine_helpers import wait_until as wait_for
 from redis_server import RedisServer
 
@@ -424,7 +424,7 @@ def test_worker_restart_frees_stale_predecessor_locks(
     worker_app: tuple[Celery, RedisLock], redis_url: str, r: redis.Redis
 ) -> None:
     app, _ = worker_app
-    from celery_redislock.node import Node, group_key, new_incarnation
+    from celery_redislock.worker.node import Node, group_key, new_incarnation
 
     # A predecessor under the same node name that crashed long ago.
     inc = new_incarnation()

@@ -23,8 +23,9 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
-from celery_redislock import FORMAT_VERSION, LockManager, defer
-from celery_redislock.cli import redislock
+from celery_redislock import FORMAT_VERSION, LockManager
+from celery_redislock.integration.cli import redislock
+from celery_redislock.worker import defer
 from engine_helpers import acquire_as_task, queue_requests
 from redis_server import RedisServer
 from test_inspect import (
@@ -685,7 +686,7 @@ def test_format_switch_refuses_while_owners_are_left_then_switches_after_the_dra
 def test_operations_guide_lists_every_key_of_the_key_reference_and_every_command() -> None:
     import re
 
-    import celery_redislock.keys as keys_module
+    import celery_redislock.protocol.keys as keys_module
 
     root = Path(__file__).resolve().parent.parent
     # A '|' inside a Markdown table cell is written with a backslash.

@@ -40,13 +40,13 @@ from redis.cluster import RedisCluster
 import acl_helpers
 import test_acl as acl_test
 from celery_redislock import LockManager, RedisLock, ShuttingDown
-from celery_redislock.checks import check_eviction
-from celery_redislock.cli import redislock
-from celery_redislock.connect import describe_client
+from celery_redislock.engine.lease import Lease
 from celery_redislock.exceptions import ConfigurationError, LockTimeout, RedisUnavailable
-from celery_redislock.inspect import Inspector
-from celery_redislock.lease import Lease
-from celery_redislock.node import Node, group_key, new_incarnation
+from celery_redislock.integration.cli import redislock
+from celery_redislock.ops.inspector import Inspector
+from celery_redislock.store.checks import check_eviction
+from celery_redislock.store.connect import describe_client
+from celery_redislock.worker.node import Node, group_key, new_incarnation
 from engine_helpers import wait_until
 from redis_server import (
     LOOPBACK,

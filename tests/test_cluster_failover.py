@@ -41,7 +41,7 @@ from redis.crc import key_slot
 
 from celery_redislock import LockManager
 from celery_redislock.exceptions import CAUSE_EXPIRED
-from celery_redislock.inspect import Inspector
+from celery_redislock.ops.inspector import Inspector
 from engine_helpers import wait_until
 from redis_server import RedisServer
 from replica_helpers import (

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from celery_redislock.connect import (
+from celery_redislock.exceptions import ConfigurationError
+from celery_redislock.integration.settings import load_config
+from celery_redislock.store.connect import (
     CLUSTER_OPTIONS,
     parse_cluster_url,
     validate_url,
 )
-from celery_redislock.exceptions import ConfigurationError
-from celery_redislock.settings import load_config
 
 PW = "s3cr@t:/pw"
 ENC = "s3cr%40t%3A%2Fpw"
@@ -131,7 +131,7 @@ def test_the_cli_on_a_cluster_url_nobody_answers_says_so_in_one_line() -> None:
     Redis being unavailable (exit 1, password masked), not a traceback."""
     from click.testing import CliRunner
 
-    from celery_redislock.cli import redislock
+    from celery_redislock.integration.cli import redislock
     from redis_server import free_port
 
     url = f"redis+cluster://ops:{ENC}@127.0.0.1:{free_port()}/?socket_connect_timeout=1"

@@ -20,7 +20,7 @@ import redis
 
 from celery_redislock import FORMAT_VERSION
 
-#: EX_CONFIG (sysexits.h), celery_redislock.app.EX_CONFIG
+#: EX_CONFIG (sysexits.h), celery_redislock.integration.app.EX_CONFIG
 EX_CONFIG = 78
 
 LINE = (

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager, defer
-from celery_redislock.defer import Dispatcher, adopt, mark_done, park, park_limit, withdraw
-from celery_redislock.identity import new_request_id
-from celery_redislock.inspect import Inspector
-from celery_redislock.manager import RequestMoved
+from celery_redislock import LockManager
+from celery_redislock.engine.identity import new_request_id
+from celery_redislock.engine.manager import RequestMoved
+from celery_redislock.ops.inspector import Inspector
+from celery_redislock.worker import defer
+from celery_redislock.worker.defer import Dispatcher, adopt, mark_done, park, park_limit, withdraw
 from engine_helpers import Managers, namespace_keys, queue_requests, wait_until
 
 NS = "t"
@@ -623,8 +624,8 @@ def test_a_copy_finding_its_adopter_a_dead_process_of_its_worker_frees_it_and_ru
     # liveness is still there. The copy frees it (a process of its own
     # worker's group that no longer runs) and is parked as a new life,
     # instead of being dropped while the adopter looks alive.
-    from celery_redislock.identity import process_tag
-    from celery_redislock.node import group_key
+    from celery_redislock.engine.identity import process_tag
+    from celery_redislock.worker.node import group_key
 
     group = group_key(P, "inc1")
     mgr = managers()
@@ -1061,7 +1062,7 @@ def test_a_grant_parked_by_an_earlier_release_is_adopted_under_its_old_owner_nam
 ) -> None:
     """An earlier release named a park record's task owner task:<id>: the
     record's token says so, and the adopting child takes that owner."""
-    from celery_redislock.defer import _attempt_as_task, deferred_key, record_key
+    from celery_redislock.worker.defer import _attempt_as_task, deferred_key, record_key
 
     mgr, child = managers(), managers()
     holder = mgr.acquire("a")
@@ -1088,7 +1089,7 @@ def test_the_grant_header_is_taken_off_the_request_so_a_retry_does_not_carry_it(
     grant's message."""
     from celery.app.task import Context
 
-    from celery_redislock.deferred import grant_header
+    from celery_redislock.integration.deferred import grant_header
 
     request = Context({"id": "t1", "task": "t.task", "retries": 0, "redislock_defer": "0:7"})
     assert request.as_execution_options()["headers"] == {"redislock_defer": "0:7"}

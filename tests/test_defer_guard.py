@@ -39,10 +39,16 @@ from celery import Celery
 
 from celery_helpers import close_app, quick_app
 from celery_redislock import LockLost, LockManager, RedisLock
-from celery_redislock.defer import adopt, mark_done, park
 from celery_redislock.exceptions import CAUSE_REDIS_LOST, ConfigurationError
-from celery_redislock.guard import GUARD_TASK, check, copy_is_stale, enabled, mark_adopted
-from celery_redislock.settings import load_config
+from celery_redislock.integration.guard import (
+    GUARD_TASK,
+    check,
+    copy_is_stale,
+    enabled,
+    mark_adopted,
+)
+from celery_redislock.integration.settings import load_config
+from celery_redislock.worker.defer import adopt, mark_done, park
 
 NS = "tg"
 P = "{tg}:"

@@ -284,7 +284,7 @@ def test_status_samples_are_what_the_command_prints(redis_url: str) -> None:
     from click.testing import CliRunner
 
     from celery_redislock import FORMAT_VERSION
-    from celery_redislock.cli import redislock
+    from celery_redislock.integration.cli import redislock
 
     samples = [
         (path.name, m["rows"].splitlines())

@@ -19,8 +19,8 @@ from celery_redislock import (
     RedisUnavailable,
     check_eviction,
 )
-from celery_redislock.inspect import Inspector
-from celery_redislock.keys import MAX_RESOURCE_BYTES, MAX_RESOURCES
+from celery_redislock.ops.inspector import Inspector
+from celery_redislock.protocol.keys import MAX_RESOURCE_BYTES, MAX_RESOURCES
 from engine_helpers import (
     Managers,
     all_keys,

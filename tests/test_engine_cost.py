@@ -356,7 +356,7 @@ def upkeep_with_due_deadlines(
     """Commands of one dispatcher upkeep pass with ``backlog`` tasks parked on
     ``busy`` (none due) and ``due`` tasks whose park deadline passed, each
     parked on a resource of its own behind a live holder."""
-    from celery_redislock.defer import Dispatcher, park
+    from celery_redislock.worker.defer import Dispatcher, park
 
     rc.flushall()
     mgr = managers(owner_ttl=OWNER_TTL)

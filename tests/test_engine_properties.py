@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from celery_redislock import InvalidResource, Lease, LockManager, LockTimeout
-from celery_redislock.keys import MAX_RESOURCE_BYTES
+from celery_redislock.protocol.keys import MAX_RESOURCE_BYTES
 from engine_helpers import (
     Managers,
     all_keys,

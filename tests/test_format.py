@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from celery_redislock import FORMAT_VERSION, FormatMismatch, LockError, LockManager
-from celery_redislock.keys import UNVERSIONED_FORMAT
-from celery_redislock.scripts import Scripts
+from celery_redislock.protocol.keys import UNVERSIONED_FORMAT
+from celery_redislock.store.scripts import Scripts
 from engine_helpers import Managers, command_delta, commandstats, namespace_keys, wait_until
 from redis_server import RedisServer
 

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from celery_redislock import LockManager, ShuttingDown
-from celery_redislock.node import Node, halt_key, new_incarnation
+from celery_redislock.worker.node import Node, halt_key, new_incarnation
 from engine_helpers import Managers, assert_registry_truth, wait_until
 
 NS = "t"

@@ -160,7 +160,7 @@ def test_scripts_and_waits_skip_the_command_wrapper_and_keep_their_replies(
     mgr: LockManager, r: redis.Redis
 ) -> None:
     # The held connection's scripts and BLPOP are packed and sent directly
-    # (celery_redislock.wire): redis-py's execute_command is not called,
+    # (celery_redislock.store.wire): redis-py's execute_command is not called,
     # and names outside ASCII, shared grants, hand-offs and a NOSCRIPT all
     # behave as through it.
     held = _held(mgr)

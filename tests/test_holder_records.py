@@ -13,7 +13,7 @@ import threading
 import redis
 
 from celery_redislock import Inspector, Lease, LockManager
-from celery_redislock.keys import registry_bucket
+from celery_redislock.protocol.keys import registry_bucket
 from engine_helpers import Managers, acquire_as_task, wait_until
 
 INFO = "proj.sync\n0b7e4a2c-7b1e-4bd5-9f3e-6a1d0c2f9e41\ncelery@w1"

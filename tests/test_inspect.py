@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from celery_redislock import LockManager, LockTimeout
-from celery_redislock.inspect import Inspector, describe_fields, redact_url
+from celery_redislock.ops.inspector import Inspector, describe_fields, redact_url
 from engine_helpers import command_delta, commandstats, wait_until
 from redis_server import RedisServer
 

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from celery_redislock import ConfigurationError, Lease, LockError, LockLost, LockManager
-from celery_redislock.identity import OwnerIdentity
+from celery_redislock.engine.identity import OwnerIdentity
 from engine_helpers import Child, Managers, child_holder, lock_holders, wait_until
 from redis_server import RedisServer
 

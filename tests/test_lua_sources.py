@@ -18,8 +18,8 @@ from importlib import resources
 
 import pytest
 
-from celery_redislock import scripts
-from celery_redislock.scripts import SCRIPT_NAMES
+from celery_redislock.store import scripts
+from celery_redislock.store.scripts import SCRIPT_NAMES
 
 LUA = resources.files("celery_redislock") / "lua"
 FILES = ["_common", *SCRIPT_NAMES]

@@ -20,9 +20,9 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
 from celery_redislock import ConfigurationError, LockManager, LockTimeout, RedisUnavailable
-from celery_redislock.defer import PARKED_AT_HEADER
-from celery_redislock.prometheus import NamespaceCollector, PrometheusMetrics
-from celery_redislock.settings import load_config
+from celery_redislock.integration.settings import load_config
+from celery_redislock.ops.prometheus import NamespaceCollector, PrometheusMetrics
+from celery_redislock.worker.defer import PARKED_AT_HEADER
 from engine_helpers import Managers, wait_until
 from redis_server import RedisServer
 from test_inspect import NS, dead_owner, queued_waiter
@@ -197,7 +197,7 @@ def test_an_unreachable_redis_scrapes_as_namespace_down(free_port: object) -> No
 
 def test_the_engine_never_imports_prometheus_client_without_the_hook(redis_url: str) -> None:
     code = (
-        "import sys, celery_redislock, celery_redislock.bootsteps, celery_redislock.cli\n"
+        "import sys, celery_redislock, celery_redislock.integration.bootsteps, celery_redislock.cli\n"
         "from celery_redislock import LockManager\n"
         f"m = LockManager({redis_url!r}, 'noprom')\n"
         "m.acquire('x', timeout=5).release(); m.close()\n"
@@ -250,7 +250,7 @@ def test_the_docs_and_the_sample_dashboard_name_only_metrics_that_exist(
 def test_a_parked_task_s_acquire_counts_the_dead_grants_it_reclaims(
     managers: Managers, registry: CollectorRegistry, redis_url: str
 ) -> None:
-    from celery_redislock.defer import park
+    from celery_redislock.worker.defer import park
 
     dead_owner(redis_url, [(["d1", "d2"], [])])
     mgr = managers()
@@ -270,7 +270,7 @@ def _message(**extra: object) -> dict[str, object]:
 def test_a_parked_task_counts_one_park_and_its_adopted_grant_waited_since_it_parked(
     managers: Managers, registry: CollectorRegistry
 ) -> None:
-    from celery_redislock.defer import adopt, park
+    from celery_redislock.worker.defer import adopt, park
 
     holder, child, adopter = managers(), managers(), managers()
     lease = holder.acquire("p", timeout=5)
@@ -305,7 +305,7 @@ def test_a_parked_task_counts_one_park_and_its_adopted_grant_waited_since_it_par
 def test_a_parked_task_whose_time_runs_out_counts_as_a_timeout(
     managers: Managers, registry: CollectorRegistry, redis_url: str
 ) -> None:
-    from celery_redislock.defer import Dispatcher, park
+    from celery_redislock.worker.defer import Dispatcher, park
 
     holder, child = managers(), managers()
     lease = holder.acquire("p", timeout=5)

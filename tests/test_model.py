@@ -93,9 +93,9 @@ from hypothesis.stateful import (
 )
 
 from celery_redislock import FORMAT_VERSION, LockManager
-from celery_redislock.identity import OwnerIdentity
-from celery_redislock.keys import holder_record
-from celery_redislock.node import group_key, node_key, tomb_key
+from celery_redislock.engine.identity import OwnerIdentity
+from celery_redislock.protocol.keys import holder_record
+from celery_redislock.worker.node import group_key, node_key, tomb_key
 from lock_model import Model, Owner, Request, conflicts, purge_budget
 from redis_server import RedisServer
 

@@ -1,4 +1,4 @@
-"""Engine-level tests of a worker node's incarnation (celery_redislock.node).
+"""Engine-level tests of a worker node's incarnation (celery_redislock.worker.node).
 
 No Celery: a Node is driven directly (start, tick, shutdown) against the real
 redis-server fixture. Heartbeat threads are not started; ticks are called
@@ -20,8 +20,13 @@ import pytest
 import redis
 
 from celery_redislock import Lease, LockManager, LockTimeout
-from celery_redislock.identity import parse_proc_stat, pid_of_tag, process_tag, read_proc_stat
-from celery_redislock.node import (
+from celery_redislock.engine.identity import (
+    parse_proc_stat,
+    pid_of_tag,
+    process_tag,
+    read_proc_stat,
+)
+from celery_redislock.worker.node import (
     Node,
     free_dead_member,
     group_key,
@@ -744,7 +749,9 @@ def test_heartbeat_thread_keeps_owners_alive_past_their_ttl(
 def test_node_module_does_not_import_celery() -> None:
     import subprocess
 
-    code = "import sys, celery_redislock.node, celery_redislock; print('celery' in sys.modules)"
+    code = (
+        "import sys, celery_redislock.worker.node, celery_redislock; print('celery' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

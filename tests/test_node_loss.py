@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from celery_redislock import LockLost, LockManager
-from celery_redislock.node import IncarnationCell, Node, group_key, new_incarnation, node_key
+from celery_redislock.worker.node import IncarnationCell, Node, group_key, new_incarnation, node_key
 from engine_helpers import wait_until
 from redis_server import RedisServer
 

@@ -134,7 +134,7 @@ def test_installed_wheel_takes_a_lock_in_a_fresh_venv(
     assert out["lua"] == sorted(p.name for p in (ROOT / "celery_redislock" / "lua").glob("*.lua"))
     assert out["typed"] and out["held"] and out["released"] and out["fence"] >= 1
     assert out["version"] == _version()
-    assert out["commands"] == ["celery_redislock.cli:redislock"]
+    assert out["commands"] == ["celery_redislock.integration.cli:redislock"]
     # The operator CLI of the installed wheel, without an app.
     status = json.loads(
         _run(py, "-I", "-m", "celery_redislock", "--url", redis_url, "--namespace", "wheel",

@@ -206,7 +206,7 @@ def test_cli_commands_and_options_stay() -> None:
 
 def test_registered_task_names_stay() -> None:
     from celery_redislock.app import RECONCILE_TASK
-    from celery_redislock.guard import GUARD_TASK
+    from celery_redislock.integration.guard import GUARD_TASK
 
     assert {RECONCILE_TASK, GUARD_TASK} == TASK_NAMES
 

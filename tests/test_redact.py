@@ -15,9 +15,9 @@ from urllib.parse import unquote
 import pytest
 
 from celery_redislock import ConfigurationError, RedisUnavailable
-from celery_redislock.connect import redact, validate_url
-from celery_redislock.inspect import redact_url as inspect_redact_url
+from celery_redislock.ops.inspector import redact_url as inspect_redact_url
 from celery_redislock.redact import UNPARSABLE, redact_url
+from celery_redislock.store.connect import redact, validate_url
 
 # (id, url, secrets, readable parts)
 CASES: list[tuple[str, str, list[str], list[str]]] = [

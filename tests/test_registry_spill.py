@@ -15,7 +15,7 @@ import os
 import redis
 
 from celery_redislock import Inspector, LockManager
-from celery_redislock.options import REGISTRY_SPILL_AT
+from celery_redislock.protocol.options import REGISTRY_SPILL_AT
 from conftest import Managers
 from engine_helpers import assert_registry_truth, counting, namespace_keys, registries
 

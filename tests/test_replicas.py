@@ -36,8 +36,8 @@ from celery_redislock import (
     ReplicationTimeout,
     ShuttingDown,
 )
-from celery_redislock.node import halt_key, new_incarnation
-from celery_redislock.settings import load_config
+from celery_redislock.integration.settings import load_config
+from celery_redislock.worker.node import halt_key, new_incarnation
 from engine_helpers import (
     Managers,
     assert_registry_truth,
@@ -536,8 +536,8 @@ def test_a_deferred_grant_too_few_replicas_acknowledge_counts_as_an_error(
 ) -> None:
     from prometheus_client import CollectorRegistry
 
-    from celery_redislock.defer import adopt, park
-    from celery_redislock.prometheus import PrometheusMetrics
+    from celery_redislock.ops.prometheus import PrometheusMetrics
+    from celery_redislock.worker.defer import adopt, park
 
     registry = CollectorRegistry()
     holder, parker = managers(), managers()

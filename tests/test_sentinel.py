@@ -23,16 +23,16 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_redislock import ConfigurationError, LockManager, LockTimeout
-from celery_redislock.channel import socket_timeout as _socket_timeout
-from celery_redislock.cli import redislock
-from celery_redislock.connect import (
+from celery_redislock.integration.cli import redislock
+from celery_redislock.integration.settings import default_url, load_config
+from celery_redislock.ops.inspector import Inspector
+from celery_redislock.store.channel import socket_timeout as _socket_timeout
+from celery_redislock.store.connect import (
     client_from_url,
     clone_client,
     describe_client,
     parse_sentinel_url,
 )
-from celery_redislock.inspect import Inspector
-from celery_redislock.settings import default_url, load_config
 from engine_helpers import Managers, wait_until
 from redis_server import LOOPBACK, RedisServer, _die_with_parent, free_port, stop_process
 

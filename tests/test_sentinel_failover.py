@@ -18,7 +18,7 @@ the Sentinel has promoted the replica. What a user relies on:
   it with a larger fencing token and the old lease's release reports it lost.
 
 A test demotes the master under an open connection (READONLY replies):
-RedisUnavailable there too, on Redis 6.2 as on 7 (celery_redislock/connect.py).
+RedisUnavailable there too, on Redis 6.2 as on 7 (celery_redislock/store/connect.py).
 The last one acquires with ``wait_replicas=1`` through the Sentinel URL and
 kills the master at once: the lock is still held on the promoted replica.
 """
@@ -36,7 +36,7 @@ import pytest
 import redis
 
 from celery_redislock import LockManager, LockTimeout, RedisUnavailable
-from celery_redislock.inspect import Inspector
+from celery_redislock.ops.inspector import Inspector
 from engine_helpers import Managers, wait_until
 from redis_server import LOOPBACK, RedisServer, RedisServerError, _die_with_parent, free_port
 from replica_helpers import (

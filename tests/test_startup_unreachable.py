@@ -34,7 +34,7 @@ from celery.result import _set_task_join_will_block
 from celery.worker import state
 
 from celery_redislock import RedisLock, RedisUnavailable, current_lease, locked
-from celery_redislock.node import group_key, node_key
+from celery_redislock.worker.node import group_key, node_key
 from engine_helpers import wait_until
 from redis_server import LOOPBACK, RedisServer
 

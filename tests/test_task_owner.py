@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from celery_redislock import Inspector, LockError, LockManager
-from celery_redislock.keys import task_owner_id, task_token, validate_task_id
+from celery_redislock.protocol.keys import task_owner_id, task_token, validate_task_id
 from engine_helpers import (
     Managers,
     all_keys,
@@ -279,7 +279,7 @@ def test_close_leaves_no_owner_behind(managers: Managers, r: redis.Redis) -> Non
 
 
 def test_lock_manager_is_importable_with_the_new_types() -> None:
-    from celery_redislock.manager import Adoption, TaskGrant
+    from celery_redislock.engine.manager import Adoption, TaskGrant
 
     assert Adoption and TaskGrant and LockManager
 

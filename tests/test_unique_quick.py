@@ -32,7 +32,7 @@ from celery_redislock import (
     current_lease,
     locked,
 )
-from celery_redislock.settings import load_config
+from celery_redislock.integration.settings import load_config
 from engine_helpers import wait_until
 
 

@@ -26,18 +26,18 @@ from hypothesis import strategies as st
 
 from celery_redislock import ConfigurationError, InvalidResource, LockManager, _validate, locked
 from celery_redislock._validate import label
-from celery_redislock.cli import redislock
-from celery_redislock.connect import parse_sentinel_url
-from celery_redislock.inspect import Inspector
-from celery_redislock.keys import (
+from celery_redislock.integration.cli import redislock
+from celery_redislock.integration.settings import load_config
+from celery_redislock.ops.inspector import Inspector
+from celery_redislock.protocol.keys import (
     Keyspace,
     validate_namespace,
     validate_node_name,
     validate_owner_id,
     validate_resource,
 )
-from celery_redislock.node import Node
-from celery_redislock.settings import load_config
+from celery_redislock.store.connect import parse_sentinel_url
+from celery_redislock.worker.node import Node
 from engine_helpers import Managers
 
 NOWHERE = "redis://127.0.0.1:1/0"  # never connected to: constructors do no I/O

@@ -4,7 +4,7 @@ Public names resolve where they are documented
 -----------------------------------------------
 The API reference documents the public classes under the package
 (``celery_redislock.LockManager``), while type hints and docstrings name them
-where they are defined (``celery_redislock.manager.LockManager``) or bare
+where they are defined (``celery_redislock.engine.manager.LockManager``) or bare
 (``LockManager`` inside ``celery_redislock.inspect``). A reference that
 does not resolve otherwise and whose last part is a name of
 ``celery_redislock.__all__`` (defined in the module it names, when it names
@@ -14,7 +14,7 @@ The settings reference
 ----------------------
 
 ``{redislock-settings}`` (a directive without arguments) renders every entry
-of :data:`celery_redislock.settings.SETTINGS` (name, type, default, meaning),
+of :data:`celery_redislock.integration.settings.SETTINGS` (name, type, default, meaning),
 so the reference is generated from the table the code validates against and
 never retyped. Each setting is a cross-reference target of the ``std``
 domain's ``setting`` type: ``{setting}`redislock_owner_ttl``` in Markdown,
@@ -55,7 +55,7 @@ from sphinx.util.docutils import SphinxDirective
 from sphinx.util.nodes import make_id
 
 import celery_redislock
-from celery_redislock.settings import SETTINGS
+from celery_redislock.integration.settings import SETTINGS
 
 
 def _public_name(target: str) -> str | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from celery_redislock.bootsteps import EX_EVICTED
+from celery_redislock.integration.bootsteps import EX_EVICTED
 
 from .harness import Cluster, wait_for
 

@@ -24,8 +24,8 @@ import pytest
 from click.testing import CliRunner
 
 from celery_redislock import Inspector, LockLost, LockManager
-from celery_redislock.cli import redislock
 from celery_redislock.exceptions import CAUSE_DECLARED_DEAD, CAUSE_EXPIRED, CAUSE_OPERATOR
+from celery_redislock.integration.cli import redislock
 from redis_server import RedisServer
 
 from .harness import CELERY, REPO_ROOT, Cluster, Worker, wait_for
