@@ -44,7 +44,7 @@ from redis_server import free_port as _free_port
 
 # A shared helper module that asserts (and that none of the imports above
 # loads): rewrite it as pytest does test modules.
-pytest.register_assert_rewrite("replica_helpers")
+pytest.register_assert_rewrite("replica_helpers", "green_helpers")
 
 
 def pytest_report_header(config: pytest.Config) -> str:

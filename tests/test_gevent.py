@@ -3,25 +3,13 @@ greenlet leaves the queue, and the heartbeat is a real OS thread."""
 
 from __future__ import annotations
 
-import importlib.util
+import green_helpers
 
-import pytest
-
-from engine_helpers import run_scenario
-
-# Only look for it: importing gevent here would hook fork() in the test process.
-if importlib.util.find_spec("gevent") is None:
-    pytest.skip("gevent is not installed", allow_module_level=True)
-
-
-def run(redis_url: str, scenario: str) -> dict:
-    return run_scenario("gevent_engine.py", redis_url, scenario)
+run = green_helpers.green_runner("gevent")
 
 
 def test_greenlets_are_served_in_arrival_order_without_overlap(redis_url: str) -> None:
-    out = run(redis_url, "contention")
-    assert out["overlaps"] == 0
-    assert out["order"] == list(range(6))
+    green_helpers.assert_served_in_arrival_order_without_overlap(run(redis_url, "contention"))
 
 
 def test_killed_waiting_greenlet_leaves_no_queue_entry(redis_url: str) -> None:
@@ -34,10 +22,7 @@ def test_killed_waiting_greenlet_leaves_no_queue_entry(redis_url: str) -> None:
 def test_heartbeat_keeps_liveness_while_the_hub_is_blocked(redis_url: str) -> None:
     # The hub is blocked for 2.5x owner_ttl: a greenlet heartbeat would starve
     # and the lease would be lost; a real OS thread keeps it.
-    out = run(redis_url, "blocked_hub")
-    assert out["ticks"] >= 2
-    assert out["lost"] is False
-    assert out["held"] is True
+    green_helpers.assert_heartbeat_outlived_the_blocked_hub(run(redis_url, "blocked_hub"))
 
 
 def test_reentrancy_is_per_greenlet_and_a_kill_inside_the_inner_block_is_safe(

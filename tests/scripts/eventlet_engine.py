@@ -16,13 +16,9 @@ def _join_all(threads: list[eventlet.greenthread.GreenThread]) -> None:
         t.wait()
 
 
+# prefix, thread name, spawn, sleep, join_all, the unpatched sleep (blocks the hub)
 EVENTLET = Green(
-    prefix="e",
-    thread_name="green thread",
-    spawn=eventlet.spawn,
-    sleep=eventlet.sleep,
-    join_all=_join_all,
-    real_sleep=patcher.original("time").sleep,
+    "e", "green thread", eventlet.spawn, eventlet.sleep, _join_all, patcher.original("time").sleep
 )
 
 if __name__ == "__main__":

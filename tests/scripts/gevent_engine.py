@@ -12,14 +12,14 @@ from green_scenarios import Green, main  # noqa: E402
 
 from celery_redislock import LockManager, LockTimeout  # noqa: E402
 
+
+def _join_all(greenlets: list[gevent.Greenlet]) -> None:
+    gevent.joinall(greenlets, timeout=30, raise_error=True)
+
+
+# prefix, thread name, spawn, sleep, join_all, the unpatched sleep (blocks the hub)
 GEVENT = Green(
-    prefix="g",
-    thread_name="greenlet",
-    spawn=gevent.spawn,
-    sleep=gevent.sleep,
-    join_all=lambda greenlets: gevent.joinall(greenlets, timeout=30, raise_error=True),
-    # Block the hub: the unpatched sleep holds the only greenlet thread.
-    real_sleep=monkey.get_original("time", "sleep"),
+    "g", "greenlet", gevent.spawn, gevent.sleep, _join_all, monkey.get_original("time", "sleep")
 )
 
 
