@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager
-from celery_redislock.engine.identity import new_request_id
-from celery_redislock.engine.manager import RequestMoved
-from celery_redislock.ops.inspector import Inspector
+from celery_redislock import Lease, LockManager
+
 from celery_redislock.worker import defer
 from celery_redislock.worker.defer import Dispatcher, adopt, mark_done, park, park_limit, withdraw
+from celery_redislock.engine.identity import new_request_id
+from celery_redislock.ops.inspector import Inspector
+from celery_redislock.engine.manager import RequestMoved
 from engine_helpers import Managers, namespace_keys, queue_requests, wait_until
 
 NS = "t"
@@ -44,10 +45,12 @@ def rs(redis_url: str) -> Iterator[redis.Redis]:
     c.close()
 
 
-def _park(mgr: LockManager, task_id: str, *res: str, grant_ttl: float = 60.0) -> str:
+def _park(
+    mgr: LockManager, task_id: str, *res: str, grant_ttl: float = 60.0, park_ttl: float = 600
+) -> str:
     req = mgr.request(list(res), [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": list(res)}
-    result = park(mgr, task_id, req, message, park_ttl=600, grant_ttl=grant_ttl)
+    result = park(mgr, task_id, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl)
     return result.outcome
 
 
@@ -64,11 +67,47 @@ def _dispatcher(mgr: LockManager, inc: str = "inc1") -> tuple[Dispatcher, _Sent]
     return Dispatcher(mgr, inc, publish=sent, on_withdrawn=lambda *a: None), sent
 
 
+def _recording_dispatcher(
+    mgr: LockManager, revoked: set[str] | None = None, *, revoked_ids: bool = True
+) -> tuple[Dispatcher, _Sent, list[tuple[str, str]]]:
+    """A dispatcher (``inc1``) that records what it publishes and what it
+    withdraws (task id, why); ``revoked``: the revoked set it looks at (and
+    lists, unless ``revoked_ids`` is false)."""
+    sent = _Sent()
+    withdrawn: list[tuple[str, str]] = []
+    kwargs: dict[str, Any] = {}
+    if revoked is not None:
+        kwargs["revoked"] = revoked.__contains__
+        if revoked_ids:
+            kwargs["revoked_ids"] = lambda: sorted(revoked)
+    dispatcher = Dispatcher(
+        mgr,
+        "inc1",
+        publish=sent,
+        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
+        **kwargs,
+    )
+    return dispatcher, sent, withdrawn
+
+
+def _holding(managers: Managers, res: str) -> tuple[LockManager, Lease]:
+    """A new manager and the exclusive lease it holds on ``res``."""
+    mgr = managers()
+    return mgr, mgr.acquire(res)
+
+
+def _grant(mgr: LockManager, rs: redis.Redis, task_id: str = "t1", res: str = "a") -> str | None:
+    """Park ``task_id`` behind a holder that then releases; the grant's fence."""
+    holder = mgr.acquire(res)
+    _park(mgr, task_id, res)
+    holder.release()
+    return rs.hget(f"{P}defer:{task_id}", "fence")
+
+
 def test_release_hands_a_parked_request_its_locks_and_pushes_the_task_id_to_dispatch(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     assert _park(mgr, "t1", "a", grant_ttl=60) == "parked"
     entries = rs.zrange(f"{P}q:a", 0, -1)
     assert entries == ["xdefer:t1|task:t1"]
@@ -88,10 +127,7 @@ def test_adopt_moves_the_grant_to_the_adopting_owner_with_its_fence_once(
     managers: Managers, rs: redis.Redis
 ) -> None:
     mgr, child = managers(), managers()
-    holder = mgr.acquire("a")
-    _park(mgr, "t1", "a")
-    holder.release()
-    fence = int(rs.hget(f"{P}defer:t1", "fence") or 0)
+    fence = int(_grant(mgr, rs) or 0)
 
     assert adopt(child, "t1", 1) == ("expired", [])  # another life's copy: nothing
     outcome, leases = adopt(child, "t1", 0)
@@ -143,10 +179,7 @@ def test_dispatcher_publishes_each_grant_once_with_its_fence(
     managers: Managers, rs: redis.Redis
 ) -> None:
     mgr = managers()
-    holder = mgr.acquire("a")
-    _park(mgr, "t1", "a")
-    holder.release()
-    fence = int(rs.hget(f"{P}defer:t1", "fence") or 0)
+    fence = int(_grant(mgr, rs) or 0)
     rs.lpush(f"{P}dispatch", "t1")  # a second push of the same id
     dispatcher, sent = _dispatcher(mgr)
     dispatcher.step()
@@ -218,18 +251,9 @@ def test_withdrawing_a_parked_task_leaves_nothing_of_it(
 def test_a_task_parked_past_its_park_ttl_is_withdrawn_and_reported_expired(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
-    req = mgr.request(["a"], [])
-    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
-    assert park(mgr, "t1", req, message, park_ttl=0.3, grant_ttl=60).outcome == "parked"
-    withdrawn: list[tuple[str, str]] = []
-    dispatcher = Dispatcher(
-        mgr,
-        "inc1",
-        publish=_Sent(),
-        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
-    )
+    mgr, holder = _holding(managers, "a")
+    assert _park(mgr, "t1", "a", park_ttl=0.3) == "parked"
+    dispatcher, _, withdrawn = _recording_dispatcher(mgr)
     wait_until(lambda: not rs.exists(f"{P}alive:defer:t1"), what="park TTL ran out")
     dispatcher.upkeep()  # the first pass after the deadline withdraws it
     assert withdrawn == [("t1", "expired")]
@@ -240,20 +264,11 @@ def test_a_task_parked_past_its_park_ttl_is_withdrawn_and_reported_expired(
 def test_a_revoked_parked_task_is_withdrawn_by_the_next_upkeep(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
-    _park(mgr, "t1", "a")
-    _park(mgr, "t2", "a")
+    mgr, holder = _holding(managers, "a")
+    for task_id in ("t1", "t2"):
+        _park(mgr, task_id, "a")
     revoked: set[str] = set()
-    withdrawn: list[tuple[str, str]] = []
-    dispatcher = Dispatcher(
-        mgr,
-        "inc1",
-        publish=_Sent(),
-        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
-        revoked=revoked.__contains__,
-        revoked_ids=lambda: sorted(revoked),
-    )
+    dispatcher, _, withdrawn = _recording_dispatcher(mgr, revoked)
     revoked.add("t1")
     dispatcher.upkeep()
     assert withdrawn == [("t1", "revoked")]
@@ -276,11 +291,7 @@ def test_a_grant_whose_message_expired_is_withdrawn_not_published(
     thread.start()
     wait_until(lambda: rs.zcard(f"{P}q:a") == 2, what="thread queued")
     holder.release()  # handed to t1, whose message has expired
-    withdrawn: list[tuple[str, str]] = []
-    sent = _Sent()
-    dispatcher = Dispatcher(
-        mgr, "inc1", publish=sent, on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why))
-    )
+    dispatcher, sent, withdrawn = _recording_dispatcher(mgr)
     dispatcher.step()
     assert [t.split("|")[0] for t in rs.hkeys(f"{P}lock:a")] == [waiter_mgr.owner_id]
     thread.join(20)
@@ -406,6 +417,12 @@ def _granted(mgr: LockManager, rs: redis.Redis, task_id: str = "t1", res: str = 
     holder.release()
     assert rs.hget(f"{P}defer:{task_id}", "state") == "granted"
     return int(rs.hget(f"{P}defer:{task_id}", "fence") or 0)
+
+
+def _adopted(mgr: LockManager, child: LockManager, rs: redis.Redis) -> list[Lease]:
+    """t1 granted (:func:`_granted`) and adopted by ``child``: its leases."""
+    _granted(mgr, rs)
+    return adopt(child, "t1", 0)[1]
 
 
 def test_an_upkeep_landing_right_after_the_adoption_finds_the_task_adopted_not_due_again(
@@ -554,12 +571,11 @@ def test_a_retry_sent_by_the_adopted_run_parks_as_a_new_life_and_stale_copies_st
 def test_a_record_an_earlier_release_wrote_counts_as_attempt_zero(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     rs.hset(f"{P}defer:t1", mapping={"state": "done", "life": "0", "owner": "gone"})
-    assert _park_attempt(mgr, "t1", 0, "a") == "duplicate"
-    assert _park_attempt(mgr, "t1", 1, "a") == "parked"
-    assert rs.hget(f"{P}defer:t1", "life") == "1"
+    # Attempt 0 is the earlier release's; attempt 1 is a new life.
+    assert [_park_attempt(mgr, "t1", n, "a") for n in (0, 1)] == ["duplicate", "parked"]
+    assert rs.hgetall(f"{P}defer:t1")["life"] == "1"
     withdraw(mgr, "t1")
     holder.release()
 
@@ -588,8 +604,7 @@ def test_a_done_record_whose_adopter_exited_still_drops_a_stale_copy(
     managers: Managers, rs: redis.Redis
 ) -> None:
     mgr, child = managers(), managers()
-    _granted(mgr, rs)
-    _, leases = adopt(child, "t1", 0)
+    leases = _adopted(mgr, child, rs)
     leases[0].release()
     mark_done(child, "t1", child.owner_id)
     owner = child.owner_id
@@ -605,8 +620,7 @@ def test_mark_done_by_an_owner_that_did_not_adopt_leaves_the_record_alone(
     managers: Managers, rs: redis.Redis
 ) -> None:
     mgr, child = managers(), managers()
-    _granted(mgr, rs)
-    _, leases = adopt(child, "t1", 0)
+    leases = _adopted(mgr, child, rs)
     before = rs.hgetall(f"{P}defer:t1")
     mark_done(mgr, "t1", mgr.owner_id)
     assert rs.hgetall(f"{P}defer:t1") == before and before["state"] == "adopted"
@@ -731,21 +745,12 @@ def _park_backlog(mgr: LockManager, rs: redis.Redis, count: int, resource: str) 
 def test_a_passed_park_deadline_is_withdrawn_by_the_next_upkeep_pass_whatever_the_backlog(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     _park_backlog(mgr, rs, BACKLOG, "a")
-    req = mgr.request(["a"], [])
-    message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": ["a"]}
-    assert park(mgr, "late", req, message, park_ttl=0.2, grant_ttl=60).outcome == "parked"
+    assert _park(mgr, "late", "a", park_ttl=0.2) == "parked"
     wait_until(lambda: not rs.exists(f"{P}alive:defer:late"), what="park TTL ran out")
     assert rs.zcount(f"{P}deferred", "-inf", 0) == BACKLOG  # all due, ahead of it
-    withdrawn: list[tuple[str, str]] = []
-    dispatcher = Dispatcher(
-        mgr,
-        "inc1",
-        publish=_Sent(),
-        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
-    )
+    dispatcher, _, withdrawn = _recording_dispatcher(mgr)
     more = dispatcher.upkeep()
     # One pass withdrew it, in its own script: record, queue entry, schedules.
     assert withdrawn == [("late", "expired")]
@@ -760,8 +765,7 @@ def test_a_passed_park_deadline_is_withdrawn_by_the_next_upkeep_pass_whatever_th
 def test_a_withdrawn_grant_deadline_hands_the_lock_to_the_next_waiter_in_the_same_pass(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     _park(mgr, "t1", "a", grant_ttl=0.2)
     assert _park(mgr, "t2", "a") == "parked"
     holder.release()  # t1 is granted; nobody adopts it
@@ -780,8 +784,7 @@ def test_a_withdrawn_grant_deadline_hands_the_lock_to_the_next_waiter_in_the_sam
 def test_an_upkeep_that_leaves_due_entries_is_followed_by_another_pass_at_once(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     count = 300  # several passes of DUE_BATCH re-attempts
     _park_backlog(mgr, rs, count, "a")
     dispatcher, _ = _dispatcher(mgr)
@@ -813,8 +816,7 @@ def _granted_with_a_waiter_behind(
     """t1 parked on ``a``, then a queued request (no thread behind it: only a
     hand-off can make it the holder), then the holder releases: t1 is granted.
     Returns the manager and the waiting request's token."""
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": dict(options or {})}
     message.update(resources=["a"], modes="x")
@@ -844,16 +846,7 @@ def test_withdrawing_a_granted_task_hands_its_lock_to_the_next_waiter_in_the_sam
         managers, rs, grant_ttl=0.2 if why == "grant-ttl" else 60.0, options=options
     )
     revoked = {"t1"} if why == "revoked" else set()
-    withdrawn: list[tuple[str, str]] = []
-    sent = _Sent()
-    dispatcher = Dispatcher(
-        mgr,
-        "inc1",
-        publish=sent,
-        on_withdrawn=lambda tid, w, msg: withdrawn.append((tid, w)),
-        revoked=revoked.__contains__,
-        revoked_ids=lambda: sorted(revoked),
-    )
+    dispatcher, sent, withdrawn = _recording_dispatcher(mgr, revoked)
     if why == "grant-ttl":
         wait_until(lambda: not rs.exists(f"{P}alive:defer:t1"), what="grant TTL ran out")
         dispatcher.upkeep()  # the deadline: withdrawn in the upkeep's script
@@ -874,16 +867,7 @@ def test_a_grant_revoked_before_its_dispatch_is_withdrawn_not_published(
     mgr, waiter = _granted_with_a_waiter_behind(managers, rs)
     # Revoked after the grant, after the last upkeep looked at the revoked
     # set: only the dispatch itself can see it.
-    revoked = {"t1"}
-    withdrawn: list[tuple[str, str]] = []
-    sent = _Sent()
-    dispatcher = Dispatcher(
-        mgr,
-        "inc1",
-        publish=sent,
-        on_withdrawn=lambda tid, w, msg: withdrawn.append((tid, w)),
-        revoked=revoked.__contains__,
-    )
+    dispatcher, sent, withdrawn = _recording_dispatcher(mgr, {"t1"}, revoked_ids=False)
     assert rs.lrange(f"{P}dispatch", 0, -1) == ["t1"]
     dispatcher.step()
     assert sent.sent == [] and withdrawn == [("t1", "revoked")]
@@ -895,10 +879,7 @@ def test_a_failed_publish_is_retried_once_and_never_sent_twice(
     managers: Managers, rs: redis.Redis
 ) -> None:
     mgr = managers()
-    holder = mgr.acquire("a")
-    _park(mgr, "t1", "a")
-    holder.release()
-    fence = rs.hget(f"{P}defer:t1", "fence")
+    fence = _grant(mgr, rs)
     attempts: list[str | None] = []
     sent = _Sent()
 
@@ -924,8 +905,7 @@ def test_a_failed_publish_is_retried_once_and_never_sent_twice(
 def test_a_park_that_fails_after_writing_its_record_leaves_nothing_of_it(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     before = namespace_keys(rs)
     # The arrival counter is not a counter: the queueing acquire fails (WRONGTYPE)
     # after defer_park.lua wrote the record and its schedules.
@@ -950,8 +930,7 @@ def test_a_park_that_fails_after_writing_its_record_leaves_nothing_of_it(
 def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     req = mgr.request(["a"], [])
     message = {"name": "t.task", "args": [], "kwargs": {}, "options": {"expires": _expires(0.3)}}
     park_ttl = park_limit(message, 600.0)  # the expires comes first
@@ -960,13 +939,7 @@ def test_a_park_ended_by_the_tasks_expires_is_withdrawn_as_expired_not_timed_out
     other = {"name": "t.task", "args": [], "kwargs": {}, "options": {"expires": _expires(60)}}
     assert park_limit(other, 0.3) == 0.3 and "ends" not in other  # the time-out comes first
     assert park(mgr, "t2", req, other, park_ttl=0.3, grant_ttl=60).outcome == "parked"
-    withdrawn: list[tuple[str, str]] = []
-    dispatcher = Dispatcher(
-        mgr,
-        "inc1",
-        publish=_Sent(),
-        on_withdrawn=lambda tid, why, msg: withdrawn.append((tid, why)),
-    )
+    dispatcher, _, withdrawn = _recording_dispatcher(mgr)
     wait_until(
         lambda: not rs.exists(f"{P}alive:defer:t1", f"{P}alive:defer:t2"), what="parks ended"
     )
@@ -1128,8 +1101,7 @@ def _in_transit(managers: Managers, rs: redis.Redis, task_id: str, *res: str) ->
 def test_a_blocked_reply_names_the_grant_in_transit_that_blocks_it(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     _park(mgr, "t1", "a")
     _, reply = _enqueue(managers(), ("a",))
     assert int(reply[0]) == 0 and reply[4] == ""  # a process holds: no grant in transit
@@ -1254,8 +1226,7 @@ def test_a_waiting_request_taken_over_keeps_its_place_and_its_arrival_number(
 def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain_waiter_keeps_waiting(
     managers: Managers, rs: redis.Redis
 ) -> None:
-    mgr = managers()
-    holder = mgr.acquire("a")
+    mgr, holder = _holding(managers, "a")
     assert _park(mgr, "t1", "a") == "parked"
     outcomes: dict[str, Any] = {}
 
