@@ -12,7 +12,6 @@ while we count.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,22 +34,14 @@ OWNER_TTL = 120.0  # first heartbeat after 40 s: none while counting
 
 
 @pytest.fixture(scope="module")
-def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(workdir=Path(tmp_path_factory.mktemp("cost-redis"))) as server:
-        yield server
+def redis_server(private_redis_server: RedisServer) -> RedisServer:
+    """This module counts server commands: a server no other module uses."""
+    return private_redis_server
 
 
 @pytest.fixture
-def rc(own_server: RedisServer) -> Iterator[redis.Redis]:
-    client = own_server.client()
-    client.flushall()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def managers(own_server: RedisServer, rc: redis.Redis) -> Iterator[Managers]:
-    made = Managers(own_server.url)
+def managers(redis_server: RedisServer, r: redis.Redis) -> Iterator[Managers]:
+    made = Managers(redis_server.url)
     yield made
     made.close_all()
 
@@ -85,20 +76,20 @@ def warm_up(managers: Managers) -> None:
 
 
 def measure(
-    rc: redis.Redis, managers: Managers, keyspace: int, scenario: Callable[..., Any]
+    r: redis.Redis, managers: Managers, keyspace: int, scenario: Callable[..., Any]
 ) -> dict[str, int]:
     """Commands run by ``scenario`` on an otherwise empty Redis plus ``keyspace`` keys."""
-    rc.flushall()
+    r.flushall()
     warm_up(managers)
-    rc.flushall()
-    populate(rc, keyspace)
-    run = scenario(rc, managers)  # sets up, returns the operation to count
-    with counting(rc) as delta:
+    r.flushall()
+    populate(r, keyspace)
+    run = scenario(r, managers)  # sets up, returns the operation to count
+    with counting(r) as delta:
         run()
     return delta
 
 
-def dead_owner_with_locks(rc: redis.Redis, managers: Managers) -> tuple[LockManager, str]:
+def dead_owner_with_locks(r: redis.Redis, managers: Managers) -> tuple[LockManager, str]:
     """A dead owner holding three locks (one shared with a live owner), and a
     live manager with its connection open, ready to clean up."""
     dead = managers(owner_ttl=OWNER_TTL)
@@ -107,13 +98,13 @@ def dead_owner_with_locks(rc: redis.Redis, managers: Managers) -> tuple[LockMana
     live.acquire(shared=["c"], timeout=0)
     dead.heartbeat.stop()  # it dies holding them (close() would release them)
     owner = dead.owner_id
-    rc.delete("{t}:alive:" + owner)  # what its liveness expiring does
+    r.delete("{t}:alive:" + owner)  # what its liveness expiring does
     live.client.ping()  # connection already open, as in a running process
     return live, owner
 
 
-def cleanup_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
-    live, owner = dead_owner_with_locks(rc, managers)
+def cleanup_scenario(r: redis.Redis, managers: Managers) -> Callable[[], Any]:
+    live, owner = dead_owner_with_locks(r, managers)
 
     def run() -> None:
         report = live.cleanup_owner(owner)
@@ -122,8 +113,8 @@ def cleanup_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
     return run
 
 
-def reconcile_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
-    live, _ = dead_owner_with_locks(rc, managers)
+def reconcile_scenario(r: redis.Redis, managers: Managers) -> Callable[[], Any]:
+    live, _ = dead_owner_with_locks(r, managers)
 
     def run() -> None:
         report = live.reconcile()
@@ -132,7 +123,7 @@ def reconcile_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]
     return run
 
 
-def first_acquire_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+def first_acquire_scenario(r: redis.Redis, managers: Managers) -> Callable[[], Any]:
     fresh = managers(owner_ttl=OWNER_TTL)
     fresh.client.ping()
     fresh.check_format()  # once per manager, before its first script (test_format.py)
@@ -153,11 +144,11 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_cost_is_the_same_with_100_or_50000_unrelated_keys_and_never_scans(
-    rc: redis.Redis, managers: Managers, name: str
+    r: redis.Redis, managers: Managers, name: str
 ) -> None:
     scenario = SCENARIOS[name]
-    small = measure(rc, managers, SMALL, scenario)
-    large = measure(rc, managers, LARGE, scenario)
+    small = measure(r, managers, SMALL, scenario)
+    large = measure(r, managers, LARGE, scenario)
 
     assert small == large, f"{name}: {small} vs {large}"
     for delta in (small, large):
@@ -188,7 +179,7 @@ UNCONTENDED_CYCLE = {
 def uncontended_cycle_scenario(resources: int) -> Callable[..., Callable[[], Any]]:
     names = [f"r{i}" for i in range(resources)]
 
-    def scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+    def scenario(r: redis.Redis, managers: Managers) -> Callable[[], Any]:
         mgr = managers(owner_ttl=OWNER_TTL)
         with mgr.lock(names):  # registers the owner (and lists it in {ns}:owners)
             pass
@@ -202,7 +193,7 @@ def uncontended_cycle_scenario(resources: int) -> Callable[..., Callable[[], Any
     return scenario
 
 
-def task_cycle_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any]:
+def task_cycle_scenario(r: redis.Redis, managers: Managers) -> Callable[[], Any]:
     mgr = managers(owner_ttl=OWNER_TTL)
     with mgr.lock("r0"):  # registers the owner (and lists it in {ns}:owners)
         pass
@@ -215,36 +206,36 @@ def task_cycle_scenario(rc: redis.Redis, managers: Managers) -> Callable[[], Any
 
 
 def test_a_task_grant_runs_the_same_commands_as_a_plain_one(
-    rc: redis.Redis, managers: Managers
+    r: redis.Redis, managers: Managers
 ) -> None:
     # The holder record rides in the registry HSET every grant makes (and
     # goes with its HDEL): no SET of a key of its own, no DEL at release.
-    assert measure(rc, managers, SMALL, task_cycle_scenario) == UNCONTENDED_CYCLE[1]
+    assert measure(r, managers, SMALL, task_cycle_scenario) == UNCONTENDED_CYCLE[1]
 
 
 @pytest.mark.parametrize("resources", [1, 5])
 def test_uncontended_cycle_runs_a_pinned_set_of_commands_whatever_the_keyspace(
-    rc: redis.Redis, managers: Managers, resources: int
+    r: redis.Redis, managers: Managers, resources: int
 ) -> None:
     # Before: 19 commands for one resource (HGET and HMGET idempotency reads,
     # the holders' HLEN, the queue scan, SADD and DEL of request keys on every
     # grant; HLEN, ZRANGE, DEL of the contended stream and of request keys on
     # every release), 55 for five.
     scenario = uncontended_cycle_scenario(resources)
-    small = measure(rc, managers, SMALL, scenario)
-    large = measure(rc, managers, LARGE, scenario)
+    small = measure(r, managers, SMALL, scenario)
+    large = measure(r, managers, LARGE, scenario)
 
     assert small == large == UNCONTENDED_CYCLE[resources], f"{small} vs {large}"
-    assert rc.dbsize() == LARGE + 5  # format, fence, born, owners, the liveness key: no more
+    assert r.dbsize() == LARGE + 5  # format, fence, born, owners, the liveness key: no more
 
 
 def test_commandstats_counts_commands_run_inside_scripts(
-    rc: redis.Redis, managers: Managers
+    r: redis.Redis, managers: Managers
 ) -> None:
     """The counter the cost tests rely on sees a script's own commands."""
-    before = commandstats(rc)
-    rc.eval("redis.call('SET', KEYS[1], '1'); return redis.call('GET', KEYS[1])", 1, "k")
-    delta = command_delta(before, commandstats(rc))
+    before = commandstats(r)
+    r.eval("redis.call('SET', KEYS[1], '1'); return redis.call('GET', KEYS[1])", 1, "k")
+    delta = command_delta(before, commandstats(r))
     assert delta == {"eval": 1, "set": 1, "get": 1}
 
 
@@ -252,11 +243,11 @@ def test_commandstats_counts_commands_run_inside_scripts(
 
 
 def exclusive_try_against_shared_holders(
-    rc: redis.Redis, managers: Managers, holders: int
+    r: redis.Redis, managers: Managers, holders: int
 ) -> dict[str, int]:
     """Commands of one try-once exclusive attempt on a resource held shared
     ``holders`` times (a steady-state attempt: the owner is registered)."""
-    rc.flushall()
+    r.flushall()
     many = managers(owner_ttl=OWNER_TTL)
     for _ in range(holders):
         # nested=False: separate grants, not a reentry of the first lease
@@ -264,23 +255,23 @@ def exclusive_try_against_shared_holders(
     writer = managers(owner_ttl=OWNER_TTL)
     with pytest.raises(LockTimeout):
         writer.acquire("R", timeout=0)  # registers the owner, loads the script
-    with counting(rc) as delta:
+    with counting(r) as delta:
         with pytest.raises(LockTimeout):
             writer.acquire("R", timeout=0)
-    assert rc.hlen("{t}:lock:R") == holders
+    assert r.hlen("{t}:lock:R") == holders
     return delta
 
 
 def test_exclusive_attempt_against_shared_holders_costs_the_same_for_20_or_400(
-    rc: redis.Redis, managers: Managers
+    r: redis.Redis, managers: Managers
 ) -> None:
     # Before: every attempt signalled each holder's own contend list and
     # checked each holder's liveness: 4N + 9 commands. Now it stops at the
     # first live holder and signals the resource's one contended stream, if
     # a holder watches it (none here: one EXISTS, no XADD).
     # (20 holders fit a listpack hash, 400 make a hashtable: both encodings.)
-    small = exclusive_try_against_shared_holders(rc, managers, 20)
-    large = exclusive_try_against_shared_holders(rc, managers, 400)
+    small = exclusive_try_against_shared_holders(r, managers, 20)
+    large = exclusive_try_against_shared_holders(r, managers, 400)
     assert small == large, f"{small} vs {large}"
     assert small.get("evalsha") == 2  # the attempt, and release.lua on its exit path
     assert "xadd" not in small
@@ -291,57 +282,57 @@ def test_exclusive_attempt_against_shared_holders_costs_the_same_for_20_or_400(
 SCAN_LIMIT = 4  # dead entries below: 5, 10, 15, all past the scan limit
 
 
-def dead_entries_ahead(rc: redis.Redis, managers: Managers, dead: int) -> tuple[Any, Any]:
+def dead_entries_ahead(r: redis.Redis, managers: Managers, dead: int) -> tuple[Any, Any]:
     """R held by a dead owner, ``dead`` dead entries queued for it, then one
     live entry (nobody waits for it: counting only). Returns the dead
     holder's lease and the live manager."""
-    rc.flushall()
+    r.flushall()
     holder = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
     lease = holder.acquire("R", timeout=0)
     dying = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
     queue_requests(dying, dead, exclusive="R")
     live = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
     queue_requests(live, 1, exclusive="R")
-    rc.delete("{t}:alive:" + dying.owner_id)
-    assert rc.zcard("{t}:q:R") == dead + 1
+    r.delete("{t}:alive:" + dying.owner_id)
+    assert r.zcard("{t}:q:R") == dead + 1
     return lease, live
 
 
-def release_past_dead_entries(rc: redis.Redis, managers: Managers, dead: int) -> dict[str, int]:
+def release_past_dead_entries(r: redis.Redis, managers: Managers, dead: int) -> dict[str, int]:
     """Commands of the release that hands R to the live waiter behind them."""
-    lease, live = dead_entries_ahead(rc, managers, dead)
-    with counting(rc) as delta:
+    lease, live = dead_entries_ahead(r, managers, dead)
+    with counting(r) as delta:
         lease.release()
-    assert rc.zcard("{t}:q:R") == 0
-    assert [t.decode() for t in rc.hkeys("{t}:lock:R")][0].startswith(live.owner_id)
+    assert r.zcard("{t}:q:R") == 0
+    assert [t.decode() for t in r.hkeys("{t}:lock:R")][0].startswith(live.owner_id)
     return delta
 
 
-def try_once_past_dead_entries(rc: redis.Redis, managers: Managers, dead: int) -> dict[str, int]:
+def try_once_past_dead_entries(r: redis.Redis, managers: Managers, dead: int) -> dict[str, int]:
     """Commands of a try-once request that reclaims R from its dead holder
     and is granted past the dead entries (the live entry left first)."""
-    lease, live = dead_entries_ahead(rc, managers, dead)
-    rc.zremrangebyrank("{t}:q:R", -1, -1)  # the live entry leaves (not a dead one)
-    rc.delete("{t}:alive:" + lease.owner_id)
+    lease, live = dead_entries_ahead(r, managers, dead)
+    r.zremrangebyrank("{t}:q:R", -1, -1)  # the live entry leaves (not a dead one)
+    r.delete("{t}:alive:" + lease.owner_id)
     newcomer = managers(owner_ttl=OWNER_TTL, queue_scan_limit=SCAN_LIMIT)
     with newcomer.lock("warm", timeout=0):  # registered, script loaded
         pass
-    with counting(rc) as delta:
+    with counting(r) as delta:
         got = newcomer.acquire("R", timeout=0)
-    assert rc.zcard("{t}:q:R") == 0
+    assert r.zcard("{t}:q:R") == 0
     got.release()
     return delta
 
 
 @pytest.mark.parametrize("operation", [try_once_past_dead_entries, release_past_dead_entries])
 def test_each_dead_queue_entry_removed_costs_the_same_few_commands(
-    rc: redis.Redis, managers: Managers, operation: Callable[..., dict[str, int]]
+    r: redis.Redis, managers: Managers, operation: Callable[..., dict[str, int]]
 ) -> None:
     # Before: a script removed at most queue_scan_limit dead entries, so the
     # try-once request failed on its free lock and the release woke nobody.
     # Now dead entries have their own budget, and each costs a constant
     # number of commands (its liveness, ZREM, its request's keys).
-    totals = [sum(operation(rc, managers, dead).values()) for dead in (5, 10, 15)]
+    totals = [sum(operation(r, managers, dead).values()) for dead in (5, 10, 15)]
     steps = [totals[1] - totals[0], totals[2] - totals[1]]  # 5 more dead entries each
     assert abs(steps[1] - steps[0]) <= 1, totals  # linear (pages of 4 round a little)
     assert all(0 < step <= 5 * 6 for step in steps), totals  # at most 6 commands each
@@ -351,14 +342,14 @@ def test_each_dead_queue_entry_removed_costs_the_same_few_commands(
 
 
 def upkeep_with_due_deadlines(
-    rc: redis.Redis, managers: Managers, backlog: int, due: int
+    r: redis.Redis, managers: Managers, backlog: int, due: int
 ) -> dict[str, int]:
     """Commands of one dispatcher upkeep pass with ``backlog`` tasks parked on
     ``busy`` (none due) and ``due`` tasks whose park deadline passed, each
     parked on a resource of its own behind a live holder."""
     from celery_redislock.worker.defer import Dispatcher, park
 
-    rc.flushall()
+    r.flushall()
     mgr = managers(owner_ttl=OWNER_TTL)
     holders = [mgr.acquire(f"r{i}", timeout=0) for i in range(due)]
     holders.append(mgr.acquire("busy", timeout=0))
@@ -379,33 +370,33 @@ def upkeep_with_due_deadlines(
     deadlines = "{t}:deadlines"
 
     def now_ms() -> int:
-        sec, usec = rc.time()
+        sec, usec = r.time()
         return int(sec) * 1000 + int(usec) // 1000
 
     wait_until(
         lambda: (
-            rc.zcount(deadlines, "-inf", now_ms()) == due
-            and not any(rc.exists(f"{{t}}:alive:task:d{i}") for i in range(due))
+            r.zcount(deadlines, "-inf", now_ms()) == due
+            and not any(r.exists(f"{{t}}:alive:task:d{i}") for i in range(due))
         ),
         what="the deadlines passed",
     )
-    with counting(rc) as delta:
+    with counting(r) as delta:
         assert dispatcher.upkeep() is False
-    assert rc.zcard(deadlines) == backlog and rc.zcard("{t}:q:busy") == backlog
-    assert not any(rc.exists(f"{{t}}:defer:d{i}") for i in range(due))
+    assert r.zcard(deadlines) == backlog and r.zcard("{t}:q:busy") == backlog
+    assert not any(r.exists(f"{{t}}:defer:d{i}") for i in range(due))
     for lease in holders:
         lease.release()
     return delta
 
 
 def test_the_upkeeps_cost_grows_with_the_deadlines_due_not_with_the_tasks_parked(
-    rc: redis.Redis, managers: Managers
+    r: redis.Redis, managers: Managers
 ) -> None:
-    small = upkeep_with_due_deadlines(rc, managers, 20, 4)
-    large = upkeep_with_due_deadlines(rc, managers, 2000, 4)
+    small = upkeep_with_due_deadlines(r, managers, 20, 4)
+    large = upkeep_with_due_deadlines(r, managers, 2000, 4)
     assert small == large, f"{small} vs {large}"
     assert small.get("evalsha") == 1  # one round trip: the withdrawals are in its script
-    totals = [sum(upkeep_with_due_deadlines(rc, managers, 20, n).values()) for n in (2, 6)]
+    totals = [sum(upkeep_with_due_deadlines(r, managers, 20, n).values()) for n in (2, 6)]
     totals.insert(1, sum(small.values()))
     step = totals[1] - totals[0]
     assert step > 0 and totals[2] - totals[1] == step, totals  # the same for each one due

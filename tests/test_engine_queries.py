@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -21,22 +20,14 @@ OWNER_TTL = 120.0  # no heartbeat ticks while commands are counted
 
 
 @pytest.fixture(scope="module")
-def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(workdir=Path(tmp_path_factory.mktemp("queries-redis"))) as server:
-        yield server
+def redis_server(private_redis_server: RedisServer) -> RedisServer:
+    """This module counts server commands: a server no other module uses."""
+    return private_redis_server
 
 
 @pytest.fixture
-def rc(own_server: RedisServer) -> Iterator[redis.Redis]:
-    client = own_server.client()
-    client.flushall()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def mk(own_server: RedisServer, rc: redis.Redis) -> Iterator[Managers]:
-    made = Managers(own_server.url, owner_ttl=OWNER_TTL)
+def mk(redis_server: RedisServer, r: redis.Redis) -> Iterator[Managers]:
+    made = Managers(redis_server.url, owner_ttl=OWNER_TTL)
     yield made
     made.close_all()
 
@@ -54,11 +45,11 @@ def test_try_acquire_returns_a_lease_when_free_and_none_when_taken(mk: Managers)
     assert again is not None and again.fencing_token > lease.fencing_token
 
 
-def test_try_acquire_never_queues(mk: Managers, rc: redis.Redis) -> None:
+def test_try_acquire_never_queues(mk: Managers, r: redis.Redis) -> None:
     a, b = mk(), mk()
     held = a.acquire("repo:1", timeout=0)
     assert b.try_acquire("repo:1") is None
-    assert rc.zcard("{t}:q:repo:1") == 0  # nothing left in line
+    assert r.zcard("{t}:q:repo:1") == 0  # nothing left in line
     assert held.contenders() == 0
 
 
@@ -91,11 +82,11 @@ def test_holders_and_is_locked_name_every_grant_with_its_mode_and_fence(mk: Mana
     assert c.is_locked("repo:1") is False and c.holders("repo:1") == []
 
 
-def test_a_dead_owners_grant_is_listed_until_it_is_reclaimed(mk: Managers, rc: redis.Redis) -> None:
+def test_a_dead_owners_grant_is_listed_until_it_is_reclaimed(mk: Managers, r: redis.Redis) -> None:
     dead, live = mk(), mk()
     dead.acquire("repo:1", timeout=0)
     dead.heartbeat.stop()
-    rc.delete("{t}:alive:" + dead.owner_id)  # its liveness ran out
+    r.delete("{t}:alive:" + dead.owner_id)  # its liveness ran out
     assert live.is_locked("repo:1") is True
     assert [h.owner_id for h in live.holders("repo:1")] == [dead.owner_id]
     taken = live.try_acquire("repo:1")  # the acquirer reclaims it
@@ -113,19 +104,19 @@ def test_holders_and_is_locked_refuse_bad_names_before_any_call(mk: Managers) ->
 
 
 def test_each_query_is_one_command_whatever_the_number_of_holders(
-    mk: Managers, rc: redis.Redis
+    mk: Managers, r: redis.Redis
 ) -> None:
     asker = mk()
     asker.is_locked("warm")  # the format check: once per process, not per call
     counts = []
     for n in (1, 20):
-        rc.delete("{t}:lock:r")
+        r.delete("{t}:lock:r")
         holders = [mk() for _ in range(n)]
         for m in holders:
             m.acquire(shared=["r"], timeout=0)
-        with counting(rc) as seen_holders:
+        with counting(r) as seen_holders:
             assert len(asker.holders("r")) == n
-        with counting(rc) as seen_locked:
+        with counting(r) as seen_locked:
             assert asker.is_locked("r")
         counts.append((dict(seen_holders), dict(seen_locked)))
         for m in holders:
@@ -166,8 +157,8 @@ def test_a_lease_inherited_across_fork_releases_nothing_and_says_so(mk: Managers
     assert lease.release() is True
 
 
-def test_queries_work_on_a_manager_that_never_acquired(own_server: RedisServer) -> None:
-    mgr = LockManager(own_server.url, namespace="t", owner_ttl=OWNER_TTL)
+def test_queries_work_on_a_manager_that_never_acquired(redis_server: RedisServer) -> None:
+    mgr = LockManager(redis_server.url, namespace="t", owner_ttl=OWNER_TTL)
     try:
         assert mgr.is_locked("nothing") is False
         assert mgr.holders("nothing") == []

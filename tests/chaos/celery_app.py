@@ -55,15 +55,10 @@ from celery_redislock import (
     current_lease,
     locked,
 )
-
-
-def _env_float(name: str) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value else None
-
+from e2e.settings import env_float, worker_settings
 
 #: Seconds a wait-mode task waits for its lock before it fails with LockTimeout.
-WAIT_TIMEOUT = _env_float("E2E_WAIT_TIMEOUT_S") or 25.0
+WAIT_TIMEOUT = env_float("E2E_WAIT_TIMEOUT_S") or 25.0
 #: Countdown of the one retry of a ``retry=True`` task.
 RETRY_COUNTDOWN = 0.1
 
@@ -71,38 +66,16 @@ RETRY_COUNTDOWN = 0.1
 def settings() -> dict[str, Any]:
     """The app's configuration from the environment (also the producer's)."""
     broker = os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0")
-    visibility = _env_float("E2E_VISIBILITY") or 30.0
-    conf: dict[str, Any] = {
-        "broker_url": broker,
-        "result_backend": broker,
-        "task_default_queue": os.environ.get("E2E_QUEUE", "celery"),
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
-        "worker_prefetch_multiplier": 1,
-        "broker_connection_retry_on_startup": True,
-        "result_expires": 3600,
-        # A SIGKILLed worker's unacked messages come back after the visibility
-        # timeout: keep it short, and sweep for them every second.
-        "broker_transport_options": {
-            "visibility_timeout": visibility,
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-        },
-        "redislock_namespace": os.environ.get("E2E_NAMESPACE", "chaosc"),
+    visibility = env_float("E2E_VISIBILITY") or 30.0
+    conf = worker_settings("chaosc", result_expires=3600)
+    conf["broker_url"] = conf["result_backend"] = broker
+    # A SIGKILLed worker's unacked messages come back after the visibility
+    # timeout: keep it short, and sweep for them every second.
+    conf["broker_transport_options"] = {
+        "visibility_timeout": visibility,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
     }
-    if os.environ.get("E2E_LOCK_URL"):
-        conf["redislock_url"] = os.environ["E2E_LOCK_URL"]
-    for env, setting in (
-        ("E2E_OWNER_TTL", "redislock_owner_ttl"),
-        ("E2E_HEARTBEAT", "redislock_heartbeat_interval"),
-        ("E2E_UNIQUE_TTL", "redislock_unique_ttl"),
-        ("E2E_DEFER_TTL", "redislock_defer_ttl"),
-        ("E2E_DEFER_GRANT_TTL", "redislock_defer_grant_ttl"),
-        ("E2E_DEFER_GUARD", "redislock_defer_guard_interval"),
-    ):
-        value = _env_float(env)
-        if value is not None:
-            conf[setting] = value
     return conf
 
 

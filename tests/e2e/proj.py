@@ -47,42 +47,16 @@ from celery.backends.base import Backend
 from celery_redislock import LockLost, LockManager, LockTimeout, RedisLock, current_lease, locked
 
 from . import unique_tasks
+from .settings import env_float, worker_settings
 
 #: Longest a ``hold`` task blocks waiting for its go signal, seconds.
 HOLD_LIMIT = 300.0
 
 
-def _env_float(name: str) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value else None
-
-
 def _build() -> Celery:
     broker = os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0")
     app = Celery("e2e", broker=broker, backend=os.environ.get("E2E_BACKEND_URL", broker))
-    conf: dict[str, Any] = {
-        "task_default_queue": os.environ.get("E2E_QUEUE", "celery"),
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
-        "worker_prefetch_multiplier": 1,
-        "broker_connection_retry_on_startup": True,
-        "result_expires": 600,
-        "redislock_namespace": os.environ.get("E2E_NAMESPACE", "redislock"),
-    }
-    if os.environ.get("E2E_LOCK_URL"):
-        conf["redislock_url"] = os.environ["E2E_LOCK_URL"]
-    for env, setting in (
-        ("E2E_OWNER_TTL", "redislock_owner_ttl"),
-        ("E2E_HEARTBEAT", "redislock_heartbeat_interval"),
-        ("E2E_RECONCILE", "redislock_reconcile_interval"),
-        ("E2E_UNIQUE_TTL", "redislock_unique_ttl"),
-        ("E2E_DEFER_TTL", "redislock_defer_ttl"),
-        ("E2E_DEFER_GRANT_TTL", "redislock_defer_grant_ttl"),
-        ("E2E_DEFER_GUARD", "redislock_defer_guard_interval"),
-    ):
-        value = _env_float(env)
-        if value is not None:
-            conf[setting] = value
+    conf = worker_settings("redislock", result_expires=600)
     if os.environ.get("E2E_FAST_RESTART"):
         conf["redislock_fast_restart_cleanup"] = os.environ["E2E_FAST_RESTART"] == "1"
     if os.environ.get("E2E_EVICTION_CHECK"):
@@ -92,7 +66,7 @@ def _build() -> Celery:
         conf["redislock_metrics_address"] = "127.0.0.1"
     if os.environ.get("E2E_WAIT_REPLICAS"):
         conf["redislock_wait_replicas"] = int(os.environ["E2E_WAIT_REPLICAS"])
-        conf["redislock_wait_timeout"] = _env_float("E2E_WAIT_TIMEOUT") or 1.0
+        conf["redislock_wait_timeout"] = env_float("E2E_WAIT_TIMEOUT") or 1.0
     app.conf.update(conf)
     return app
 
