@@ -141,24 +141,25 @@ def _body(task: Any, kind: str, mode: str, res: str, hold: float, retry: bool = 
     return str(request.id)
 
 
-@app.task(name="chaos.defer_x", bind=True, acks_late=True)
-@locked("c:{res}", on_busy="defer", on_lost="ignore")
-def defer_x(
-    self: Any, res: str, hold: float, retry: bool = False, stall_pre: float = 0.0,
-    stall_mid: float = 0.0,
-) -> str:  # fmt: skip
-    """Exclusive, deferred when busy."""
-    return _body(self, "defer", "x", res, hold, retry)
+def _deferred(mode: str, exclusive: tuple[str, ...], shared: tuple[str, ...]) -> Any:
+    """The task ``chaos.defer_<mode>``: deferred when busy, on ``c:<res>``
+    (exclusive: ``exclusive`` names it, shared: ``shared`` does)."""
+
+    @app.task(name=f"chaos.defer_{mode}", bind=True, acks_late=True)
+    @locked(*exclusive, shared=shared, on_busy="defer", on_lost="ignore")
+    def deferred(
+        self: Any, res: str, hold: float, retry: bool = False, stall_pre: float = 0.0,
+        stall_mid: float = 0.0,
+    ) -> str:  # fmt: skip
+        return _body(self, "defer", mode, res, hold, retry)
+
+    return deferred
 
 
-@app.task(name="chaos.defer_s", bind=True, acks_late=True)
-@locked(shared=["c:{res}"], on_busy="defer", on_lost="ignore")
-def defer_s(
-    self: Any, res: str, hold: float, retry: bool = False, stall_pre: float = 0.0,
-    stall_mid: float = 0.0,
-) -> str:  # fmt: skip
-    """Shared, deferred when busy."""
-    return _body(self, "defer", "s", res, hold, retry)
+#: Exclusive, deferred when busy.
+defer_x = _deferred("x", ("c:{res}",), ())
+#: Shared, deferred when busy.
+defer_s = _deferred("s", (), ("c:{res}",))
 
 
 @app.task(name="chaos.wait_x", bind=True, acks_late=True)

@@ -272,6 +272,20 @@ def _start_helper_process(how: str, resource: str, tag: str) -> Any:
     return proc
 
 
+def _fork_helper(resource: str, tag: str) -> int:
+    """``os.fork()`` a helper that runs :func:`_helper` and exits (0 once it
+    returned, 1 if it raised); its pid."""
+    pid = os.fork()
+    if pid == 0:  # the helper
+        code = 1
+        try:
+            _helper(resource, tag)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
 @app.task(name="e2e.fork_helper", bind=True)
 def fork_helper(self: Any, resource: str, tag: str, how: str = "multiprocessing") -> dict[str, Any]:
     """Fork a helper process running :func:`_helper`; return once it exited.
@@ -281,14 +295,7 @@ def fork_helper(self: Any, resource: str, tag: str, how: str = "multiprocessing"
     helper's pid and exit code (negative: killed by that signal).
     """
     if how == "fork":
-        pid = os.fork()
-        if pid == 0:  # the helper
-            code = 1
-            try:
-                _helper(resource, tag)
-                code = 0
-            finally:
-                os._exit(code)
+        pid = _fork_helper(resource, tag)
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
     else:
@@ -316,14 +323,7 @@ def _fork_main_helper(sender: Any = None, **_: Any) -> None:
     if not spec:
         return
     resource, tag = spec.split()
-    pid = os.fork()
-    if pid == 0:  # the helper
-        code = 1
-        try:
-            _helper(resource, tag)
-            code = 0
-        finally:
-            os._exit(code)
+    pid = _fork_helper(resource, tag)
 
     def reap() -> None:
         try:
@@ -366,13 +366,12 @@ def dhold(self: Any, res: str, tag: str) -> dict[str, Any]:
     return info
 
 
-@app.task(name="e2e.dwrite", bind=True, acks_late=True)
-@locked("res:{res}", on_busy="defer")
-def dwrite(self: Any, res: str, tag: str, pause: float = 0.0) -> dict[str, Any]:
-    """Deferred when busy: appends ``tag`` to ``e2e:order:<res>`` (and counts runs)."""
+def _ordered_write(task: str, res: str, tag: str, pause: float = 0.0) -> dict[str, Any]:
+    """Count a run of ``tag`` and append it to ``e2e:order:<res>`` (``pause``
+    seconds inside); a second body inside on ``res`` is a violation."""
     r = data()
     if r.incr(f"e2e:inside:w:{res}") != 1:
-        r.rpush("e2e:violations", f"dwrite {res} {tag}")
+        r.rpush("e2e:violations", f"{task} {res} {tag}")
     try:
         r.incr(f"e2e:runs:{tag}")
         r.rpush(f"e2e:order:{res}", tag)
@@ -381,6 +380,13 @@ def dwrite(self: Any, res: str, tag: str, pause: float = 0.0) -> dict[str, Any]:
         return _lease_info()
     finally:
         r.decr(f"e2e:inside:w:{res}")
+
+
+@app.task(name="e2e.dwrite", bind=True, acks_late=True)
+@locked("res:{res}", on_busy="defer")
+def dwrite(self: Any, res: str, tag: str, pause: float = 0.0) -> dict[str, Any]:
+    """Deferred when busy: appends ``tag`` to ``e2e:order:<res>`` (and counts runs)."""
+    return _ordered_write("dwrite", res, tag, pause)
 
 
 @app.task(name="e2e.dshort1", bind=True, acks_late=True)
@@ -395,15 +401,7 @@ def dshort1(self: Any, res: str, tag: str) -> dict[str, Any]:
 @locked("res:{res}", on_busy="wait", timeout=120)
 def wwrite(self: Any, res: str, tag: str) -> dict[str, Any]:
     """Waits when busy (holding its pool slot): appends ``tag`` to ``e2e:order:<res>``."""
-    r = data()
-    if r.incr(f"e2e:inside:w:{res}") != 1:
-        r.rpush("e2e:violations", f"wwrite {res} {tag}")
-    try:
-        r.incr(f"e2e:runs:{tag}")
-        r.rpush(f"e2e:order:{res}", tag)
-        return _lease_info()
-    finally:
-        r.decr(f"e2e:inside:w:{res}")
+    return _ordered_write("wwrite", res, tag)
 
 
 @app.task(name="e2e.dreenter", bind=True, acks_late=True)
