@@ -10,6 +10,7 @@
   documentation does not grant fails the test with PermissionDenied.
 - ``r`` (function): a ``redis.Redis`` client (bytes replies) on that empty Redis.
 - ``free_port`` : the :func:`redis_server.free_port` helper, as a fixture.
+- ``closing`` (function): a list whose items are closed after the test.
 - ``quick_apps`` (function): a factory of Celery apps for the in-process
   tests (tests/celery_helpers.py), closed after the test.
 
@@ -120,6 +121,16 @@ def managers(redis_url: str) -> Iterator[Managers]:
         yield made
     finally:
         made.close_all()
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    """A list to append managers, children or anything else with ``close()``
+    to: each is closed after the test, in the order appended."""
+    items: list[Any] = []
+    yield items
+    for item in items:
+        item.close()
 
 
 @pytest.fixture

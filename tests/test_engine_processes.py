@@ -10,9 +10,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 
-import pytest
 import redis
 
 from engine_helpers import (
@@ -35,25 +33,17 @@ from engine_helpers import (
 MARGIN = 3.0
 
 
-@pytest.fixture
-def children() -> Iterator[list[Child]]:
-    started: list[Child] = []
-    yield started
-    for child in started:
-        child.close()
-
-
 def test_processes_in_mixed_modes_never_hold_incompatible_locks(
-    redis_url: str, r: redis.Redis, children: list[Child]
+    redis_url: str, r: redis.Redis, closing: list[Child]
 ) -> None:
     workers, iterations = 4, 50
     for seed in range(workers):
-        children.append(Child(child_mutex_worker, redis_url, "t", seed, iterations))
-    for child in children:
+        closing.append(Child(child_mutex_worker, redis_url, "t", seed, iterations))
+    for child in closing:
         child.expect("ready")
-    for child in children:
+    for child in closing:
         child.send("go")
-    writes = sum(child.expect("done", timeout=90)[1] for child in children)
+    writes = sum(child.expect("done", timeout=90)[1] for child in closing)
 
     events = [e.decode() for e in r.lrange("events", 0, -1)]
     most = check_event_log(events)  # no exclusive holder ever overlapped another holder
@@ -68,16 +58,16 @@ def test_processes_in_mixed_modes_never_hold_incompatible_locks(
 
 
 def test_waiter_acquires_from_sigkilled_holder_within_owner_ttl_plus_heartbeat(
-    redis_url: str, r: redis.Redis, children: list[Child]
+    redis_url: str, r: redis.Redis, closing: list[Child]
 ) -> None:
     owner_ttl = 2.0
     heartbeat = owner_ttl / 3  # LockManager's default interval
     holder = Child(child_holder, redis_url, "t", owner_ttl, ["a"], ["b"])
-    children.append(holder)
+    closing.append(holder)
     _, holder_fence, holder_owner, _ = holder.expect("held")
 
     waiter = Child(child_waiter, redis_url, "t", owner_ttl, ["a", "b"], [], 60.0)
-    children.append(waiter)
+    closing.append(waiter)
     waiter.expect("waiting")
     # the waiter is already queued behind the holder before the crash
     wait_until(lambda: r.zcard("{t}:q:a") == 1 and r.zcard("{t}:q:b") == 1, what="queued")
@@ -96,13 +86,13 @@ def test_waiter_acquires_from_sigkilled_holder_within_owner_ttl_plus_heartbeat(
 
 
 def test_holder_paused_past_owner_ttl_loses_lock_and_learns_it_after_sigcont(
-    redis_url: str, r: redis.Redis, children: list[Child]
+    redis_url: str, r: redis.Redis, closing: list[Child]
 ) -> None:
     holder = Child(child_holder, redis_url, "t", 2.0, ["a"], [])
-    children.append(holder)
+    closing.append(holder)
     _, holder_fence, holder_owner, _ = holder.expect("held")
     waiter = Child(child_waiter, redis_url, "t", 10.0, ["a"], [], 60.0)
-    children.append(waiter)
+    closing.append(waiter)
     waiter.expect("waiting")
     wait_until(lambda: r.zcard("{t}:q:a") == 1, what="waiter queued")
 
@@ -185,13 +175,13 @@ def test_forked_child_has_its_own_owner_id_and_heartbeat(
 
 
 def test_child_processes_get_distinct_owner_ids(
-    redis_url: str, children: list[Child], managers: Managers
+    redis_url: str, closing: list[Child], managers: Managers
 ) -> None:
     mine = managers().owner_id
     ids = set()
     for _ in range(2):
         child = Child(child_waiter, redis_url, "t", 5.0, [f"r{len(ids)}"], [], 10.0)
-        children.append(child)
+        closing.append(child)
         ids.add(child.expect("waiting")[1])
         child.expect("acquired")
     assert len(ids) == 2 and mine not in ids

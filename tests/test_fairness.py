@@ -64,20 +64,12 @@ def procs() -> Iterator[Procs]:
 
 
 @pytest.fixture
-def mgrs(redis_url: str) -> Iterator[list[LockManager]]:
-    made: list[LockManager] = []
-    yield made
-    for m in made:
-        m.close()
-
-
-@pytest.fixture
-def make(redis_url: str, mgrs: list[LockManager]):  # type: ignore[no-untyped-def]
+def make(redis_url: str, closing: list[LockManager]):  # type: ignore[no-untyped-def]
     """make(owner_ttl=30.0) -> a LockManager (no socket timeout), closed after the test."""
 
     def _make(owner_ttl: float = 30.0) -> LockManager:
         m = manager(redis_url, owner_ttl=owner_ttl)
-        mgrs.append(m)
+        closing.append(m)
         return m
 
     return _make
@@ -524,14 +516,14 @@ def test_holder_liveness_expiry_wakes_the_waiter_without_its_own_timeout(
 
 
 def test_waiter_survives_waiting_longer_than_redis_py_default_socket_timeout(
-    redis_url: str, rs: redis.Redis, mgrs: list[LockManager]
+    redis_url: str, rs: redis.Redis, closing: list[LockManager]
 ) -> None:
     # Naive: one BLPOP for the whole wait on a client built from a URL
     # (redis-py 8: 5 s socket timeout) dies with a TimeoutError after 5 s.
     # The wait below is the point of the test: it must outlast 5 s.
     holder = LockManager(redis_url, NS)
     waiter_mgr = LockManager(redis_url, NS)  # default owner_ttl 30, URL client
-    mgrs.extend([holder, waiter_mgr])
+    closing.extend([holder, waiter_mgr])
     lease = holder.acquire("R")
     waiter = ThreadWaiter(waiter_mgr, "R", timeout=120)
     t0 = time.monotonic()

@@ -27,14 +27,6 @@ from engine_helpers import Child, Managers, child_holder, lock_holders, wait_unt
 from redis_server import RedisServer
 
 
-@pytest.fixture
-def children() -> Iterator[list[Child]]:
-    made: list[Child] = []
-    yield made
-    for child in made:
-        child.close()
-
-
 def alive(owner: str) -> str:
     return "{t}:alive:" + owner
 
@@ -85,14 +77,14 @@ def assert_goes_on_under_a_new_identity(mgr: LockManager, old_owner: str, resour
 
 
 def test_holder_resumed_after_sigstop_past_owner_ttl_fails_its_first_check(
-    redis_url: str, r: redis.Redis, children: list[Child]
+    redis_url: str, r: redis.Redis, closing: list[Child]
 ) -> None:
     # A real process, stopped longer than owner_ttl then continued: the very
     # first check() it makes raises, before its heartbeat had a chance to run.
     for _ in range(3):  # every time, not by luck of thread scheduling
         r.flushall()
         holder = Child(child_holder, redis_url, "t", 1.0, ["a"], [])
-        children.append(holder)
+        closing.append(holder)
         _, _, owner, _ = holder.expect("held")
         holder.signal(signal.SIGSTOP)
         try:

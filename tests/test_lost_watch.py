@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -22,22 +21,14 @@ def redis_server(private_redis_server: RedisServer) -> RedisServer:
     return private_redis_server
 
 
-@pytest.fixture
-def managers(redis_url: str) -> Iterator[list[LockManager]]:
-    made: list[LockManager] = []
-    yield made
-    for m in made:
-        m.close()
-
-
 def test_owner_without_own_heartbeat_marks_leases_lost_when_force_cleaned(
-    redis_url: str, managers: list[LockManager], caplog: pytest.LogCaptureFixture
+    redis_url: str, closing: list[LockManager], caplog: pytest.LogCaptureFixture
 ) -> None:
     # Without the watcher the lease stays "held" for the rest of the body
     # although its lock was freed and may be granted to someone else.
     child = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False)
     operator = LockManager(redis_url, "w", owner_ttl=60)
-    managers += [child, operator]
+    closing += [child, operator]
     lease = child.acquire("R", timeout=5)
     assert not lease.lost
     probe = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -63,12 +54,12 @@ def test_owner_without_own_heartbeat_marks_leases_lost_when_force_cleaned(
 
 
 def test_owner_with_its_own_heartbeat_needs_no_watcher(
-    redis_url: str, managers: list[LockManager]
+    redis_url: str, closing: list[LockManager]
 ) -> None:
     # The heartbeat's PEXPIRE reply tells such an owner; no listener thread
     # (and no blocked connection) is started for it.
     mgr = LockManager(redis_url, "w", owner_ttl=1.0, heartbeat_interval=0.1)
-    managers.append(mgr)
+    closing.append(mgr)
     lease = mgr.acquire("R", timeout=5)
     assert mgr.watcher.started_here is False
     mgr.cleanup_owner(mgr.owner_id, force=True)
@@ -76,7 +67,7 @@ def test_owner_with_its_own_heartbeat_needs_no_watcher(
 
 
 def test_exempt_process_starts_no_watcher_but_its_forked_pool_child_does(
-    redis_url: str, managers: list[LockManager]
+    redis_url: str, closing: list[LockManager]
 ) -> None:
     # The Celery worker's main process is watched by its node heartbeat: no
     # watcher thread there (one fewer real thread blocked in Redis at exit),
@@ -86,7 +77,7 @@ def test_exempt_process_starts_no_watcher_but_its_forked_pool_child_does(
     import os
 
     mgr = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False)
-    managers.append(mgr)
+    closing.append(mgr)
     mgr.watcher.exempt_pid = os.getpid()
     mgr.acquire("R", timeout=5).release()
     assert mgr.watcher.started_here is False
@@ -141,7 +132,7 @@ def _blpops(r: redis.Redis) -> int:
 
 
 def test_an_idle_pool_child_sends_nothing_and_is_watched_again_once_it_holds(
-    redis_url: str, r: redis.Redis, managers: list[LockManager]
+    redis_url: str, r: redis.Redis, closing: list[LockManager]
 ) -> None:
     # A pool child holding and waiting for nothing has nothing a loss notice
     # could change: its watcher must not keep a BLPOP going (in a fleet of
@@ -149,7 +140,7 @@ def test_an_idle_pool_child_sends_nothing_and_is_watched_again_once_it_holds(
     # must be told of a loss at once, as before.
     child = LockManager(redis_url, "w", owner_ttl=60, heartbeat=False, heartbeat_interval=0.2)
     operator = LockManager(redis_url, "w", owner_ttl=60)
-    managers += [child, operator]
+    closing += [child, operator]
     child.acquire("R", timeout=5).release()
     wait_until(lambda: not [c for c in r.client_list() if "b" in c["flags"]], what="no BLPOP")
     before, passes = _blpops(r), child.watcher.passes

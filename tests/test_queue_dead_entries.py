@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -45,22 +44,14 @@ TTL = 120.0
 
 
 @pytest.fixture
-def made(redis_url: str) -> Iterator[list[LockManager]]:
-    out: list[LockManager] = []
-    yield out
-    for mgr in out:
-        mgr.close()
-
-
-@pytest.fixture
-def make(redis_url: str, made: list[LockManager]) -> Any:
+def make(redis_url: str, closing: list[LockManager]) -> Any:
     """make(**kw) -> a manager with queue_scan_limit=4, owner_ttl=120, no socket timeout."""
 
     def _make(**kw: Any) -> LockManager:
         kw.setdefault("queue_scan_limit", LIMIT)
         kw.setdefault("owner_ttl", TTL)
         mgr = LockManager(client(redis_url), NS, **kw)
-        made.append(mgr)
+        closing.append(mgr)
         return mgr
 
     return _make
