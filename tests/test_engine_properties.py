@@ -128,7 +128,7 @@ def test_no_name_ever_produces_a_key_outside_the_namespace(
 @SETTINGS
 @given(name=invalid_names, mode=st.sampled_from(["exclusive", "shared"]))
 def test_invalid_names_raise_invalid_resource_and_write_nothing(
-    managers: Managers, r: redis.Redis, name: Any, mode: str
+    r: redis.Redis, managers: Managers, name: Any, mode: str
 ) -> None:
     r.flushall()
     mgr = managers()

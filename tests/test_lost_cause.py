@@ -9,7 +9,7 @@ import logging
 import pytest
 import redis
 
-from celery_redislock import LockLost
+from celery_redislock import Lease, LockLost, LockManager
 from celery_redislock.exceptions import (
     CAUSE_DECLARED_DEAD,
     CAUSE_EXPIRED,
@@ -17,6 +17,19 @@ from celery_redislock.exceptions import (
     CAUSE_REDIS_LOST,
 )
 from engine_helpers import Managers, wait_until
+
+
+def _quiet_holder(managers: Managers) -> tuple[LockManager, Lease]:
+    """A manager whose heartbeat does not beat during the test, holding ``a``."""
+    mgr = managers(owner_ttl=30, heartbeat_interval=10)
+    return mgr, mgr.acquire("a", timeout=5)
+
+
+def _assert_lost_at_the_next_acquire(mgr: LockManager, lease: Lease, cause: str) -> None:
+    """``mgr``'s next acquire finds its owner gone: ``lease`` is lost, for ``cause``."""
+    mgr.acquire("b", timeout=5)
+    assert lease.lost
+    assert lost_cause(lease) == cause
 
 
 def lost_cause(lease: object) -> str | None:
@@ -29,8 +42,8 @@ def test_operator_release_is_named_as_the_cause_by_a_heartbeat_owner(
     managers: Managers, caplog: pytest.LogCaptureFixture
 ) -> None:
     mgr = managers(heartbeat_interval=0.1)
-    cli = managers(heartbeat=False)
     lease = mgr.acquire("a", timeout=5)
+    cli = managers(heartbeat=False)
     with caplog.at_level(logging.ERROR, "celery_redislock.heartbeat"):
         cli.cleanup_owner(lease.owner_id, force=True, reason="operator")
         wait_until(lambda: lease.lost, what="the heartbeat to find the owner gone")
@@ -91,34 +104,29 @@ def test_redis_losing_its_data_reads_so_even_after_another_process_acquired_agai
 ) -> None:
     # Another process's grant creates the fencing counter again before this
     # owner finds its liveness key gone: the loss still reads as Redis's.
-    mgr = managers(owner_ttl=30, heartbeat_interval=10)  # no beat during the test
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = _quiet_holder(managers)
     r.flushall()  # a restart without persistence, in effect
     managers(heartbeat=False).acquire("z", timeout=5)  # the counter and format are back
     assert r.exists("{t}:fence") and r.exists("{t}:format")
-    mgr.acquire("b", timeout=5)  # finds its owner gone: a new identity
-    assert lease.lost
-    assert lost_cause(lease) == CAUSE_REDIS_LOST
+    _assert_lost_at_the_next_acquire(
+        mgr, lease, CAUSE_REDIS_LOST
+    )  # finds its owner gone: a new identity
 
 
 def test_a_liveness_key_gone_alone_reads_liveness_expired(
     managers: Managers, r: redis.Redis
 ) -> None:
-    mgr = managers(owner_ttl=30, heartbeat_interval=10)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = _quiet_holder(managers)
     managers(heartbeat=False).acquire("z", timeout=5)  # a later grant of the same data
     r.delete("{t}:alive:" + lease.owner_id)  # evicted, or expired while paused
-    mgr.acquire("b", timeout=5)
-    assert lease.lost
-    assert lost_cause(lease) == CAUSE_EXPIRED
+    _assert_lost_at_the_next_acquire(mgr, lease, CAUSE_EXPIRED)
 
 
 def test_a_namespace_written_before_its_birth_was_recorded_reads_liveness_expired(
     managers: Managers, r: redis.Redis
 ) -> None:
     # Data of a release that kept no {ns}:born: the counter alone decides.
-    mgr = managers(owner_ttl=30, heartbeat_interval=10)
-    lease = mgr.acquire("a", timeout=5)
+    mgr, lease = _quiet_holder(managers)
     r.delete("{t}:born", "{t}:alive:" + lease.owner_id)
     mgr.acquire("b", timeout=5)
     assert lost_cause(lease) == CAUSE_EXPIRED

@@ -37,17 +37,16 @@ from celery_redislock.worker.node import (
 from engine_helpers import wait_until as wait_for
 from redis_server import RedisServer
 
+NS = "nodetest"
+PREFIX = "{" + NS + "}:"
+IV = 0.2  # heartbeat interval, s: eviction threshold = 0.4 s
+TTL = 2.0
+
 
 @pytest.fixture(scope="module")
 def redis_server(private_redis_server: RedisServer) -> RedisServer:
     """This module counts server commands: a server no other module uses."""
     return private_redis_server
-
-
-NS = "nodetest"
-PREFIX = "{" + NS + "}:"
-IV = 0.2  # heartbeat interval, s: eviction threshold = 0.4 s
-TTL = 2.0
 
 
 class Worker:

@@ -27,6 +27,15 @@ def held_keys(r: redis.Redis, owner: str) -> set[str]:
     return {k for k in namespace_keys(r) if k.startswith("{t}:held:" + owner)}
 
 
+def spilled_and_dead(managers: Managers, r: redis.Redis) -> tuple[LockManager, LockManager]:
+    """A dead owner (:func:`dead_to_be`, liveness key deleted) that held
+    ``MANY`` locks (spilled into buckets), and another manager."""
+    dead, other = dead_to_be(managers), managers()
+    take(dead, MANY)
+    assert r.delete("{t}:alive:" + dead.owner_id) == 1
+    return dead, other
+
+
 def dead_to_be(managers: Managers) -> LockManager:
     """A manager whose owner the test will declare dead (its liveness key
     deleted): no heartbeat, and no lost-owner watch that would notice and
@@ -68,9 +77,7 @@ def test_an_owner_holding_many_locks_keeps_every_registry_hash_compact(
 def test_cleanup_of_a_dead_owner_that_spilled_frees_every_lock_and_its_buckets(
     managers: Managers, r: redis.Redis
 ) -> None:
-    dead, other = dead_to_be(managers), managers()
-    take(dead, MANY)
-    assert r.delete("{t}:alive:" + dead.owner_id) == 1
+    dead, other = spilled_and_dead(managers, r)
 
     report = other.cleanup_owner(dead.owner_id)
 
@@ -85,9 +92,7 @@ def test_cleanup_of_a_dead_owner_that_spilled_frees_every_lock_and_its_buckets(
 def test_an_acquirer_reclaiming_a_spilled_grant_removes_it_from_its_bucket(
     managers: Managers, r: redis.Redis
 ) -> None:
-    dead, other = dead_to_be(managers), managers()
-    take(dead, MANY)
-    assert r.delete("{t}:alive:" + dead.owner_id) == 1
+    dead, other = spilled_and_dead(managers, r)
     last = f"repo:{MANY - 1}"  # taken after the spill: in a bucket
 
     with other.lock(last, timeout=0):
@@ -157,7 +162,7 @@ def test_a_spilled_owner_pays_two_commands_more_per_cycle_however_many_it_holds(
 
 
 def test_names_that_differ_in_a_digit_spread_over_buckets_that_all_stay_compact(
-    managers: Managers, r: redis.Redis
+    r: redis.Redis, managers: Managers
 ) -> None:
     # 5,000 names like res-000123: about 78 per bucket if they spread
     # evenly; a bucket past 128 would turn into a hash table.
