@@ -8,7 +8,8 @@
   only the least-privilege ACL of docs/operations.md (tests/acl_helpers.py),
   for the namespaces ``t``, ``redislock`` and ``other``: a command the
   documentation does not grant fails the test with PermissionDenied.
-- ``r`` (function): a ``redis.Redis`` client (bytes replies) on that empty Redis.
+- ``r`` (function): a ``redis.Redis`` client (bytes replies) on that empty Redis;
+  ``rs``: one with str replies and no socket timeout.
 - ``free_port`` : the :func:`redis_server.free_port` helper, as a fixture.
 - ``closing`` (function): a list whose items are closed after the test.
 - ``quick_apps`` (function): a factory of Celery apps for the in-process
@@ -34,6 +35,7 @@ import acl_helpers
 from celery_helpers import QUICK_NS, close_app, quick_app
 from celery_redislock import RedisLock
 from engine_helpers import Managers
+from fairness_helpers import client
 from redis_server import (
     ENV_VAR,
     RedisServer,
@@ -106,6 +108,15 @@ def r(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def rs(redis_url: str) -> Iterator[redis.Redis]:
+    """A str-reply client on the emptied Redis, with no socket timeout
+    (:func:`fairness_helpers.client`)."""
+    c = client(redis_url)
+    yield c
+    c.close()
 
 
 @pytest.fixture

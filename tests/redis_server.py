@@ -199,6 +199,19 @@ def make_tls_files(folder: Path, host: str = LOOPBACK) -> tuple[Path, Path, Path
     return ca, cert, key
 
 
+def popen_sentinel(binary: str, conf: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    """Start ``binary`` (a redis-server) as a Sentinel on the config file
+    ``conf``, in ``cwd``, killed when the test process dies."""
+    return subprocess.Popen(
+        [binary, str(conf), "--sentinel"],
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """preexec_fn: have Linux SIGKILL the server when the test process dies."""
     os.setsid()

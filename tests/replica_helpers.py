@@ -26,6 +26,18 @@ from engine_helpers import wait_until
 from redis_server import LOOPBACK, RedisServer
 
 
+def fences_before_the_failover(mgr: LockManager) -> tuple[list[int], Lease]:
+    """Three grants of ``a`` (exclusive) with ``s`` (shared), released, then
+    ``held``, kept: their fencing tokens in grant order, and the held lease."""
+    before = []
+    for _ in range(3):
+        with mgr.lock(exclusive=["a"], shared=["s"], timeout=5) as lease:
+            before.append(lease.fencing_token)
+    held = mgr.acquire(exclusive=["held"], timeout=5)
+    before.append(held.fencing_token)
+    return before, held
+
+
 def start_master_and_replica(workdir: Path) -> tuple[RedisServer, RedisServer]:
     """Start a master and a replica of it (diskless sync) below ``workdir``."""
     fast_sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]

@@ -47,6 +47,7 @@ from redis_server import RedisServer
 from replica_helpers import (
     assert_the_held_lock_survived,
     assert_the_lost_grant_is_retaken,
+    fences_before_the_failover,
     until_the_new_master_answers,
 )
 from test_cluster import MASTERS, SLOTS, _info_text, running_cluster
@@ -160,12 +161,7 @@ def test_failover_to_an_in_sync_replica_keeps_the_lock_and_the_client_follows(
         other = managers()
         client = mgr.client
         assert client.get_node_from_key("{" + ns + "}:x").port == master.port
-        before = []
-        for _ in range(3):
-            with mgr.lock(exclusive=["a"], shared=["s"], timeout=5) as lease:
-                before.append(lease.fencing_token)
-        held = mgr.acquire(exclusive=["held"], timeout=5)
-        before.append(held.fencing_token)
+        before, held = fences_before_the_failover(mgr)
         _sync(master, ns)
 
         master.kill()

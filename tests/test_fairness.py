@@ -49,14 +49,6 @@ from fairness_helpers import (
 
 
 @pytest.fixture
-def rs(redis_url: str) -> Iterator[redis.Redis]:
-    """A str-reply client on the emptied Redis (no socket timeout)."""
-    c = client(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture
 def procs() -> Iterator[Procs]:
     p = Procs()
     yield p

@@ -100,10 +100,10 @@ def test_data_from_before_format_versioning_counts_as_the_unversioned_format(
 @pytest.mark.parametrize("how", ["flushall", "restart"])
 def test_redis_losing_its_data_simply_re_creates_the_format_key(
     how: str,
+    caplog: pytest.LogCaptureFixture,
     managers: Managers,
     redis_server: RedisServer,
     r: redis.Redis,
-    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.ERROR)
     mgr = managers(owner_ttl=3.0)

@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager
-from fairness_helpers import PREFIX, ThreadWaiter, client, manager, queue_len, wait_until
+from celery_redislock import Lease, LockManager
+from fairness_helpers import PREFIX, ThreadWaiter, manager, queue_len, wait_until
 
 
-@pytest.fixture
-def rs(redis_url: str) -> Iterator[redis.Redis]:
-    c = client(redis_url)
-    yield c
-    c.close()
+def _assert_holds_a_and_b(rs: redis.Redis, lease: Lease) -> None:
+    """``lease`` holds A and B exclusively, under its one token and fence."""
+    token, fence = lease.token, lease.fencing_token
+    assert rs.hgetall(f"{PREFIX}lock:A") == {token: f"x{fence}"}
+    assert rs.hgetall(f"{PREFIX}lock:B") == {token: f"x{fence}"}
 
 
 @pytest.fixture
@@ -91,9 +91,7 @@ def test_handoff_of_a_multi_resource_request_is_all_or_nothing(rs: redis.Redis, 
     b.release()
     waiter.join()
     assert waiter.error is None
-    token, fence = waiter.lease.token, waiter.lease.fencing_token
-    assert rs.hgetall(f"{PREFIX}lock:A") == {token: f"x{fence}"}
-    assert rs.hgetall(f"{PREFIX}lock:B") == {token: f"x{fence}"}
+    _assert_holds_a_and_b(rs, waiter.lease)
     waiter.lease.release()
 
 
@@ -113,9 +111,7 @@ def test_releasing_two_locks_hands_both_to_the_waiter_for_both_and_not_b_to_the_
     lease.release()
     both.join()
     assert both.error is None
-    token, fence = both.lease.token, both.lease.fencing_token
-    assert rs.hgetall(f"{PREFIX}lock:A") == {token: f"x{fence}"}
-    assert rs.hgetall(f"{PREFIX}lock:B") == {token: f"x{fence}"}
+    _assert_holds_a_and_b(rs, both.lease)
     assert not b_only.granted.is_set()
     assert queue_len(rs, "B") == 1
     both.lease.release()

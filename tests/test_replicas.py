@@ -77,6 +77,18 @@ def fresh(pair: Pair) -> Iterator[Pair]:
         wait_until(pair.in_sync, what="the replica to come back")
 
 
+def _wait_replicas_app(fresh: Pair, main: str) -> Celery:
+    """A quick Celery app with locks on ``fresh``'s master, waiting for 1
+    replica (0.2 s at most) after each write."""
+    from celery_helpers import quick_app
+
+    app = quick_app(
+        fresh.master.url, main, NS, redislock_wait_replicas=1, redislock_wait_timeout=0.2
+    )
+    RedisLock(app)
+    return app
+
+
 @pytest.fixture
 def managers(fresh: Pair) -> Iterator[Managers]:
     made = Managers(fresh.master.url, namespace=NS)
@@ -425,17 +437,10 @@ def test_a_deferred_task_handed_the_lock_fails_without_running_when_the_replica_
 ) -> None:
     from celery.contrib.testing.worker import start_worker
 
-    from celery_helpers import close_app, quick_app
+    from celery_helpers import close_app
     from celery_redislock import locked
 
-    app = quick_app(
-        fresh.master.url,
-        "replicas-defer",
-        NS,
-        redislock_wait_replicas=1,
-        redislock_wait_timeout=0.2,
-    )
-    RedisLock(app)
+    app = _wait_replicas_app(fresh, "replicas-defer")
     ran: list[str] = []
 
     @app.task(bind=True, name="rd.write", shared=False)
@@ -462,17 +467,10 @@ def test_a_deferred_task_handed_the_lock_fails_without_running_when_the_replica_
 def test_unique_delay_is_refused_when_the_replica_does_not_acknowledge_the_key(
     fresh: Pair,
 ) -> None:
-    from celery_helpers import close_app, quick_app
+    from celery_helpers import close_app
     from celery_redislock import UniqueTask
 
-    app = quick_app(
-        fresh.master.url,
-        "replicas-unique",
-        NS,
-        redislock_wait_replicas=1,
-        redislock_wait_timeout=0.2,
-    )
-    RedisLock(app)
+    app = _wait_replicas_app(fresh, "replicas-unique")
     try:
 
         @app.task(base=UniqueTask, unique_key="k", name="ru.send", shared=False)
@@ -496,17 +494,10 @@ def test_unique_delay_is_refused_when_the_replica_does_not_acknowledge_the_key(
 
 
 def test_unique_retry_and_run_without_the_replica_go_on_without_the_key(fresh: Pair) -> None:
-    from celery_helpers import close_app, quick_app
+    from celery_helpers import close_app
     from celery_redislock import UniqueTask
 
-    app = quick_app(
-        fresh.master.url,
-        "replicas-unique-run",
-        NS,
-        redislock_wait_replicas=1,
-        redislock_wait_timeout=0.2,
-    )
-    RedisLock(app)
+    app = _wait_replicas_app(fresh, "replicas-unique-run")
     ran: list[str] = []
     try:
 

@@ -34,7 +34,7 @@ from celery_redislock.store.connect import (
     parse_sentinel_url,
 )
 from engine_helpers import Managers, wait_until
-from redis_server import LOOPBACK, RedisServer, _die_with_parent, free_port, stop_process
+from redis_server import LOOPBACK, RedisServer, free_port, popen_sentinel, stop_process
 
 NS = "sentineltest"
 SERVICE = "mymaster"
@@ -65,14 +65,7 @@ class SentinelProcess:
                 f"sentinel down-after-milliseconds {SERVICE} 60000\n"
                 f"sentinel failover-timeout {SERVICE} 180000\n"
             )
-            proc = subprocess.Popen(
-                [self.server.binary, str(conf), "--sentinel"],
-                cwd=self.workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-            )
+            proc = popen_sentinel(self.server.binary, conf, self.workdir)
             self.process, self.port = proc, port
             try:
                 wait_until(self._ready, START_WAIT, "the sentinel to report the master")

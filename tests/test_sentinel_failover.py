@@ -38,10 +38,11 @@ import redis
 from celery_redislock import LockManager, LockTimeout, RedisUnavailable
 from celery_redislock.ops.inspector import Inspector
 from engine_helpers import Managers, wait_until
-from redis_server import LOOPBACK, RedisServer, RedisServerError, _die_with_parent, free_port
+from redis_server import LOOPBACK, RedisServer, RedisServerError, free_port, popen_sentinel
 from replica_helpers import (
     assert_the_held_lock_survived,
     assert_the_lost_grant_is_retaken,
+    fences_before_the_failover,
     start_master_and_replica,
     until_the_new_master_answers,
 )
@@ -109,14 +110,7 @@ class Group:
             f"sentinel failover-timeout {SERVICE} 2000\n"
             f"sentinel parallel-syncs {SERVICE} 1\n"
         )
-        self.sentinel = subprocess.Popen(
-            [self.master.binary, str(conf), "--sentinel"],
-            cwd=self.workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
+        self.sentinel = popen_sentinel(self.master.binary, conf, self.workdir)
         self.sentinel_port = port
         wait_until(self._sentinel_ready, what="the sentinel to see the master and the replica")
 
@@ -218,12 +212,7 @@ def test_failover_to_an_in_sync_replica_keeps_the_lock_and_fences_keep_growing(
     # so it has the fence counter and the held lock.
     mgr = managers(group.url, heartbeat=True, heartbeat_interval=0.5)
     other = managers(group.url)
-    before = []
-    for _ in range(3):
-        with mgr.lock(exclusive=["a"], shared=["s"], timeout=5) as lease:
-            before.append(lease.fencing_token)
-    held = mgr.acquire(exclusive=["held"], timeout=5)
-    before.append(held.fencing_token)
+    before, held = fences_before_the_failover(mgr)
     assert before == sorted(before) and len(set(before)) == len(before)
     _sync_replica(group)
 

@@ -30,6 +30,13 @@ def _alive(r: redis.Redis, owner: str) -> bool:
     return bool(r.exists("{t}:alive:" + owner))
 
 
+def _expired_task_owner(producer: LockManager, r: redis.Redis, task_id: str, key: str) -> None:
+    """``producer`` takes ``key`` for the task ``task_id`` (ttl 0.2 s), whose
+    owner's liveness then expires."""
+    producer.acquire_for_task(task_id, key, ttl=0.2)
+    wait_until(lambda: not _alive(r, f"task:{task_id}"), what="task owner liveness expiry")
+
+
 def test_a_task_owner_holds_with_its_own_liveness_ttl(managers: Managers, r: redis.Redis) -> None:
     mgr = managers()
     grant = mgr.acquire_for_task(TID, "unique:a", ttl=60)
@@ -168,8 +175,7 @@ def test_adopting_a_task_owner_that_expired_or_was_released_says_so(
     managers: Managers, r: redis.Redis
 ) -> None:
     producer, worker = managers(), managers()
-    producer.acquire_for_task("short", "unique:a", ttl=0.2)
-    wait_until(lambda: not _alive(r, "task:short"), what="task owner liveness expiry")
+    _expired_task_owner(producer, r, "short", "unique:a")
     expired = worker.adopt("short")
     assert expired.status == "expired" and not expired.adopted and expired.leases == []
     # Nothing moved: the dead task owner's grant is anyone's to reclaim.
@@ -187,11 +193,9 @@ def test_a_task_owner_whose_liveness_expires_is_reclaimed_and_reconciled(
     managers: Managers, r: redis.Redis
 ) -> None:
     producer, other = managers(), managers()
-    producer.acquire_for_task("lost", "unique:a", ttl=0.2)
-    wait_until(lambda: not _alive(r, "task:lost"), what="task owner liveness expiry")
+    _expired_task_owner(producer, r, "lost", "unique:a")
     assert other.acquire_for_task("next", "unique:a", ttl=60).granted  # reclaimed
-    producer.acquire_for_task("lost2", "unique:b", ttl=0.2)
-    wait_until(lambda: not _alive(r, "task:lost2"), what="task owner liveness expiry")
+    _expired_task_owner(producer, r, "lost2", "unique:b")
     report = other.reconcile()
     assert report.released == 1
     assert not r.sismember("{t}:owners", "task:lost2")
