@@ -332,6 +332,24 @@ def _guard(conn: Connection, body: Callable[[], None]) -> None:
         raise
 
 
+def _obey(
+    conn: Connection, mgr: LockManager, lease: Lease, **more: Callable[[], tuple[Any, ...]]
+) -> None:
+    """Answer the test's commands until ``("exit",)`` (closes ``mgr``):
+    ``("release",)`` -> ``("released",)``; ``more``: command name -> the
+    maker of its answer."""
+    while True:
+        cmd = conn.recv()
+        if cmd[0] in more:
+            conn.send(more[cmd[0]]())
+        elif cmd[0] == "release":
+            lease.release()
+            conn.send(("released",))
+        elif cmd[0] == "exit":
+            mgr.close()
+            return
+
+
 def child_holder(
     conn: Connection,
     url: str,
@@ -353,29 +371,24 @@ def child_holder(
         mgr = LockManager(url, namespace=namespace, owner_ttl=owner_ttl)
         lease = mgr.acquire(exclusive=exclusive, shared=shared, timeout=DEADLINE)
         conn.send(("held", lease.fencing_token, lease.owner_id, lease.token))
-        while True:
-            cmd = conn.recv()
-            if cmd[0] == "wait_lost":
-                wait_until(lambda: lease.lost, what="lease.lost in the paused holder")
-                try:
-                    lease.check()
-                    raised = False
-                except LockLost:
-                    raised = True
-                conn.send(("lost", lease.lost, raised, lease.fencing_token))
-            elif cmd[0] == "check":
-                try:
-                    lease.check()
-                    raised = False
-                except LockLost:
-                    raised = True
-                conn.send(("checked", raised, lease.lost))
-            elif cmd[0] == "release":
-                lease.release()
-                conn.send(("released",))
-            elif cmd[0] == "exit":
-                mgr.close()
-                return
+
+        def check_raised() -> bool:
+            try:
+                lease.check()
+            except LockLost:
+                return True
+            return False
+
+        def wait_lost() -> tuple[Any, ...]:
+            wait_until(lambda: lease.lost, what="lease.lost in the paused holder")
+            raised = check_raised()
+            return ("lost", lease.lost, raised, lease.fencing_token)
+
+        def check() -> tuple[Any, ...]:
+            raised = check_raised()
+            return ("checked", raised, lease.lost)
+
+        _obey(conn, mgr, lease, wait_lost=wait_lost, check=check)
 
     _guard(conn, body)
 
@@ -397,14 +410,7 @@ def child_waiter(
         conn.send(("waiting", mgr.owner_id))
         lease = mgr.acquire(exclusive=exclusive, shared=shared, timeout=timeout)
         conn.send(("acquired", lease.fencing_token, time.monotonic(), lease.token))
-        while True:
-            cmd = conn.recv()
-            if cmd[0] == "release":
-                lease.release()
-                conn.send(("released",))
-            elif cmd[0] == "exit":
-                mgr.close()
-                return
+        _obey(conn, mgr, lease)
 
     _guard(conn, body)
 

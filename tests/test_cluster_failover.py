@@ -146,6 +146,21 @@ def _sync(master: RedisServer, ns: str) -> None:
         client.close()
 
 
+def _until_promoted(
+    other: LockManager, replica: RedisServer, ha: list[RedisServer]
+) -> tuple[int, int]:
+    """After the master's kill: :func:`_until_the_new_master_answers` for
+    ``other``, then wait until ``replica`` is promoted; (fence, failures)."""
+    fence, failures = _until_the_new_master_answers(other)
+    wait_until(
+        lambda: _promoted(replica, [s for s in ha if s.process is not None]),
+        FAILOVER_DEADLINE,
+        "the replica's promotion",
+        interval=0.05,
+    )
+    return fence, failures
+
+
 def _shard(ha: list[RedisServer], index: int) -> tuple[RedisServer, RedisServer, str, Managers]:
     """Master ``index``, its replica, a namespace it serves and managers in it."""
     ns = _namespace_on(index)
@@ -157,21 +172,15 @@ def test_failover_to_an_in_sync_replica_keeps_the_lock_and_the_client_follows(
 ) -> None:
     master, replica, ns, managers = _shard(ha, 0)
     try:
-        mgr = managers(heartbeat=True, heartbeat_interval=0.5)
         other = managers()
+        mgr = managers(heartbeat=True, heartbeat_interval=0.5)
         client = mgr.client
         assert client.get_node_from_key("{" + ns + "}:x").port == master.port
         before, held = fences_before_the_failover(mgr)
         _sync(master, ns)
 
         master.kill()
-        fence, failures = _until_the_new_master_answers(other)
-        wait_until(
-            lambda: _promoted(replica, [s for s in ha if s.process is not None]),
-            FAILOVER_DEADLINE,
-            "the replica's promotion",
-            interval=0.05,
-        )
+        fence, failures = _until_promoted(other, replica, ha)
         assert failures > 0  # the calls right after the kill did meet the switch
         assert fence > max(before)
 
@@ -242,13 +251,7 @@ def test_failover_to_a_replica_that_missed_the_last_writes_reports_the_loss_and_
         finally:
             on_replica.close()
 
-        fence, failures = _until_the_new_master_answers(other)
-        wait_until(
-            lambda: _promoted(replica, [s for s in ha if s.process is not None]),
-            FAILOVER_DEADLINE,
-            "the replica's promotion",
-            interval=0.05,
-        )
+        fence, failures = _until_promoted(other, replica, ha)
         assert failures > 0
         # The clock floor (TIME in µs) keeps the new master's tokens above the
         # ones it never saw.

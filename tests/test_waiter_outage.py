@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import LockManager, LockTimeout, RedisUnavailable
+from celery_redislock import Lease, LockManager, LockTimeout, RedisUnavailable
 from engine_helpers import Managers, assert_registry_truth, namespace_keys, wait_until
 from redis_server import RedisServer
 
@@ -100,6 +100,13 @@ def short_timeout_url(server: RedisServer) -> str:
     return server.url + "?socket_timeout=1"
 
 
+def _assert_held_alone_then_released(r: redis.Redis, lease: Lease) -> None:
+    """``lease`` alone holds R; once released, the registry is true to Redis."""
+    assert [x.decode() for x in r.hkeys(f"{PREFIX}lock:R")] == [lease.token]
+    lease.release()
+    assert_registry_truth(r, NS)
+
+
 def test_waiter_without_timeout_is_granted_after_a_stalled_server_resumes(
     server: RedisServer, r: redis.Redis, managers: Managers
 ) -> None:
@@ -115,9 +122,7 @@ def test_waiter_without_timeout_is_granted_after_a_stalled_server_resumes(
     lease.release()
     got = waiter.outcome()
     assert not isinstance(got, BaseException), repr(got)
-    assert [x.decode() for x in r.hkeys(f"{PREFIX}lock:R")] == [got.token]
-    got.release()
-    assert_registry_truth(r, NS)
+    _assert_held_alone_then_released(r, got)
 
 
 def test_grant_handed_over_while_the_waiters_connection_was_killed_is_not_lost(
@@ -126,8 +131,7 @@ def test_grant_handed_over_while_the_waiters_connection_was_killed_is_not_lost(
     # CLIENT KILL of the blocked connection; the release hands the lock over
     # (token written into the lock hash, 'g<fence>' pushed) while the waiter
     # has no connection: its re-run acquire finds the grant by its token.
-    holder = managers()
-    waiter_mgr = managers()
+    holder, waiter_mgr = managers(), managers()
     lease = holder.acquire("R", timeout=5)
     waiter = Waiter(waiter_mgr, "R", timeout=None)
     wait_until(lambda: queued(r, "R") == 1, what="the waiter to queue")
@@ -189,9 +193,7 @@ def test_waiter_gives_up_with_redis_unavailable_after_the_outage_bound_and_leave
         lambda: {k for k in namespace_keys(r, NS) if ":req:" in k or ":wake:" in k} == set(),
         what="the request state to go",
     )
-    assert [x.decode() for x in r.hkeys(f"{PREFIX}lock:R")] == [lease.token]
-    lease.release()
-    assert_registry_truth(r, NS)
+    _assert_held_alone_then_released(r, lease)
 
 
 def test_finite_timeout_waiter_rides_out_a_refused_connection_within_its_timeout(
@@ -200,8 +202,7 @@ def test_finite_timeout_waiter_rides_out_a_refused_connection_within_its_timeout
     # The server is killed and restarted empty on the same port while the
     # waiter waits (timeout 20 s): connections are refused for a while; the
     # waiter re-runs its acquire, which (the data being gone) grants it.
-    holder = managers()
-    waiter_mgr = managers()
+    holder, waiter_mgr = managers(), managers()
     holder.acquire("R", timeout=5)
     waiter = Waiter(waiter_mgr, "R", timeout=20)
     wait_until(lambda: queued(r, "R") == 1, what="the waiter to queue")
@@ -213,7 +214,7 @@ def test_finite_timeout_waiter_rides_out_a_refused_connection_within_its_timeout
 
 
 def test_timeout_zero_does_not_retry_an_unreachable_server(
-    server: RedisServer, managers: Managers
+    managers: Managers, server: RedisServer
 ) -> None:
     mgr = managers()
     server.kill()
