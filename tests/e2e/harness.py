@@ -63,6 +63,12 @@ def wait_for(
         time.sleep(interval)
 
 
+def redis_ms(c: Cluster) -> int:
+    """The lock Redis's clock (``TIME``), in milliseconds."""
+    sec, usec = c.lock_redis.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
 def _new_session() -> None:  # pragma: no cover - runs in the child
     os.setsid()
     if sys.platform.startswith("linux"):

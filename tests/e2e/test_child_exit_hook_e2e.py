@@ -14,16 +14,11 @@ from collections.abc import Callable
 
 import pytest
 
-from .harness import Cluster, wait_for
+from .harness import Cluster, redis_ms, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 INTERVAL_MS = 60_000
-
-
-def _redis_ms(c: Cluster) -> int:
-    sec, usec = c.lock_redis.time()
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 def test_sigkilled_child_lock_freed_by_pool_hook_long_before_the_next_heartbeat_tick(
@@ -46,7 +41,7 @@ def test_sigkilled_child_lock_freed_by_pool_hook_long_before_the_next_heartbeat_
         what="the dead child's lock to be freed",
         on_timeout=c.report,
     )
-    freed_ms = _redis_ms(c)
+    freed_ms = redis_ms(c)
 
     # freed before a regular tick was even due (Redis TIME, no local clock)
     assert freed_ms - started_ms < INTERVAL_MS, (freed_ms - started_ms, c.report())

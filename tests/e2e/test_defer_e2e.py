@@ -39,6 +39,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from celery_redislock import Inspector, LockManager, RedisLock
 from redis_server import RedisServer
 
 from . import unique_tasks
-from .harness import Cluster, wait_for
+from .harness import Cluster, redis_ms, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -67,22 +68,33 @@ def _by(since: float) -> float:
     return max(0.5, since + SHARED_OWNER_TTL - 2 - time.time())
 
 
+@contextmanager
+def _one_worker(
+    redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    concurrency: int,
+    **settings: Any,
+) -> Iterator[Cluster]:
+    """A Cluster (heartbeat 0.5 s, ``settings``) with one prefork worker
+    ``name`` of ``concurrency`` children; closed after."""
+    c = Cluster(redis_server.url, tmp_path_factory.mktemp(name), heartbeat=0.5, **settings)
+    try:
+        c.start_worker(name, concurrency=concurrency)
+        yield c
+    finally:
+        c.close()
+
+
 @pytest.fixture(scope="module")
 def shared(
     redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """One prefork worker (-c 3) for the tests that kill nothing."""
-    c = Cluster(
-        redis_server.url,
-        tmp_path_factory.mktemp("defer-shared"),
-        owner_ttl=SHARED_OWNER_TTL,
-        heartbeat=0.5,
-    )
-    try:
-        c.start_worker("defer-shared", concurrency=3)
+    with _one_worker(
+        redis_server, tmp_path_factory, "defer-shared", 3, owner_ttl=SHARED_OWNER_TTL
+    ) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +123,28 @@ def unique_defer(shared: Cluster) -> Iterator[Any]:
 def pair(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One prefork worker with two pool slots and a grant TTL of 30 s, for
     waiting tasks mixed with deferred ones."""
-    c = Cluster(
-        redis_server.url,
-        tmp_path_factory.mktemp("defer-pair"),
-        owner_ttl=5,
-        heartbeat=0.5,
-        defer_grant_ttl=30,
-    )
-    try:
-        c.start_worker("defer-pair", concurrency=2)
+    with _one_worker(
+        redis_server, tmp_path_factory, "defer-pair", 2, owner_ttl=5, defer_grant_ttl=30
+    ) as c:
         yield c
-    finally:
-        c.close()
 
 
 def _deferred(c: Cluster, result: Any) -> bool:
     return bool(result.state == "DEFERRED")
+
+
+def _holding(c: Cluster, res: str, tag: str, what: str = "holder") -> Any:
+    """Send ``e2e.dhold`` on ``res`` as ``tag``; return once its body holds the lock."""
+    result = c.send("dhold", res, tag)
+    wait_for(lambda: c.data.llen(f"e2e:held-log:{tag}"), 60, what, on_timeout=c.report)
+    return result
+
+
+def _parked(c: Cluster, task: str, *args: Any, what: str = "parked", **kwargs: Any) -> Any:
+    """Send ``task``; return once it is parked (state DEFERRED)."""
+    result = c.send(task, *args, **kwargs)
+    wait_for(lambda: _deferred(c, result), 60, what, on_timeout=c.report)
+    return result
 
 
 def _queue(c: Cluster, resource: str) -> list[str]:
@@ -141,17 +159,14 @@ def test_parked_tasks_keep_their_fifo_place_among_waiters_and_free_their_pool_sl
     shared: Cluster,
 ) -> None:
     c = shared
-    holder = c.send("dhold", "fifo", "fifo-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:fifo-h"), 60, "holder", on_timeout=c.report)
-    d1 = c.send("dwrite", "fifo", "d1")
-    wait_for(lambda: _deferred(c, d1), 60, "d1 parked", on_timeout=c.report)
+    holder = _holding(c, "fifo", "fifo-h")
+    d1 = _parked(c, "dwrite", "fifo", "d1", what="d1 parked")
     assert d1.info["resources"] == ["res:fifo"]
     d1_parked = float(d1.info["parked_at"])
     w2 = c.send("wwrite", "fifo", "w2")  # waits in its pool slot
     wait_for(lambda: len(_queue(c, "res:fifo")) == 2, 60, "w2 queued", on_timeout=c.report)
     w2_queued = time.time()
-    d3 = c.send("dwrite", "fifo", "d3")
-    wait_for(lambda: _deferred(c, d3), 60, "d3 parked", on_timeout=c.report)
+    d3 = _parked(c, "dwrite", "fifo", "d3", what="d3 parked")
     d3_parked = float(d3.info["parked_at"])
     queue = _queue(c, "res:fifo")
     assert [m.split("|")[0][1:].startswith("defer:") for m in queue] == [True, False, True]
@@ -191,10 +206,8 @@ def test_an_adopted_deferred_body_re_enters_its_lock_and_names_its_task_and_node
     shared: Cluster,
 ) -> None:
     c = shared
-    holder = c.send("dhold", "dre", "dre-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:dre-h"), 60, "holder", on_timeout=c.report)
-    d = c.send("dreenter", "dre", "dre-d")
-    wait_for(lambda: _deferred(c, d), 60, "parked", on_timeout=c.report)
+    holder = _holding(c, "dre", "dre-h")
+    d = _parked(c, "dreenter", "dre", "dre-d")
     c.go("dre-h")
     holder.get(timeout=60)
     wait_for(lambda: c.data.llen("e2e:held-log:dre-d"), 60, "adopted body", on_timeout=c.report)
@@ -224,10 +237,8 @@ def test_an_adopted_deferred_body_re_enters_its_lock_and_names_its_task_and_node
 
 def test_revoking_a_parked_task_takes_it_out_of_the_queue(shared: Cluster) -> None:
     c = shared
-    c.send("dhold", "rv", "rv-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:rv-h"), 60, "holder", on_timeout=c.report)
-    doomed = c.send("dwrite", "rv", "rv-doomed")
-    wait_for(lambda: _deferred(c, doomed), 60, "parked", on_timeout=c.report)
+    _holding(c, "rv", "rv-h")
+    doomed = _parked(c, "dwrite", "rv", "rv-doomed")
     parked = float(doomed.info["parked_at"])
     assert len(_queue(c, "res:rv")) == 1
     c.producer.control.revoke(doomed.id)
@@ -264,10 +275,8 @@ def test_a_redelivered_copy_of_a_task_that_parked_and_ran_is_dropped_not_run_aga
     the ack) after the parked task ran; the lock is free, yet the copy must not
     run the task again: the park record (done) says it ran."""
     c = shared
-    c.send("dhold", "rd", "rd-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:rd-h"), 60, "holder", on_timeout=c.report)
-    task = c.send("dwrite", "rd", "rd-1")
-    wait_for(lambda: _deferred(c, task), 60, "parked", on_timeout=c.report)
+    _holding(c, "rd", "rd-h")
+    task = _parked(c, "dwrite", "rd", "rd-1")
     # The message as the broker held it: the same task id sent to a queue no
     # worker consumes, taken off it raw.
     c.producer.send_task("e2e.dwrite", args=("rd", "rd-1"), task_id=task.id, queue="rd-capture")
@@ -297,8 +306,7 @@ def test_a_parked_task_whose_expires_passes_is_revoked_as_expired_and_one_grante
     shared: Cluster,
 ) -> None:
     c = shared
-    holder = c.send("dhold", "ex", "ex-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:ex-h"), 60, "holder", on_timeout=c.report)
+    holder = _holding(c, "ex", "ex-h")
     now = datetime.datetime.now(datetime.timezone.utc)
     doomed = c.producer.send_task(
         "e2e.dwrite",
@@ -336,8 +344,7 @@ def test_a_parked_task_that_times_out_fails_with_lock_timeout_and_calls_its_errb
     shared: Cluster,
 ) -> None:
     c = shared
-    holder = c.send("dhold", "to", "to-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:to-h"), 60, "holder", on_timeout=c.report)
+    holder = _holding(c, "to", "to-h")
     app = c.producer
     short = app.send_task(
         "e2e.dshort",
@@ -368,10 +375,8 @@ def test_a_child_killed_after_the_adopted_body_before_its_result_is_stored_runs_
     # task_reject_on_worker_lost) runs the task again, as for any acks_late
     # task, and it ends SUCCESS, never left DEFERRED.
     c = shared
-    holder = c.send("dhold", "bs", "bs-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:bs-h"), 60, "holder", on_timeout=c.report)
-    d = c.send("dwrite", "bs", "bs-d")
-    wait_for(lambda: _deferred(c, d), 60, "parked", on_timeout=c.report)
+    holder = _holding(c, "bs", "bs-h")
+    d = _parked(c, "dwrite", "bs", "bs-d")
     c.data.set(f"e2e:stop-before-store:{d.id}", "1")
     c.go("bs-h")
     holder.get(timeout=60)
@@ -394,12 +399,9 @@ def test_a_parked_task_that_retries_runs_every_attempt_and_parks_again_while_bus
 ) -> None:
     c = shared
     [worker] = [p for p in c.processes if getattr(p, "nodename", "").startswith("defer-shared@")]
-    c.send("dhold", "rt", "rt-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:rt-h"), 60, "holder", on_timeout=c.report)
-    d = c.send("dretry", "rt", "rt-d", retries=2, countdown=0.5)
-    wait_for(lambda: _deferred(c, d), 60, "rt-d parked", on_timeout=c.report)
-    behind = c.send("dhold", "rt", "rt-w")  # in line behind rt-d
-    wait_for(lambda: _deferred(c, behind), 60, "rt-w parked", on_timeout=c.report)
+    _holding(c, "rt", "rt-h")
+    d = _parked(c, "dretry", "rt", "rt-d", retries=2, countdown=0.5, what="rt-d parked")
+    behind = _parked(c, "dhold", "rt", "rt-w", what="rt-w parked")  # in line behind rt-d
     c.go("rt-h")
     # The first attempt runs and retries; its lock goes to rt-w when it ends,
     # so the retry finds the resource busy and parks again: a new life,
@@ -429,8 +431,7 @@ def test_a_parked_unique_task_keeps_its_key_runs_at_the_hand_off_and_frees_it_wh
 ) -> None:
     c, task = shared, unique_defer
     key = "unique:ud:u1"
-    c.send("dhold", "ud", "ud-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:ud-h"), 60, "holder", on_timeout=c.report)
+    _holding(c, "ud", "ud-h")
     u = task.delay("ud", "u1")
     wait_for(lambda: _deferred(c, u), 60, "parked", on_timeout=c.report)
     # While parked the key stays with the message's task owner, whose
@@ -454,8 +455,7 @@ def test_a_parked_unique_task_keeps_its_key_runs_at_the_hand_off_and_frees_it_wh
     assert _runs(c, "u1") == 1
 
     # Revoked while parked: withdrawn, and its key is freed with it.
-    c.send("dhold", "ud", "ud-h2")
-    wait_for(lambda: c.data.llen("e2e:held-log:ud-h2"), 60, "holder 2", on_timeout=c.report)
+    _holding(c, "ud", "ud-h2", what="holder 2")
     v = task.delay("ud", "v1")
     wait_for(lambda: _deferred(c, v), 60, "v1 parked", on_timeout=c.report)
     assert list(c.lock_holders("unique:ud:v1")) == [f"task:{v.id}|task:{v.id}"]
@@ -481,10 +481,8 @@ def test_waiting_tasks_in_every_pool_slot_give_them_up_to_a_grant_in_transit(
     TTL. The waiters park in their places instead: D runs at once, then W1,
     then W2, and D's grant is never handed on unadopted."""
     c = pair
-    h = c.send("dhold", "mix", "mix-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:mix-h"), 60, "holder", on_timeout=c.report)
-    d = c.send("dwrite", "mix", "mix-d")
-    wait_for(lambda: _deferred(c, d), 60, "D parked", on_timeout=c.report)
+    h = _holding(c, "mix", "mix-h")
+    d = _parked(c, "dwrite", "mix", "mix-d", what="D parked")
     w1 = c.send("wwrite", "mix", "mix-w1")
     wait_for(lambda: len(_queue(c, "res:mix")) == 2, 60, "W1 waits", on_timeout=c.report)
     w2 = c.send("wwrite", "mix", "mix-w2")
@@ -528,8 +526,7 @@ def test_parked_task_outlives_its_sigkilled_worker_and_runs_once_on_another(
     w1 = c.start_worker("park-w1", concurrency=2)
     c.send("hold", "pk", "pk-h")
     c.wait_held("pk-h")
-    parked = c.send("dwrite", "pk", "pk-d")
-    wait_for(lambda: _deferred(c, parked), 60, "parked", on_timeout=c.report)
+    parked = _parked(c, "dwrite", "pk", "pk-d")
     w1.kill_group(signal.SIGKILL)
     w1.wait(30)
     # The holder died with the worker; the parked request does not depend on it.
@@ -555,11 +552,6 @@ def _upkeeps(c: Cluster, count: int) -> None:
     wait_for(ran, 60, f"{count} upkeeps", interval=0.01, on_timeout=c.report)
 
 
-def _redis_ms(c: Cluster) -> int:
-    sec, usec = c.lock_redis.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
 def test_an_adopting_child_stalled_past_the_grant_deadline_runs_the_task_once(
     cluster: Callable[..., Cluster],
 ) -> None:
@@ -569,17 +561,15 @@ def test_an_adopting_child_stalled_past_the_grant_deadline_runs_the_task_once(
     grant_ttl = 3
     c = cluster(owner_ttl=15, heartbeat=0.5, defer_grant_ttl=grant_ttl)
     w = c.start_worker("stall-w", concurrency=2)
-    c.send("dhold", "ts", "ts-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:ts-h"), 60, "holder", on_timeout=c.report)
-    stalled = c.send("dwrite", "ts", "ts-d")
-    wait_for(lambda: _deferred(c, stalled), 60, "parked", on_timeout=c.report)
+    _holding(c, "ts", "ts-h")
+    stalled = _parked(c, "dwrite", "ts", "ts-d")
     c.data.set(f"e2e:stall-after-adopt:{stalled.id}", "1")
     c.go("ts-h")
     pid = int(wait_for(lambda: c.data.get(f"e2e:stalled:{stalled.id}"), 60, "the stall"))
     wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().split()[2] == "T", 30, "SIGSTOP")
     # The hand-off came before the stall: its deadline is within grant_ttl.
-    deadline = _redis_ms(c) + grant_ttl * 1000
-    wait_for(lambda: _redis_ms(c) > deadline, grant_ttl + 30, "the grant deadline")
+    deadline = redis_ms(c) + grant_ttl * 1000
+    wait_for(lambda: redis_ms(c) > deadline, grant_ttl + 30, "the grant deadline")
     _upkeeps(c, 2)  # the first one after the deadline has handled its due ids
     record = c.lock_redis.hgetall(c.key("defer", stalled.id))
     assert (record.get("state"), record.get("life")) == ("adopted", "0"), record
@@ -601,10 +591,8 @@ def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs
     w1 = c.start_worker("transit-w1", concurrency=2)
 
     # D7: the child that receives the re-dispatched task dies before adopting.
-    c.send("dhold", "tc", "tc-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:tc-h"), 60, "holder", on_timeout=c.report)
-    child_victim = c.send("dwrite", "tc", "tc-d")
-    wait_for(lambda: _deferred(c, child_victim), 60, "parked", on_timeout=c.report)
+    _holding(c, "tc", "tc-h")
+    child_victim = _parked(c, "dwrite", "tc", "tc-d")
     c.data.set(f"e2e:kill-before-adopt:{child_victim.id}", "child")
     c.go("tc-h")
     child_victim.get(timeout=90)
@@ -612,10 +600,8 @@ def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs
     assert _runs(c, "tc-d") == 1
 
     # D6: the whole worker dies while the grant is in transit.
-    c.send("dhold", "tw", "tw-h")
-    wait_for(lambda: c.data.llen("e2e:held-log:tw-h"), 60, "holder", on_timeout=c.report)
-    worker_victim = c.send("dwrite", "tw", "tw-d")
-    wait_for(lambda: _deferred(c, worker_victim), 60, "parked", on_timeout=c.report)
+    _holding(c, "tw", "tw-h")
+    worker_victim = _parked(c, "dwrite", "tw", "tw-d")
     c.data.set(f"e2e:kill-before-adopt:{worker_victim.id}", "worker")
     c.go("tw-h")
     w1.wait(60)  # the hook killed the worker's process group
