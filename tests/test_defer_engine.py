@@ -19,12 +19,11 @@ import pytest
 import redis
 
 from celery_redislock import Lease, LockManager
-
+from celery_redislock.engine.identity import new_request_id
+from celery_redislock.engine.manager import RequestMoved
+from celery_redislock.ops.inspector import Inspector
 from celery_redislock.worker import defer
 from celery_redislock.worker.defer import Dispatcher, adopt, mark_done, park, park_limit, withdraw
-from celery_redislock.engine.identity import new_request_id
-from celery_redislock.ops.inspector import Inspector
-from celery_redislock.engine.manager import RequestMoved
 from engine_helpers import Managers, namespace_keys, queue_requests, wait_until
 
 NS = "t"
