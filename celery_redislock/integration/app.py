@@ -12,8 +12,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
 from .. import _validate as _v
@@ -393,21 +393,15 @@ class RedisLock:
 
     # -- public helpers ---------------------------------------------------
 
-    @contextmanager
-    def lock(
-        self,
-        exclusive: str | Iterable[str] | None = None,
-        shared: str | Iterable[str] | None = None,
-        *,
-        timeout: float | None = None,
-        nested: bool | None = None,
-    ) -> Iterator[Lease]:
+    @property
+    def lock(self) -> Callable[..., AbstractContextManager[Lease]]:
         """``with locks.lock("repo:1"):`` — the engine's lock, for code outside tasks.
 
-        Same arguments and errors as :meth:`LockManager.acquire`.
+        :meth:`LockManager.lock` of this app's manager: the same arguments
+        (``exclusive``, ``shared``, ``timeout``, ``nested``) and errors as
+        :meth:`LockManager.acquire`.
         """
-        with self.manager.lock(exclusive, shared, timeout=timeout, nested=nested) as lease:
-            yield lease
+        return self.manager.lock
 
     def reconcile(self) -> dict[str, Any]:
         """Free every dead owner's locks; one runner at a time fleet-wide.

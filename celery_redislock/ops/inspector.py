@@ -108,8 +108,17 @@ def describe_fields(description: str | None) -> dict[str, str]:
 # ---------------------------------------------------------------- records
 
 
+class _Record:
+    """Base of the records below: ``as_dict()`` for ``--json`` output."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as a dict (nested records too), as ``--json`` prints it."""
+        record: dict[str, Any] = asdict(self)  # type: ignore[call-overload]
+        return record
+
+
 @dataclass(frozen=True)
-class Liveness:
+class Liveness(_Record):
     """An owner's liveness as read from ``{ns}:alive:<owner>``.
 
     ``ttl`` is the seconds left before the owner is dead (None when the key
@@ -124,7 +133,7 @@ class Liveness:
 
 
 @dataclass(frozen=True)
-class Holder:
+class Holder(_Record):
     """One grant stored in a lock hash."""
 
     resource: str
@@ -142,9 +151,6 @@ class Holder:
     task_id: str | None = None
     node: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def _holder_fields(value: Any) -> tuple[str | None, str | None, str | None]:
     """``(task name, task id, node)`` of a holder record's ``name\nid\nnode``."""
@@ -157,7 +163,7 @@ def _holder_fields(value: Any) -> tuple[str | None, str | None, str | None]:
 
 
 @dataclass(frozen=True)
-class Waiter:
+class Waiter(_Record):
     """One queued request of a resource, in serving order (``position`` 1 first)."""
 
     resource: str
@@ -180,12 +186,9 @@ class Waiter:
     #: Name of that task, else None.
     task_name: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class LockInfo:
+class LockInfo(_Record):
     """A lock key found in a registry (or named by the caller)."""
 
     resource: str
@@ -208,7 +211,7 @@ class LockInfo:
 
 
 @dataclass(frozen=True)
-class OwnerInfo:
+class OwnerInfo(_Record):
     """An owner from the active-owners set, with its registry size."""
 
     owner_id: str
@@ -227,12 +230,9 @@ class OwnerInfo:
     #: True when the incarnation was tombstoned (evicted by its successor).
     tombstoned: bool | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(_Record):
     """A Celery worker node's record ``{ns}:node:<name>`` and its group.
 
     ``record`` is the hash as stored (``inc``, ``hb``, ``hb_ms``, ``iv``,
@@ -247,12 +247,9 @@ class NodeInfo:
     owners: dict[str, int]
     tombstoned: bool
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class Status:
+class Status(_Record):
     """A summary of one namespace."""
 
     namespace: str
@@ -289,19 +286,13 @@ class Status:
     busiest_resource: str | None = None
     busiest_waiting: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class QueueLength:
+class QueueLength(_Record):
     """How many requests wait for one resource (:meth:`Inspector.queue_lengths`)."""
 
     resource: str
     waiting: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _waited_names(value: Any) -> list[str]:
@@ -319,7 +310,7 @@ def _by_length(counts: dict[str, int]) -> list[QueueLength]:
 
 
 @dataclass(frozen=True)
-class Usage:
+class Usage(_Record):
     """Whether anything ever used a namespace (one round trip, see :meth:`Inspector.usage`)."""
 
     #: The format in ``{ns}:format`` (or inferred from older data), None if unset.
@@ -336,7 +327,7 @@ class Usage:
 
 
 @dataclass(frozen=True)
-class ReleasePlan:
+class ReleasePlan(_Record):
     """What freeing some owners would release: each owner and its locks.
 
     Built by :meth:`Inspector.plan_owner` / :meth:`Inspector.plan_resource`
