@@ -53,6 +53,8 @@ nitpick_ignore = [
     # redis-py documents its client as redis.Redis; a return annotation
     # resolves to where the class is defined.
     ("py:class", "redis.client.Redis"),
+    # Not in the vendored Python inventory's py:class entries.
+    ("py:class", "contextlib.AbstractContextManager"),
     # prometheus_client has no inventory among the vendored ones (the
     # prometheus extra's types, in docs/api.md's metrics section).
     ("py:class", "CollectorRegistry"),
