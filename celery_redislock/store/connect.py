@@ -281,38 +281,65 @@ def parse_sentinel_url(
         if not netloc:
             raise ConfigurationError(setting, f"names no Sentinel host in {shown}")
         sentinels.extend(_host_port(hp, setting, shown) for hp in netloc.split(","))
-        if query:
-            for item in query.split("&"):
-                if not item:
-                    continue
-                key, eq, value = item.partition("=")
-                key = unquote(key)
-                if key not in SENTINEL_OPTIONS:
-                    raise ConfigurationError(
-                        setting,
-                        f"unknown option {key!r} in {shown}; "
-                        f"accepted: {', '.join(SENTINEL_OPTIONS)}",
-                    )
-                if not eq:
-                    raise ConfigurationError(setting, f"option {key!r} has no value in {shown}")
-                if options.get(key, unquote(value)) != unquote(value):
-                    raise ConfigurationError(setting, f"option {key!r} given twice in {shown}")
-                options[key] = unquote(value)
+        _sentinel_options(query, options, setting, shown)
         if index == 0:
-            segments = [s for s in path.split("/") if s]
-            if kombu_form or (len(segments) == 1 and segments[0].isdigit()):
-                # kombu's form: the path is the database only.
-                if len(segments) > 1:
-                    raise ConfigurationError(
-                        setting, f"kombu's sentinel form takes only /db as path in {shown}"
-                    )
-                db = _db(segments[0], setting, shown) if segments else 0
-            elif segments:
-                if len(segments) > 2:
-                    raise ConfigurationError(setting, f"path must be /service_name[/db] in {shown}")
-                service = unquote(segments[0])
-                db = _db(segments[1], setting, shown) if len(segments) == 2 else 0
-    from_query = options.get("master_name")
+            service, db = _sentinel_path(path, kombu_form, setting, shown)
+    service = _sentinel_service(service, options.get("master_name"), master_name, setting, shown)
+    _check_sentinel_options(options, setting, shown)
+    return SentinelSpec(
+        sentinels=tuple(sentinels),
+        service_name=service,
+        db=db,
+        username=username,
+        password=password,
+        options=options,
+    )
+
+
+def _sentinel_options(query: str, options: dict[str, str], setting: str, shown: str) -> None:
+    """Add the options of one part's query string to ``options``."""
+    for item in query.split("&") if query else ():
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key = unquote(key)
+        if key not in SENTINEL_OPTIONS:
+            raise ConfigurationError(
+                setting,
+                f"unknown option {key!r} in {shown}; accepted: {', '.join(SENTINEL_OPTIONS)}",
+            )
+        if not eq:
+            raise ConfigurationError(setting, f"option {key!r} has no value in {shown}")
+        if options.get(key, unquote(value)) != unquote(value):
+            raise ConfigurationError(setting, f"option {key!r} given twice in {shown}")
+        options[key] = unquote(value)
+
+
+def _sentinel_path(path: str, kombu_form: bool, setting: str, shown: str) -> tuple[str | None, int]:
+    """The service name (None: not in the path) and the database of the first part's path."""
+    segments = [s for s in path.split("/") if s]
+    if kombu_form or (len(segments) == 1 and segments[0].isdigit()):
+        # kombu's form: the path is the database only.
+        if len(segments) > 1:
+            raise ConfigurationError(
+                setting, f"kombu's sentinel form takes only /db as path in {shown}"
+            )
+        return None, _db(segments[0], setting, shown) if segments else 0
+    if not segments:
+        return None, 0
+    if len(segments) > 2:
+        raise ConfigurationError(setting, f"path must be /service_name[/db] in {shown}")
+    return unquote(segments[0]), _db(segments[1], setting, shown) if len(segments) == 2 else 0
+
+
+def _sentinel_service(
+    service: str | None,
+    from_query: str | None,
+    master_name: str | None,
+    setting: str,
+    shown: str,
+) -> str:
+    """The one service name the path, the query and ``master_name`` agree on."""
     for candidate in (from_query, master_name):
         if candidate is None:
             continue
@@ -330,6 +357,11 @@ def parse_sentinel_url(
         )
     if not _NAME_RE.fullmatch(service):
         raise ConfigurationError(setting, f"service name {service!r} is not valid in {shown}")
+    return service
+
+
+def _check_sentinel_options(options: dict[str, str], setting: str, shown: str) -> None:
+    """Refuse option values the client would refuse later, less clearly."""
     for name in ("socket_timeout", "socket_connect_timeout"):
         if name in options:
             try:
@@ -344,14 +376,6 @@ def parse_sentinel_url(
         raise ConfigurationError(
             setting, f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)} in {shown}"
         )
-    return SentinelSpec(
-        sentinels=tuple(sentinels),
-        service_name=service,
-        db=db,
-        username=username,
-        password=password,
-        options=options,
-    )
 
 
 @dataclass(frozen=True)
