@@ -662,69 +662,96 @@ def release(
 
     def run() -> None:
         if owner_ids:
-            plans = [insp.plan_owner(o) for o in dict.fromkeys(owner_ids)]
-            missing = [m for p in plans for m in p.missing]
-            if missing:
-                raise click.ClickException(
-                    f"no such owner in namespace {insp.keys.namespace!r}: "
-                    f"{', '.join(missing)} (no liveness key, no registered lock, not in the "
-                    "active-owners set; `redislock owners` lists the owners)"
-                )
-            plan = ReleasePlan(
-                owners=tuple(o for p in plans for o in p.owners),
-                resources={k: v for p in plans for k, v in p.resources.items()},
-            )
-            live = list(plan.live_owners)
-            if live and not force and not dry_run:
-                raise _refuse_live(live, "the locks of a live owner")
+            plan: ReleasePlan | None = _owners_plan(insp, owner_ids, force, dry_run)
         else:
             assert resource is not None
-            # A dry run plans every holder (the live ones marked): it never refuses.
-            plan = insp.plan_resource(resource, force=force or dry_run)
-            if not plan.owners and not plan.kept:
-                _finish(
-                    as_json,
-                    out,
-                    plan,
-                    [],
-                    f"{resource} has no holders: nothing to free",
-                    dry_run=dry_run,
-                )
-                return
-            if not plan.owners:
-                raise _refuse_live(plan.kept, resource)
-            if plan.live_owners and not force and not dry_run:
-                raise _refuse_live(plan.live_owners, resource)
-        if not any(plan.resources.values()) and not plan.live_owners:
-            _finish(
-                as_json,
-                out,
-                plan,
-                [],
-                "nothing to free: the owner(s) hold no locks",
-                dry_run=dry_run,
-            )
-            return
-        out(_plan_text(plan, force, dry_run=dry_run))
-        if dry_run:
-            _finish(as_json, out, plan, [], "dry run: nothing freed", dry_run=True, force=force)
-            return
-        if not yes:
-            click.confirm("Free these locks?", abort=True, err=True)
-        reports = []
-        for o in plan.owners:
-            rep = insp.manager.cleanup_owner(o.owner_id, force=force, reason="operator")
-            log.info(
-                "cli.release owner=%s force=%s status=%s released=%d",
-                o.owner_id,
-                force,
-                rep.status,
-                rep.released,
-            )
-            reports.append(rep)
-        _finish(as_json, out, plan, reports, None)
+            plan = _resource_plan(insp, resource, force, dry_run, as_json, out)
+        if plan is not None:
+            _free(insp, plan, force, yes, dry_run, as_json, out)
 
     _guard(run)
+
+
+def _owners_plan(
+    insp: Inspector, owner_ids: tuple[str, ...], force: bool, dry_run: bool
+) -> ReleasePlan:
+    """``release --owner``: the plan of those owners; refuses live ones
+    unless --force (or a dry run) and owners Redis knows nothing of."""
+    plans = [insp.plan_owner(o) for o in dict.fromkeys(owner_ids)]
+    missing = [m for p in plans for m in p.missing]
+    if missing:
+        raise click.ClickException(
+            f"no such owner in namespace {insp.keys.namespace!r}: "
+            f"{', '.join(missing)} (no liveness key, no registered lock, not in the "
+            "active-owners set; `redislock owners` lists the owners)"
+        )
+    plan = ReleasePlan(
+        owners=tuple(o for p in plans for o in p.owners),
+        resources={k: v for p in plans for k, v in p.resources.items()},
+    )
+    live = list(plan.live_owners)
+    if live and not force and not dry_run:
+        raise _refuse_live(live, "the locks of a live owner")
+    return plan
+
+
+def _resource_plan(
+    insp: Inspector,
+    resource: str,
+    force: bool,
+    dry_run: bool,
+    as_json: bool,
+    out: Callable[[str], None],
+) -> ReleasePlan | None:
+    """``release --resource``: the plan of its holders (None: nothing held,
+    already reported); refuses live holders unless --force or a dry run."""
+    # A dry run plans every holder (the live ones marked): it never refuses.
+    plan = insp.plan_resource(resource, force=force or dry_run)
+    if not plan.owners and not plan.kept:
+        _finish(
+            as_json, out, plan, [], f"{resource} has no holders: nothing to free", dry_run=dry_run
+        )
+        return None
+    if not plan.owners:
+        raise _refuse_live(plan.kept, resource)
+    if plan.live_owners and not force and not dry_run:
+        raise _refuse_live(plan.live_owners, resource)
+    return plan
+
+
+def _free(
+    insp: Inspector,
+    plan: ReleasePlan,
+    force: bool,
+    yes: bool,
+    dry_run: bool,
+    as_json: bool,
+    out: Callable[[str], None],
+) -> None:
+    """Print the plan, ask, free each owner of it (one cleanup each), report."""
+    if not any(plan.resources.values()) and not plan.live_owners:
+        _finish(
+            as_json, out, plan, [], "nothing to free: the owner(s) hold no locks", dry_run=dry_run
+        )
+        return
+    out(_plan_text(plan, force, dry_run=dry_run))
+    if dry_run:
+        _finish(as_json, out, plan, [], "dry run: nothing freed", dry_run=True, force=force)
+        return
+    if not yes:
+        click.confirm("Free these locks?", abort=True, err=True)
+    reports = []
+    for o in plan.owners:
+        rep = insp.manager.cleanup_owner(o.owner_id, force=force, reason="operator")
+        log.info(
+            "cli.release owner=%s force=%s status=%s released=%d",
+            o.owner_id,
+            force,
+            rep.status,
+            rep.released,
+        )
+        reports.append(rep)
+    _finish(as_json, out, plan, reports, None)
 
 
 def _finish(
