@@ -299,6 +299,12 @@ class Keyspace:
         self.born = self.prefix + "born"
         self.seq = self.prefix + "seq"
         self.format = self.prefix + "format"
+        #: Deferred tasks (``celery_redislock.worker.defer``): task id -> next
+        #: re-attempt; task id -> park or grant deadline (ms, Redis TIME);
+        #: task ids to dispatch.
+        self.deferred = self.prefix + "deferred"
+        self.deadlines = self.prefix + "deadlines"
+        self.dispatch = self.prefix + "dispatch"
 
     def lock(self, resource: str) -> str:
         return f"{self.prefix}lock:{resource}"
@@ -343,6 +349,26 @@ class Keyspace:
 
     def adopted(self, owner_id: str) -> str:
         return f"{self.prefix}adopted:{owner_id}"
+
+    def defer_record(self, task_id: str) -> str:
+        """``{ns}:defer:<task id>``: a deferred task's park record."""
+        return f"{self.prefix}defer:{task_id}"
+
+    def node(self, nodename: str) -> str:
+        """``{ns}:node:<nodename>``: a worker node's record."""
+        return node_key(self.prefix, nodename)
+
+    def group(self, incarnation: str) -> str:
+        """``{ns}:group:<inc>``: the owners of one worker incarnation."""
+        return group_key(self.prefix, incarnation)
+
+    def tomb(self, incarnation: str) -> str:
+        """``{ns}:tomb:<inc>``: set when a successor evicted that incarnation."""
+        return tomb_key(self.prefix, incarnation)
+
+    def halt(self, incarnation: str) -> str:
+        """``{ns}:halt:<inc>``: pushed when that incarnation begins shutting down."""
+        return halt_key(self.prefix, incarnation)
 
     def resource_of(self, lock_key: str) -> str:
         """The resource name of a ``{ns}:lock:<resource>`` key."""

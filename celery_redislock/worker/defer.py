@@ -65,22 +65,22 @@ def task_owner(task_id: str, life: int = 0) -> str:
 
 def record_key(mgr: LockManager, task_id: str) -> str:
     """``{ns}:defer:<task id>``: the park record."""
-    return f"{mgr.keys.prefix}defer:{task_id}"
+    return mgr.keys.defer_record(task_id)
 
 
 def deferred_key(mgr: LockManager) -> str:
     """``{ns}:deferred``: task id -> next re-attempt (ms, Redis TIME)."""
-    return f"{mgr.keys.prefix}deferred"
+    return mgr.keys.deferred
 
 
 def deadlines_key(mgr: LockManager) -> str:
     """``{ns}:deadlines``: task id -> its park or grant deadline (ms, Redis TIME)."""
-    return f"{mgr.keys.prefix}deadlines"
+    return mgr.keys.deadlines
 
 
 def dispatch_key(mgr: LockManager) -> str:
     """``{ns}:dispatch``: task ids to dispatch."""
-    return f"{mgr.keys.prefix}dispatch"
+    return mgr.keys.dispatch
 
 
 def _ms(seconds: float) -> str:
