@@ -23,6 +23,7 @@ a worker start real ``celery worker`` subprocesses (marker ``e2e``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -103,11 +104,8 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture
 def r(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Redis]:
     """A redis.Redis client (bytes replies) on an empty Redis."""
-    client = redis_server.client()
-    try:
+    with contextlib.closing(redis_server.client()) as client:
         yield client
-    finally:
-        client.close()
 
 
 @pytest.fixture

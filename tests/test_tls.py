@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +77,8 @@ def tls_url(tls_server: RedisServer) -> str:
 @pytest.fixture
 def rt(tls_server: RedisServer, tls_url: str) -> Iterator[redis.Redis]:
     """A verified TLS client (bytes replies) on the emptied server."""
-    client = tls_server.client()
-    try:
+    with closing(tls_server.client()) as client:
         yield client
-    finally:
-        client.close()
 
 
 @pytest.fixture

@@ -51,6 +51,20 @@ def _contender(c: Cluster, made: list[LockManager]) -> LockManager:
     return mgr
 
 
+def _started(
+    cluster: Callable[..., Cluster],
+    contenders: list[LockManager],
+    name: str,
+    pool: str,
+    concurrency: int = 2,
+    **config: Any,
+) -> tuple[Cluster, Worker, LockManager]:
+    """A cluster with the short owner TTL, one worker ``name`` on it, and a contender."""
+    c = cluster(owner_ttl=OWNER_TTL, heartbeat=HEARTBEAT, **config)
+    w = c.start_worker(name, pool=pool, concurrency=concurrency)
+    return c, w, _contender(c, contenders)
+
+
 def _redis_ms(c: Cluster) -> int:
     sec, usec = c.lock_redis.time()
     return int(sec) * 1000 + int(usec) // 1000
@@ -138,9 +152,7 @@ def _helper_holds_past_owner_ttl(
 def test_helper_forked_by_a_task_keeps_its_lock_past_owner_ttl_and_frees_it_on_release(
     cluster: Callable[..., Cluster], contenders: list[LockManager], pool: str
 ) -> None:
-    c = cluster(owner_ttl=OWNER_TTL, heartbeat=HEARTBEAT)
-    w = c.start_worker(f"helper-{pool}", pool=pool, concurrency=2)
-    contender = _contender(c, contenders)
+    c, w, contender = _started(cluster, contenders, f"helper-{pool}", pool)
     for how in HOWS:
         ran = _helper_holds_past_owner_ttl(c, w, contender, pool, how, f"{pool}-{how}")
         # under threads and gevent the task runs in the main process, so the
@@ -154,9 +166,7 @@ def test_helper_forked_by_a_task_keeps_its_lock_past_owner_ttl_and_frees_it_on_r
 def test_sigkilled_helper_is_cleaned_by_its_liveness_expiry_then_reclaim_and_reconcile(
     cluster: Callable[..., Cluster], contenders: list[LockManager], pool: str
 ) -> None:
-    c = cluster(owner_ttl=OWNER_TTL, heartbeat=HEARTBEAT)
-    w = c.start_worker(f"killed-{pool}", pool=pool, concurrency=2)
-    contender = _contender(c, contenders)
+    c, w, contender = _started(cluster, contenders, f"killed-{pool}", pool)
     results = {
         "repo:1": c.send("fork_helper", "repo:1", f"{pool}-k1", "multiprocessing", queue=w.queue),
         "repo:2": c.send("fork_helper", "repo:2", f"{pool}-k2", "fork", queue=w.queue),
@@ -193,9 +203,9 @@ def test_helper_forked_by_the_prefork_main_process_keeps_its_lock_past_owner_ttl
     # The main process of a prefork worker runs no task, but user code there
     # (a worker_ready handler, a bootstep) may fork: its helper's parent is
     # the main process, like a pool child's, yet the pool does not list it.
-    c = cluster(owner_ttl=OWNER_TTL, heartbeat=HEARTBEAT, main_helper="repo:1 main")
-    w = c.start_worker("main-helper", pool="prefork", concurrency=1)
-    contender = _contender(c, contenders)
+    c, w, contender = _started(
+        cluster, contenders, "main-helper", "prefork", concurrency=1, main_helper="repo:1 main"
+    )
     info = _helper_info(c, "main")
     assert info["ppid"] == w.pid, (info, w.pid)
     _held_past_owner_ttl_then_released(c, w, contender, info, "main")

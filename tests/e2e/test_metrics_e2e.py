@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .harness import Cluster, wait_for
+from .harness import Cluster, Worker, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -53,6 +53,24 @@ def get(samples: Samples, name: str, **labels: str) -> float:
     return samples[key]
 
 
+def _after_releases(port: int, w: Worker, releases: int, what: str) -> Samples:
+    """Scrape ``port`` until ``releases`` holds were counted (released)."""
+
+    def counted() -> Samples | None:
+        s = scrape(port)
+        return s if get(s, "redislock_hold_seconds_count") >= releases else None
+
+    return wait_for(counted, 60, what, on_timeout=w.tail)
+
+
+def _assert_outcomes(samples: Samples, grants: int, timeouts: int) -> None:
+    """``grants`` grants (each a granted wait), ``timeouts`` timeouts, no error."""
+    assert get(samples, "redislock_grants_total") == grants, samples
+    assert get(samples, "redislock_acquire_wait_seconds_count", outcome="granted") == grants
+    assert get(samples, "redislock_timeouts_total") == timeouts
+    assert get(samples, "redislock_acquire_wait_seconds_count", outcome="error") == 0
+
+
 def test_one_endpoint_counts_what_every_pool_process_did_and_reads_the_namespace(
     cluster: Callable[..., Cluster], free_port: Callable[[], int], tmp_path: Path
 ) -> None:
@@ -81,17 +99,10 @@ def test_one_endpoint_counts_what_every_pool_process_did_and_reads_the_namespace
     c.wait_held("m1", attempt=2)
     assert hold.get(timeout=120)["attempt"] == 2
 
-    def settled() -> Samples | None:
-        s = scrape(port)
-        return s if get(s, "redislock_hold_seconds_count") >= 7 else None
-
-    after = wait_for(settled, 60, "the last release to be counted", on_timeout=w.tail)
+    after = _after_releases(port, w, 7, "the last release to be counted")
     # 6 writes + hold (killed) + hold (redelivered); try_take timed out
-    assert get(after, "redislock_grants_total") == 8, after
-    assert get(after, "redislock_acquire_wait_seconds_count", outcome="granted") == 8
-    assert get(after, "redislock_timeouts_total") == 1
+    _assert_outcomes(after, grants=8, timeouts=1)
     assert get(after, "redislock_acquire_wait_seconds_count", outcome="timeout") == 1
-    assert get(after, "redislock_acquire_wait_seconds_count", outcome="error") == 0
     # released: the 6 writes and the redelivered hold (the killed one never was)
     assert get(after, "redislock_hold_seconds_count") == 7
     assert get(after, "redislock_cleanups_total", path="child") == 1
@@ -119,17 +130,10 @@ def test_one_endpoint_counts_what_every_pool_process_did_and_reads_the_namespace
     assert blocker.get(timeout=60)["attempt"] == 1
     assert deferred.get(timeout=60)["owner"]
 
-    def drained() -> Samples | None:
-        s = scrape(port)
-        return s if get(s, "redislock_hold_seconds_count") >= 9 else None
-
-    end = wait_for(drained, 60, "the deferred task's release to be counted", on_timeout=w.tail)
+    end = _after_releases(port, w, 9, "the deferred task's release to be counted")
     # 8 before, the blocker and the adopted grant of the deferred task
-    assert get(end, "redislock_grants_total") == 10, end
-    assert get(end, "redislock_acquire_wait_seconds_count", outcome="granted") == 10
-    assert get(end, "redislock_timeouts_total") == 2
+    _assert_outcomes(end, grants=10, timeouts=2)
     assert get(end, "redislock_parks_total") == 2
-    assert get(end, "redislock_acquire_wait_seconds_count", outcome="error") == 0
     # The adopted grant's wait runs from its park, which came before the short
     # task parked and ran out of its 1 s: at least that much was added.
     wait_sum = "redislock_acquire_wait_seconds_sum"

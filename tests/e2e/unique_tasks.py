@@ -21,17 +21,33 @@ from celery_redislock import UniqueTask, locked
 HOLD_LIMIT = 300.0
 
 
-def define(app: Any, data: Callable[[], redis.Redis]) -> Any:
-    """Define ``e2e.unique_hold`` on ``app``; return the task."""
-
-    @app.task(
-        name="e2e.unique_hold",
+def _unique_task(app: Any, name: str, unique_key: str) -> Any:
+    """``app.task`` for a bound, late-acked, exclusive ``UniqueTask``."""
+    return app.task(
+        name=name,
         bind=True,
         base=UniqueTask,
-        unique_key="uh:{tag}",
+        unique_key=unique_key,
         acks_late=True,
         shared=False,
     )
+
+
+def _run_info(task: Any, **extra: Any) -> dict[str, Any]:
+    """What a run logs: its pid, task id, ``extra`` and its unique key's token."""
+    lease = task.unique_lease
+    return {
+        "pid": os.getpid(),
+        "id": task.request.id,
+        **extra,
+        "key_token": lease.token if lease is not None else None,
+    }
+
+
+def define(app: Any, data: Callable[[], redis.Redis]) -> Any:
+    """Define ``e2e.unique_hold`` on ``app``; return the task."""
+
+    @_unique_task(app, "e2e.unique_hold", "uh:{tag}")
     def unique_hold(self: Any, tag: str, fail: bool = False, block: int = 1000) -> dict[str, Any]:
         """Run once per key: log ``e2e:uh-log:<tag>``, wait for ``e2e:go:<tag>``.
 
@@ -41,13 +57,7 @@ def define(app: Any, data: Callable[[], redis.Redis]) -> Any:
         """
         r = data()
         attempt = int(r.incr(f"e2e:uh-attempts:{tag}"))
-        lease = self.unique_lease
-        info = {
-            "pid": os.getpid(),
-            "id": self.request.id,
-            "attempt": attempt,
-            "key_token": lease.token if lease is not None else None,
-        }
+        info = _run_info(self, attempt=attempt)
         r.rpush(f"e2e:uh-log:{tag}", json.dumps(info))
         if attempt <= block:
             deadline = time.monotonic() + HOLD_LIMIT
@@ -64,26 +74,14 @@ def define(app: Any, data: Callable[[], redis.Redis]) -> Any:
 def define_deferred(app: Any, data: Callable[[], redis.Redis]) -> Any:
     """Define ``e2e.unique_defer`` on ``app`` (unique and deferred); return the task."""
 
-    @app.task(
-        name="e2e.unique_defer",
-        bind=True,
-        base=UniqueTask,
-        unique_key="ud:{tag}",
-        acks_late=True,
-        shared=False,
-    )
+    @_unique_task(app, "e2e.unique_defer", "ud:{tag}")
     @locked("res:{res}", on_busy="defer")
     def unique_defer(self: Any, res: str, tag: str) -> dict[str, Any]:
         """Unique per ``tag``, deferred while ``res:<res>`` is busy: logs its
         run (and its unique key's lease) to ``e2e:ud-log:<tag>``, then waits
         for ``e2e:go:<tag>``."""
         r = data()
-        lease = self.unique_lease
-        info = {
-            "pid": os.getpid(),
-            "id": self.request.id,
-            "key_token": lease.token if lease is not None else None,
-        }
+        info = _run_info(self)
         r.incr(f"e2e:runs:{tag}")
         r.rpush(f"e2e:ud-log:{tag}", json.dumps(info))
         r.blpop([f"e2e:go:{tag}"], timeout=HOLD_LIMIT)
