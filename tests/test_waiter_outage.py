@@ -213,22 +213,27 @@ def test_finite_timeout_waiter_rides_out_a_refused_connection_within_its_timeout
     got.release()
 
 
-def test_timeout_zero_does_not_retry_an_unreachable_server(
-    managers: Managers, server: RedisServer
-) -> None:
+def _unavailable_after_a_kill(
+    managers: Managers, server: RedisServer, timeout: float
+) -> LockManager:
+    """A manager whose acquire (``timeout``) raises RedisUnavailable once ``server`` is killed."""
     mgr = managers()
     server.kill()
     with pytest.raises(RedisUnavailable):
-        mgr.acquire("R", timeout=0)
+        mgr.acquire("R", timeout=timeout)
+    return mgr
+
+
+def test_timeout_zero_does_not_retry_an_unreachable_server(
+    managers: Managers, server: RedisServer
+) -> None:
+    _unavailable_after_a_kill(managers, server, timeout=0)
 
 
 def test_finite_timeout_waiter_raises_redis_unavailable_when_the_outage_outlasts_it(
     server: RedisServer, managers: Managers
 ) -> None:
-    mgr = managers()
-    server.kill()
-    with pytest.raises(RedisUnavailable):
-        mgr.acquire("R", timeout=1.0)
+    mgr = _unavailable_after_a_kill(managers, server, timeout=1.0)
     server.start()  # back (empty): a busy lock is a plain timeout again
     managers().acquire("R", timeout=5)
     with pytest.raises(LockTimeout):

@@ -110,19 +110,7 @@ class Worker:
             if not self.reconcile_now.wait(0.2):
                 continue
             self.reconcile_now.clear()
-            try:
-                rep = self.manager.reconcile()
-            except Exception as exc:
-                self.tl.write("reconcile_error", err=repr(exc))
-                continue
-            self.tl.write(
-                "reconcile",
-                owners_seen=rep.owners_seen,
-                alive=rep.alive,
-                cleaned=rep.cleaned,
-                released=rep.released,
-                errors=len(rep.errors),
-            )
+            reconcile_into(self.tl, self.manager)
 
     def pick(self, rng: random.Random) -> tuple[list[str], list[str], float]:
         # r0 is the busiest and the last resource the quietest (weight 1/(i+1)),
@@ -219,22 +207,29 @@ def _check(lease: Any) -> bool:
     return True
 
 
+def reconcile_into(tl: Timeline, manager: LockManager) -> None:
+    """Reconcile through ``manager``; write its report (or its error) to ``tl``."""
+    try:
+        rep = manager.reconcile()
+    except Exception as exc:
+        tl.write("reconcile_error", err=repr(exc))
+        return
+    tl.write(
+        "reconcile",
+        owners_seen=rep.owners_seen,
+        alive=rep.alive,
+        cleaned=rep.cleaned,
+        released=rep.released,
+        errors=len(rep.errors),
+    )
+
+
 def reconcile_once(args: argparse.Namespace) -> None:
     """The end-of-run reconcile, run by several of these processes at once."""
     tl = Timeline(args.timeline, args.label)
     manager = LockManager(args.url, args.namespace, owner_ttl=args.owner_ttl)
     try:
-        rep = manager.reconcile()
-        tl.write(
-            "reconcile",
-            owners_seen=rep.owners_seen,
-            alive=rep.alive,
-            cleaned=rep.cleaned,
-            released=rep.released,
-            errors=len(rep.errors),
-        )
-    except Exception as exc:
-        tl.write("reconcile_error", err=repr(exc))
+        reconcile_into(tl, manager)
     finally:
         manager.close()
         tl.close()

@@ -21,7 +21,7 @@ import pytest
 import acl_helpers
 from redis_server import RedisServer
 
-from .harness import CELERY, Cluster, wait_for
+from .harness import CELERY, Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -70,12 +70,7 @@ def test_worker_runs_as_the_least_privilege_user_and_never_prints_its_password(
     held = c.send("hold", "k1", "acl1", 1)
     info = c.wait_held("acl1")
     os.kill(info["pid"], signal.SIGKILL)
-    wait_for(
-        lambda: info["owner"] not in c.owners_holding("res:k1"),
-        timeout=30,
-        what="the dead child's lock to be freed",
-        on_timeout=c.report,
-    )
+    c.wait_freed(info["owner"], "res:k1", "the dead child's lock to be freed")
     assert held.get(timeout=90)["attempt"] == 2
 
     # the operator CLI, as the same user

@@ -35,12 +35,7 @@ def test_sigkilled_child_lock_freed_by_pool_hook_long_before_the_next_heartbeat_
     started_ms = int(record["hb_ms"])
 
     os.kill(held["pid"], signal.SIGKILL)
-    wait_for(
-        lambda: owner not in c.owners_holding("res:h1"),
-        timeout=45,
-        what="the dead child's lock to be freed",
-        on_timeout=c.report,
-    )
+    c.wait_freed(owner, "res:h1", "the dead child's lock to be freed", timeout=45)
     freed_ms = redis_ms(c)
 
     # freed before a regular tick was even due (Redis TIME, no local clock)

@@ -26,7 +26,7 @@ import pytest
 
 from celery_redislock import LockManager, LockTimeout
 
-from .harness import Cluster, Worker, wait_for
+from .harness import Cluster, Worker, redis_ms, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -65,11 +65,6 @@ def _started(
     return c, w, _contender(c, contenders)
 
 
-def _redis_ms(c: Cluster) -> int:
-    sec, usec = c.lock_redis.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
 def _helper_info(c: Cluster, tag: str) -> dict[str, Any]:
     raw = wait_for(
         lambda: c.data.lindex(f"e2e:helper:{tag}", 0),
@@ -99,7 +94,7 @@ def _held_past_owner_ttl_then_released(
     every try fails; then it releases, its lease never lost, and the lock is free."""
     owner = info["owner"]
     assert c.owners_holding("repo:1") == {owner}
-    start_hb, start_ms = _node_hb(c, w), _redis_ms(c)
+    start_hb, start_ms = _node_hb(c, w), redis_ms(c)
     tries = 0
 
     def held_past_ttl() -> bool:
@@ -110,7 +105,7 @@ def _held_past_owner_ttl_then_released(
         assert c.owners_holding("repo:1") == {owner}, c.report()
         assert not c.data.exists(f"e2e:helper-lost:{tag}"), "the helper saw its lease lost"
         # several node ticks, and twice the owner TTL by Redis TIME
-        return _node_hb(c, w) - start_hb >= 4 and _redis_ms(c) - start_ms > 2 * OWNER_TTL * 1000
+        return _node_hb(c, w) - start_hb >= 4 and redis_ms(c) - start_ms > 2 * OWNER_TTL * 1000
 
     wait_for(held_past_ttl, timeout=120, what=f"helper {tag} held past owner_ttl", interval=0.1)
     # another task of the same worker is refused too

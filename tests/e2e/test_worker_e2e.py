@@ -77,12 +77,7 @@ def test_sigkilled_pool_child_locks_freed_within_a_tick_and_task_redelivered(
 
     killed_at = time.monotonic()
     os.kill(held["pid"], signal.SIGKILL)
-    wait_for(
-        lambda: owner not in c.owners_holding("res:k1"),
-        timeout=30,
-        what="the dead child's lock to be freed",
-        on_timeout=c.report,
-    )
+    c.wait_freed(owner, "res:k1", "the dead child's lock to be freed")
     freed_after = time.monotonic() - killed_at
     # one heartbeat tick (1 s) plus a wide margin for a loaded machine; the
     # liveness TTL (60 s) is far away
@@ -111,12 +106,7 @@ def test_children_ended_by_time_limit_revoke_or_recycling_leave_no_locks_or_owne
     limited = c.producer.send_task("e2e.hold", args=("h1", "t1", 1), queue=c.queue, time_limit=2)
     held = c.wait_held("t1")
     started = time.monotonic()
-    wait_for(
-        lambda: held["owner"] not in c.owners_holding("res:h1"),
-        timeout=30,
-        what="the time-limited child's lock to be freed",
-        on_timeout=c.report,
-    )
+    c.wait_freed(held["owner"], "res:h1", "the time-limited child's lock to be freed")
     assert time.monotonic() - started < 2 + 10
     with pytest.raises(Exception, match="TimeLimitExceeded"):
         limited.get(timeout=30)
@@ -125,12 +115,7 @@ def test_children_ended_by_time_limit_revoke_or_recycling_leave_no_locks_or_owne
     revoked = c.send("hold", "h2", "t2", 1)
     held2 = c.wait_held("t2")
     c.producer.control.revoke(revoked.id, terminate=True, signal="SIGKILL")
-    wait_for(
-        lambda: held2["owner"] not in c.owners_holding("res:h2"),
-        timeout=30,
-        what="the revoked task's lock to be freed",
-        on_timeout=c.report,
-    )
+    c.wait_freed(held2["owner"], "res:h2", "the revoked task's lock to be freed")
 
     for r_ in [c.send("write", str(i % 2), 0.001) for i in range(12)]:
         r_.get(timeout=60)
@@ -157,12 +142,7 @@ def test_pool_child_is_told_its_lease_is_lost_when_its_liveness_lapses(
     owner = c.wait_held("t1")["owner"]
     # the child's liveness lapses (evicted key, a pause past owner_ttl...)
     c.lock_redis.delete(c.key("alive", owner))
-    wait_for(
-        lambda: owner not in c.owners_holding("res:l1"),
-        timeout=20,
-        what="the main process to free the lapsed owner's lock",
-        on_timeout=c.report,
-    )
+    c.wait_freed(owner, "res:l1", "the main process to free the lapsed owner's lock", timeout=20)
     try:
         # its lock may now be granted to another task: the body must learn
         # it (lease.lost / lease.check()) within a few heartbeat ticks
