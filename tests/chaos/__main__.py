@@ -11,12 +11,13 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 from . import checker
 from .faults import FAULTS, KNOWN_TO_FAIL, parse_faults
 from .participants import KNOWN_TO_FAIL as CELERY_KNOWN
 from .participants import PARTICIPANTS, parse_participants
-from .runner import Config, run
+from .runner import Config, Outcome, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     return max(code, celery_run(args, participants, seed, half))
 
 
+def _reported(
+    outcome: Outcome[Any], known_title: str, known: dict[str, str], head: str, tail: str
+) -> int:
+    """Print a run's stats, its violations (with the ``known`` holes they may
+    expose) and its verdict line, ``head: <verdict>tail``; return the exit status."""
+    print(json.dumps(outcome.stats, indent=1))
+    if outcome.violations:
+        print(checker.render(checker.Report(outcome.stats, outcome.violations)))
+        if known:
+            print(known_title)
+            for name, why in known.items():
+                print(f"  {name}: {why}")
+    verdict = f"{len(outcome.violations)} violation(s)" if outcome.violations else "no violation"
+    print(f"{head}: {verdict}{tail}")
+    return 1 if outcome.violations else 0
+
+
 def celery_run(
     args: argparse.Namespace, participants: tuple[str, ...], seed: int, duration: float
 ) -> int:
@@ -83,23 +101,16 @@ def celery_run(
     out = str(Path(args.out) / "celery") if args.out else ""
     cfg = CeleryConfig(seed=seed, duration=duration, participants=participants, out=out)
     outcome = run_celery(cfg)
-    print(json.dumps(outcome.stats, indent=1))
-    if outcome.violations:
-        print(checker.render(checker.Report(outcome.stats, outcome.violations)))
-        known = [p for p in participants if p in CELERY_KNOWN]
-        if known:
-            print("participants that expose known holes (tests/chaos/participants.py "
-                  "KNOWN_TO_FAIL):")  # fmt: skip
-            for p in known:
-                print(f"  {p}: {CELERY_KNOWN[p]}")
-    verdict = f"{len(outcome.violations)} violation(s)" if outcome.violations else "no violation"
-    print(
-        f"chaos (celery): {verdict}; seed={seed}; replay: make chaos CELERY=only SEED={seed} "
+    return _reported(
+        outcome,
+        "participants that expose known holes (tests/chaos/participants.py KNOWN_TO_FAIL):",
+        {p: CELERY_KNOWN[p] for p in participants if p in CELERY_KNOWN},
+        "chaos (celery)",
+        f"; seed={seed}; replay: make chaos CELERY=only SEED={seed} "
         f"DURATION={duration:g}"
         + ("" if args.participants == "all" else f" PARTICIPANTS={args.participants}")
-        + f"; output in {cfg.out}"
+        + f"; output in {cfg.out}",
     )
-    return 1 if outcome.violations else 0
 
 
 def engine_run(
@@ -120,24 +131,18 @@ def engine_run(
         end=args.end,
     )
     outcome = run(cfg)
-    print(json.dumps(outcome.stats, indent=1))
-    if outcome.violations:
-        print(checker.render(checker.Report(outcome.stats, outcome.violations)))
-        found = {v.kind for v in outcome.violations}
-        known = [k for k in faults if KNOWN_TO_FAIL.get(k, "").split(":")[0] in found]
-        if known:
-            print("known engine holes that match (tests/chaos/faults.py KNOWN_TO_FAIL):")
-            for k in known:
-                print(f"  {k}: {KNOWN_TO_FAIL[k]}")
-    verdict = f"{len(outcome.violations)} violation(s)" if outcome.violations else "no violation"
-    print(
-        f"chaos: {verdict}; seed={seed}; replay: make chaos CELERY=0 SEED={seed} "
+    found = {v.kind for v in outcome.violations}
+    return _reported(
+        outcome,
+        "known engine holes that match (tests/chaos/faults.py KNOWN_TO_FAIL):",
+        {k: KNOWN_TO_FAIL[k] for k in faults if KNOWN_TO_FAIL.get(k, "").split(":")[0] in found},
+        "chaos",
+        f"; seed={seed}; replay: make chaos CELERY=0 SEED={seed} "
         f"DURATION={duration:g}"
         + ("" if args.faults == "all" else f" FAULTS={args.faults}")
         + ("" if args.end == "term" else f" END={args.end}")
-        + f"; output in {cfg.out}"
+        + f"; output in {cfg.out}",
     )
-    return 1 if outcome.violations else 0
 
 
 if __name__ == "__main__":

@@ -30,11 +30,9 @@ import json
 import os
 import random
 import signal
-import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
@@ -43,8 +41,8 @@ from celery import Celery
 from e2e.harness import Cluster, Worker
 from redis_server import RedisServer
 
-from . import checker
 from .participants import ALL_PARTICIPANTS
+from .runner import Outcome, RunnerBase
 
 
 @dataclass
@@ -97,39 +95,24 @@ class CeleryConfig:
             self.idle_bound = 2 * self.heartbeat + 0.5
 
 
-@dataclass
-class CeleryOutcome:
-    config: CeleryConfig
-    stats: dict[str, Any] = field(default_factory=dict)
-    violations: list[checker.Violation] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
-
+CeleryOutcome = Outcome[CeleryConfig]
 
 FINAL_STATES = ("SUCCESS", "FAILURE", "REVOKED")
 
 
-class CeleryRunner:
+class CeleryRunner(RunnerBase[CeleryConfig]):
+    label = "chaos-celery"
+
     def __init__(self, cfg: CeleryConfig) -> None:
-        self.cfg = cfg
-        self.out = Path(cfg.out or tempfile.mkdtemp(prefix="redislock-chaos-celery-"))
-        cfg.out = str(self.out)
-        (self.out / "bodies").mkdir(parents=True, exist_ok=True)
-        (self.out / "logs").mkdir(exist_ok=True)
-        self.lock_srv = RedisServer(workdir=self.out / "lock-redis")
+        super().__init__(cfg, "redislock-chaos-celery-", "bodies")
         self.broker_srv = RedisServer(workdir=self.out / "broker-redis")
         self.fault_rng = random.Random(f"celery-faults:{cfg.seed}")
         self.send_rng = random.Random(f"celery-sends:{cfg.seed}")
-        self.t0 = time.monotonic()
         self.stop = threading.Event()
         self.faults_over = threading.Event()
         self.finished = threading.Event()
         self.fault_thread: threading.Thread | None = None
-        self.io_lock = threading.Lock()
         self.sent_file = open(self.out / "sent.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.fault_file = open(self.out / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
         self.workers: dict[str, Worker] = {}
         self.sent_ids: list[str] = []
         #: Resource -> ids sent and not yet seen final (the producer's bound).
@@ -141,15 +124,6 @@ class CeleryRunner:
         self.fault_error: BaseException | None = None
 
     # -- helpers ------------------------------------------------------------
-
-    def say(self, msg: str) -> None:
-        if self.cfg.verbose:
-            print(f"chaos-celery: +{time.monotonic() - self.t0:7.2f}s {msg}", flush=True)
-
-    def record(self, kind: str, t0: float, t1: float | None = None, **fields: Any) -> None:
-        rec = {"kind": kind, "t0": t0, "t1": t0 if t1 is None else t1, **fields}
-        with self.io_lock:
-            self.fault_file.write(json.dumps(rec) + "\n")
 
     def has(self, name: str) -> bool:
         return name in self.cfg.participants
@@ -179,13 +153,19 @@ class CeleryRunner:
 
     # -- faults ---------------------------------------------------------------
 
-    def fault_kill_child(self) -> None:
-        name = self.fault_rng.choice(sorted(self.workers))
-        worker = self.workers[name]
+    def pick_child(self) -> tuple[Worker, int] | None:
+        """A random worker and a random pool child of it (None: it has none)."""
+        worker = self.workers[self.fault_rng.choice(sorted(self.workers))]
         kids = self.children(worker)
         if not kids:
+            return None
+        return worker, self.fault_rng.choice(kids)
+
+    def fault_kill_child(self) -> None:
+        picked = self.pick_child()
+        if picked is None:
             return
-        pid = self.fault_rng.choice(kids)
+        worker, pid = picked
         t = time.monotonic()
         try:
             os.kill(pid, signal.SIGKILL)
@@ -218,18 +198,13 @@ class CeleryRunner:
         self._restart(self.fault_rng.choice(sorted(self.workers)), "kill_worker")
 
     def fault_lock_restart(self) -> None:
-        t = time.monotonic()
-        self.lock_srv.restart()
-        self.record("lock_restart", t, time.monotonic())
-        self.say("lock_restart")
+        self.restart_lock_server("lock_restart")
 
     def fault_stop_child(self) -> None:
-        name = self.fault_rng.choice(sorted(self.workers))
-        worker = self.workers[name]
-        kids = self.children(worker)
-        if not kids:
+        picked = self.pick_child()
+        if picked is None:
             return
-        pid = self.fault_rng.choice(kids)
+        worker, pid = picked
         pause = self.cfg.grant_ttl * self.fault_rng.uniform(0.5, 1.3)
         t = time.monotonic()
         try:
@@ -517,18 +492,7 @@ class CeleryRunner:
         )
         final = self.drain()
         (self.out / "final.json").write_text(json.dumps(final, indent=1))
-        report = checker.check(self.out)
-        (self.out / "summary.json").write_text(
-            json.dumps(
-                {
-                    "config": asdict(c),
-                    "stats": report.stats,
-                    "violations": [v.as_dict() for v in report.violations],
-                },
-                indent=1,
-            )
-        )
-        return CeleryOutcome(c, report.stats, report.violations)
+        return self.checked()
 
 
 def run(cfg: CeleryConfig) -> CeleryOutcome:

@@ -126,8 +126,28 @@ class Report:
     violations: list[Violation]
 
 
+class _Timed:
+    """A run's clock (``t0``) and fault log, for the reports of :class:`Run`
+    and :class:`CeleryRun`."""
+
+    t0: float
+    faults: list[dict[str, Any]]
+
+    def rel(self, t: float | None) -> str:
+        return "?" if t is None else f"+{t - self.t0:.3f}"
+
+    def faults_between(self, lo: float, hi: float) -> list[str]:
+        out = []
+        for f in self.faults:
+            if f["t1"] >= lo and f["t0"] <= hi:
+                extra = {k: v for k, v in f.items() if k not in ("kind", "t0", "t1")}
+                span = "" if f["t1"] == f["t0"] else f"..{self.rel(f['t1'])}"
+                out.append(f"fault {self.rel(f['t0'])}{span} {f['kind']} {extra}")
+        return out
+
+
 @dataclass
-class Run:
+class Run(_Timed):
     config: dict[str, Any]
     t0: float
     ops: list[Op]
@@ -137,9 +157,6 @@ class Run:
     kills: dict[str, float]
     audit: dict[str, Any]
     calm_s: float = 0.0
-
-    def rel(self, t: float | None) -> str:
-        return "?" if t is None else f"+{t - self.t0:.3f}"
 
     def fmt_op(self, o: Op) -> str:
         parts = [
@@ -164,15 +181,6 @@ class Run:
             parts.append(f"process killed {self.rel(self.kills[o.proc])}")
         parts += [f"error {e}" for e in o.errors]
         return "; ".join(parts)
-
-    def faults_between(self, lo: float, hi: float) -> list[str]:
-        out = []
-        for f in self.faults:
-            if f["t1"] >= lo and f["t0"] <= hi:
-                extra = {k: v for k, v in f.items() if k not in ("kind", "t0", "t1")}
-                span = "" if f["t1"] == f["t0"] else f"..{self.rel(f['t1'])}"
-                out.append(f"fault {self.rel(f['t0'])}{span} {f['kind']} {extra}")
-        return out
 
 
 def load(folder: Path) -> Run:
@@ -716,7 +724,7 @@ class SlotUse:
 
 
 @dataclass
-class CeleryRun:
+class CeleryRun(_Timed):
     config: dict[str, Any]
     t0: float
     sent: dict[str, Sent]
@@ -732,9 +740,6 @@ class CeleryRun:
     def t_end(self) -> float:
         return float(self.final.get("t_end") or max([self.t0, *(b.t0 for b in self.bodies)]))
 
-    def rel(self, t: float | None) -> str:
-        return "?" if t is None else f"+{t - self.t0:.3f}"
-
     def fmt_sent(self, s: Sent) -> str:
         state = self.final.get("states", {}).get(s.id, "?")
         extra = " retry" if s.retry else ""
@@ -748,15 +753,6 @@ class CeleryRun:
         killed = f", killed {self.rel(b.killed)}" if b.killed is not None else ""
         return (f"  body {b.id} attempt {b.retries} ({b.kind} {b.mode} {b.res}) pid {b.pid} "
                 f"{b.node} fence={b.fence}: begin {self.rel(b.t0)}, {end}{killed}")  # fmt: skip
-
-    def faults_between(self, lo: float, hi: float) -> list[str]:
-        out = []
-        for f in self.faults:
-            if f["t1"] >= lo and f["t0"] <= hi:
-                extra = {k: v for k, v in f.items() if k not in ("kind", "t0", "t1")}
-                span = "" if f["t1"] == f["t0"] else f"..{self.rel(f['t1'])}"
-                out.append(f"fault {self.rel(f['t0'])}{span} {f['kind']} {extra}")
-        return out
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -984,6 +980,14 @@ def _restart_excuse(run: CeleryRun, lo: float, hi: float) -> bool:
     )
 
 
+def _bodies_violation(
+    run: CeleryRun, kind: str, a: Body, b: Body, lo: float, hi: float, msg: str
+) -> Violation:
+    """A ``kind`` violation by bodies ``a`` and ``b``, traced with the faults of ``lo - 1..hi``."""
+    trace = [run.fmt_body(a), run.fmt_body(b), *run.faults_between(lo - 1, hi)[:8]]
+    return Violation(kind, msg, trace, (a.id, b.id))
+
+
 def check_exclusion(run: CeleryRun) -> list[Violation]:
     by_res: dict[str, list[Body]] = defaultdict(list)
     for b in run.bodies:
@@ -1001,12 +1005,10 @@ def check_exclusion(run: CeleryRun) -> list[Violation]:
                 if b.t0 < a.t1:
                     if _restart_excuse(run, lo, min(a.t1, b.t1)):
                         continue
-                    out.append(Violation(
-                        "body_overlap",
+                    out.append(_bodies_violation(
+                        run, "body_overlap", a, b, lo, hi,
                         f"{a.id} ({a.mode}) and {b.id} ({b.mode}) ran bodies on {res} at once "
                         f"from {run.rel(b.t0)} to {run.rel(min(a.t1, b.t1))}; neither lease lost",
-                        [run.fmt_body(a), run.fmt_body(b), *run.faults_between(lo - 1, hi)[:8]],
-                        (a.id, b.id),
                     ))  # fmt: skip
                 elif (
                     a.fence is not None
@@ -1014,12 +1016,10 @@ def check_exclusion(run: CeleryRun) -> list[Violation]:
                     and a.fence > b.fence
                     and not _restart_excuse(run, lo, hi)
                 ):
-                    out.append(Violation(
-                        "fence_order",
+                    out.append(_bodies_violation(
+                        run, "fence_order", a, b, lo, hi,
                         f"{b.id} (fence {b.fence}) ran on {res} after {a.id} (fence {a.fence}) "
                         f"had run: {b.id} held its grant across {a.id}'s body; neither lease lost",
-                        [run.fmt_body(a), run.fmt_body(b), *run.faults_between(lo - 1, hi)[:8]],
-                        (a.id, b.id),
                     ))  # fmt: skip
     return out
 

@@ -8,6 +8,7 @@ when it ended, equal for an instant fault).
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 #: kind -> what the runner does.
 FAULTS: dict[str, str] = {
@@ -36,18 +37,30 @@ SHORT_RUN_FAULTS: tuple[str, ...] = tuple(k for k in ALL_FAULTS if k not in KNOW
 
 def parse_faults(text: str | None, default: tuple[str, ...] = ALL_FAULTS) -> tuple[str, ...]:
     """Fault kinds from ``"a,b"``, ``"all"`` or ``"none"``; ValueError on an unknown kind."""
+    return parse_names(text, default, ALL_FAULTS, FAULTS, "fault kinds")
+
+
+def parse_names(
+    text: str | None,
+    default: tuple[str, ...],
+    every: tuple[str, ...],
+    known: Collection[str],
+    what: str,
+) -> tuple[str, ...]:
+    """Names from ``"a,b"``, ``"all"`` (``every``) or ``"none"``; ``default`` for
+    no text; ValueError (naming ``what``) on a name not in ``known``."""
     if text is None or not text.strip():
         return default
     text = text.strip()
     if text == "all":
-        return ALL_FAULTS
+        return every
     if text == "none":
         return ()
-    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in FAULTS]
+    names = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in names if k not in known]
     if unknown:
-        raise ValueError(f"unknown fault kinds {unknown}; known: {', '.join(FAULTS)}")
-    return kinds
+        raise ValueError(f"unknown {what} {unknown}; known: {', '.join(known)}")
+    return names
 
 
 def short_run_faults() -> tuple[str, ...]:

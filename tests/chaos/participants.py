@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from .faults import parse_names
+
 #: Participant -> what it adds to the run.
 PARTICIPANTS: dict[str, str] = {
     "defer": 'deferred tasks (on_busy="defer"), exclusive and shared',
@@ -43,18 +45,7 @@ def parse_participants(
     text: str | None, default: tuple[str, ...] = ALL_PARTICIPANTS
 ) -> tuple[str, ...]:
     """Participants from ``"a,b"``, ``"all"`` or ``"none"``; ValueError on an unknown one."""
-    if text is None or not text.strip():
-        return default
-    text = text.strip()
-    if text == "all":
-        return ALL_PARTICIPANTS
-    if text == "none":
-        return ()
-    names = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in names if k not in PARTICIPANTS]
-    if unknown:
-        raise ValueError(f"unknown participants {unknown}; known: {', '.join(PARTICIPANTS)}")
-    return names
+    return parse_names(text, default, ALL_PARTICIPANTS, PARTICIPANTS, "participants")
 
 
 def short_run_participants() -> tuple[str, ...]:

@@ -29,10 +29,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import redis
 
@@ -74,9 +75,21 @@ class Config:
     verbose: bool = True
 
 
+class RunConfig(Protocol):
+    """What :class:`RunnerBase` reads of a run's configuration."""
+
+    seed: int
+    out: str
+    verbose: bool
+
+
+CfgT = TypeVar("CfgT", bound=RunConfig)
+OutT = TypeVar("OutT")
+
+
 @dataclass
-class Outcome:
-    config: Config
+class Outcome(Generic[OutT]):
+    config: OutT
     stats: dict[str, Any] = field(default_factory=dict)
     violations: list[checker.Violation] = field(default_factory=list)
 
@@ -85,31 +98,69 @@ class Outcome:
         return not self.violations
 
 
-class Runner:
-    def __init__(self, cfg: Config) -> None:
+class RunnerBase(Generic[CfgT]):
+    """What the engine run and the Celery run (:mod:`chaos.celery_runner`) share.
+
+    ``label`` prefixes what :meth:`say` prints.
+    """
+
+    label = "chaos"
+
+    def __init__(self, cfg: CfgT, prefix: str, data_dir: str) -> None:
+        """Make ``cfg.out`` (a temp dir named ``prefix...`` when unset) with
+        ``data_dir`` and ``logs`` in it; open the fault log."""
         self.cfg = cfg
-        self.rng = random.Random(f"faults:{cfg.seed}")
-        self.out = Path(cfg.out or tempfile.mkdtemp(prefix="redislock-chaos-"))
+        self.out = Path(cfg.out or tempfile.mkdtemp(prefix=prefix))
         cfg.out = str(self.out)
-        (self.out / "timelines").mkdir(parents=True, exist_ok=True)
+        (self.out / data_dir).mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
         self.lock_srv = RedisServer(workdir=self.out / "lock-redis")
+        self.io_lock = threading.Lock()
+        self.fault_file = open(self.out / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.t0 = time.monotonic()
+
+    def say(self, msg: str) -> None:
+        if self.cfg.verbose:
+            print(f"{self.label}: +{time.monotonic() - self.t0:7.2f}s {msg}", flush=True)
+
+    def record(self, kind: str, t0: float, t1: float | None = None, **fields: Any) -> None:
+        rec = {"kind": kind, "t0": t0, "t1": t0 if t1 is None else t1, **fields}
+        with self.io_lock:
+            self.fault_file.write(json.dumps(rec) + "\n")
+
+    def restart_lock_server(self, kind: str) -> None:
+        """Restart the lock server (the fault ``kind``) and record it."""
+        t = time.monotonic()
+        self.lock_srv.restart()
+        self.record(kind, t, time.monotonic())
+        self.say(kind)
+
+    def checked(self) -> Outcome[CfgT]:
+        """Run the checker on ``out``; write ``summary.json``; return the outcome."""
+        report = checker.check(self.out)
+        (self.out / "summary.json").write_text(
+            json.dumps(
+                {
+                    "config": asdict(self.cfg),  # type: ignore[call-overload]
+                    "stats": report.stats,
+                    "violations": [v.as_dict() for v in report.violations],
+                },
+                indent=1,
+            )
+        )
+        return Outcome(self.cfg, report.stats, report.violations)
+
+
+class Runner(RunnerBase[Config]):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg, "redislock-chaos-", "timelines")
+        self.rng = random.Random(f"faults:{cfg.seed}")
         self.store_srv = RedisServer(workdir=self.out / "store-redis")
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.spawned = 0
         self.quiet_flag = self.out / "quiet"
-        self.fault_file = open(self.out / "faults.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.t0 = time.monotonic()
 
     # -- helpers ------------------------------------------------------------
-
-    def say(self, msg: str) -> None:
-        if self.cfg.verbose:
-            print(f"chaos: +{time.monotonic() - self.t0:7.2f}s {msg}", flush=True)
-
-    def record(self, kind: str, t0: float, t1: float | None = None, **fields: Any) -> None:
-        rec = {"kind": kind, "t0": t0, "t1": t0 if t1 is None else t1, **fields}
-        self.fault_file.write(json.dumps(rec) + "\n")
 
     def worker_cmd(self, label: str, *extra: str) -> list[str]:
         c = self.cfg
@@ -196,10 +247,7 @@ class Runner:
         self.say(f"stop_worker {label} for {pause:.2f}s")
 
     def fault_redis_restart(self) -> None:
-        t = time.monotonic()
-        self.lock_srv.restart()
-        self.record("redis_restart", t, time.monotonic())
-        self.say("redis_restart")
+        self.restart_lock_server("redis_restart")
 
     def fault_redis_stop(self) -> None:
         proc = self.lock_srv.process
@@ -270,7 +318,7 @@ class Runner:
 
     # -- phases -------------------------------------------------------------
 
-    def run(self) -> Outcome:
+    def run(self) -> Outcome[Config]:
         self.lock_srv.start()
         self.store_srv.start()
         try:
@@ -287,7 +335,7 @@ class Runner:
             self.lock_srv.stop()
             self.store_srv.stop()
 
-    def _run(self) -> Outcome:
+    def _run(self) -> Outcome[Config]:
         c = self.cfg
         self.t0 = time.monotonic()
         (self.out / "run.json").write_text(
@@ -333,19 +381,7 @@ class Runner:
         (self.out / "audit.json").write_text(
             json.dumps({"keys": audit, "store": snapshot, "anomalies": anomalies}, indent=1)
         )
-        report = checker.check(self.out)
-        outcome = Outcome(c, report.stats, report.violations)
-        (self.out / "summary.json").write_text(
-            json.dumps(
-                {
-                    "config": asdict(c),
-                    "stats": report.stats,
-                    "violations": [v.as_dict() for v in report.violations],
-                },
-                indent=1,
-            )
-        )
-        return outcome
+        return self.checked()
 
     def drain(self) -> None:
         if self.cfg.end == "kill":
@@ -416,5 +452,5 @@ class Runner:
         return out
 
 
-def run(cfg: Config) -> Outcome:
+def run(cfg: Config) -> Outcome[Config]:
     return Runner(cfg).run()
