@@ -154,22 +154,38 @@ def registries(r: redis.Redis, namespace: str = "t") -> dict[str, set[str]]:
     """
     head = "{" + namespace + "}:held:"
     lock = "{" + namespace + "}:lock:"
+
+    def entries() -> Iterator[tuple[str, set[str]]]:
+        for key in namespace_keys(r, namespace):
+            if not key.startswith(head):
+                continue
+            fields = {_s(f): _s(v) for f, v in r.hgetall(key).items()}
+            assert set(fields.values()) <= {""}, f"{key}: {fields}"
+            yield key[len(head) :], set(fields)
+
+    found = registry_names(entries())
+    return {owner: {lock + name for name in names} for owner, names in found.items()}
+
+
+def registry_names(entries: Iterable[tuple[str, Iterable[str]]]) -> dict[str, set[str]]:
+    """owner -> resource names, from ``(key after held:, field names)`` pairs.
+
+    ``<owner>`` is a main registry, ``<owner>|`` a bucket index and
+    ``<owner>|<b>`` a bucket: the names of the main hash and of the buckets
+    count; a bucket its index does not list fails.
+    """
     out: dict[str, set[str]] = {}
     indexes: dict[str, set[str]] = {}
     buckets: dict[str, set[str]] = {}
-    for key in namespace_keys(r, namespace):
-        if not key.startswith(head):
-            continue
-        fields = {_s(f): _s(v) for f, v in r.hgetall(key).items()}
-        assert set(fields.values()) <= {""}, f"{key}: {fields}"
-        owner, bar, bucket = key[len(head) :].partition("|")
+    for key, names in entries:
+        owner, bar, bucket = key.partition("|")
         if bar and not bucket:
-            indexes[owner] = set(fields)
+            indexes[owner] = set(names)
             continue
         if bar:
             buckets.setdefault(owner, set()).add(bucket)
-        if fields:
-            out.setdefault(owner, set()).update(lock + name for name in fields)
+        if names:
+            out.setdefault(owner, set()).update(names)
     for owner, found in buckets.items():
         assert found <= indexes.get(owner, set()), f"{owner}: buckets {found} not indexed"
     return out

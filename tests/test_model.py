@@ -96,6 +96,7 @@ from celery_redislock import FORMAT_VERSION, LockManager
 from celery_redislock.engine.identity import OwnerIdentity
 from celery_redislock.protocol.keys import holder_record
 from celery_redislock.worker.node import group_key, node_key, tomb_key
+from engine_helpers import registry_names
 from lock_model import Model, Owner, Request, conflicts, purge_budget
 from redis_server import RedisServer
 
@@ -206,21 +207,7 @@ def read_view(r: redis.Redis) -> View:
 def registry_view(view: View) -> dict[str, set[str]]:
     """owner -> resource names in its registry: its main hash and, if it
     spilled, the buckets its bucket index lists (an unlisted bucket fails)."""
-    out: dict[str, set[str]] = {}
-    index: dict[str, set[str]] = {}
-    buckets: dict[str, set[str]] = {}
-    for key, value in view.of_kind("held"):
-        owner, bar, bucket = key.partition("|")
-        if bar and not bucket:
-            index[owner] = set(value)
-            continue
-        if bar:
-            buckets.setdefault(owner, set()).add(bucket)
-        if value:
-            out.setdefault(owner, set()).update(value)
-    for owner, found in buckets.items():
-        assert found <= index.get(owner, set()), f"{owner}: buckets {found} not indexed"
-    return out
+    return registry_names(view.of_kind("held"))
 
 
 @dataclass
@@ -361,12 +348,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 q.state = "ended"
             return
         assert code != -1, f"{q.token}: live owner told it is dead: {reply}"
-        if not ident.registered:
-            ident.registered = True
-            if owner.state == "new":
-                owner.state = "alive"
-                if owner.group:
-                    self.node.groups.setdefault(owner.group, set()).add(owner.id)
+        self.registered(ident, owner)
         if expect == "either":
             expect = "granted" if code == 1 else "blocked"
         if expect == "granted":
@@ -506,13 +488,30 @@ class ProtocolMachine(RuleBasedStateMachine):
         """The usual call: a blocking acquire (queues when blocked), not nested."""
         self.acquire(data, shape, True, False)
 
+    def registered(self, ident: OwnerIdentity, owner: Owner) -> None:
+        """An acquire by ``owner`` (not refused as dead) registered it: alive, in its group."""
+        if not ident.registered:
+            ident.registered = True
+            if owner.state == "new":
+                owner.state = "alive"
+                if owner.group:
+                    self.node.groups.setdefault(owner.group, set()).add(owner.id)
+
+    def drawn(self, data: st.DataObject, tokens: list[str], label: str) -> Request:
+        """The request of a token drawn from ``tokens``."""
+        return self.model.requests[data.draw(st.sampled_from(tokens), label=label)]
+
+    def wakes(self, q: Request) -> None:
+        """``q``'s BLPOP returns: it takes its hand-off, or re-runs its acquire."""
+        if not self.pop_wake(q):
+            self.run_acquire(q, queue=True)
+
     @precondition(lambda self: self.waiting())
     @rule(data=st.data())
     def waiter_wakes(self, data: st.DataObject) -> None:
         """A waiter's BLPOP returns (a push, or its deadline): hand-off or re-run."""
-        q = self.model.requests[data.draw(st.sampled_from(self.waiting()), label="waiter")]
-        if not self.pop_wake(q):
-            self.run_acquire(q, queue=True)
+        q = self.drawn(data, self.waiting(), "waiter")
+        self.wakes(q)
         self.settle()
 
     @precondition(lambda self: self.waiting())
@@ -524,7 +523,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         a request that the model says may go ahead (dead entries ignored)
         must be granted by the end.
         """
-        q = self.model.requests[data.draw(st.sampled_from(self.waiting()), label="waiter")]
+        q = self.drawn(data, self.waiting(), "waiter")
         ideal = self.model.alive(q.owner) and not self.model.blockers(q)
         runs = 2 + max(len(self.view.queue(res)) for res in q.modes) // LIMIT
         for _ in range(runs):
@@ -548,7 +547,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def waiter_gives_up(self, data: st.DataObject) -> None:
         """Timeout or interrupt: release.lua by its token (it may hold a hand-off)."""
-        q = self.model.requests[data.draw(st.sampled_from(self.waiting()), label="waiter")]
+        q = self.drawn(data, self.waiting(), "waiter")
         expect = [self.fields_of(q), self.entries_of(q)]
         if q.state == "granted" and self.model.alive(q.owner):
             assert expect[0] == len(q.modes), (q, expect)
@@ -577,7 +576,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.leases())
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        q = self.model.requests[data.draw(st.sampled_from(self.leases()), label="lease")]
+        q = self.drawn(data, self.leases(), "lease")
         expect = self.fields_of(q)
         if self.model.alive(q.owner):
             assert expect == len(q.modes), f"live lease {q.token} lost locks in Redis"
@@ -596,15 +595,14 @@ class ProtocolMachine(RuleBasedStateMachine):
             q = self.model.requests[token]
             if q.state != "queued" and not q.handed_off:
                 continue
-            if not self.pop_wake(q):
-                self.run_acquire(q, queue=True)
+            self.wakes(q)
             self.settle()
 
     @precondition(lambda self: self.leases())
     @rule(data=st.data())
     def acquire_retried_after_grant(self, data: st.DataObject) -> None:
         """redis-py retries an acquire whose reply was lost: same grant, same fence."""
-        q = self.model.requests[data.draw(st.sampled_from(self.leases()), label="lease")]
+        q = self.drawn(data, self.leases(), "lease")
         self.run_acquire(q, queue=True)
         self.settle()
 
@@ -690,12 +688,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             self.settle()
             return
         assert code != -1, (oid, reply)
-        if not ident.registered:
-            ident.registered = True
-            if owner.state == "new":
-                owner.state = "alive"
-                if owner.group:
-                    self.node.groups.setdefault(owner.group, set()).add(owner.id)
+        self.registered(ident, owner)
 
         def entries(raw: Any) -> dict[str, tuple[int, dict[str, str]]]:
             out = {}

@@ -367,15 +367,22 @@ class Cluster:
 
     def wait_held(self, tag: str, timeout: float = 60.0, attempt: int = 1) -> dict[str, Any]:
         """Wait until a ``hold`` task (delivery ``attempt``) holds its lock."""
+        what = f"hold task {tag} attempt {attempt}"
+        return self.wait_logged(f"e2e:held-log:{tag}", attempt, what, timeout)
+
+    def wait_logged(
+        self, log: str, attempt: int, what: str, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """Wait until the JSON list ``log`` has the entry of delivery ``attempt``; return it."""
 
         def seen() -> dict[str, Any] | None:
-            for raw in self.data.lrange(f"e2e:held-log:{tag}", 0, -1):
+            for raw in self.data.lrange(log, 0, -1):
                 info: dict[str, Any] = json.loads(raw)
                 if info["attempt"] == attempt:
                     return info
             return None
 
-        return wait_for(seen, timeout, f"hold task {tag} attempt {attempt}", on_timeout=self.report)
+        return wait_for(seen, timeout, what, on_timeout=self.report)
 
     def go(self, tag: str) -> None:
         """Let a blocked ``hold`` task finish."""

@@ -8,6 +8,7 @@ asserts, so a failure shows the values).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from .harness import CeleryProcess, Cluster, Worker, wait_for
 
@@ -39,13 +40,16 @@ def contend_and_check_counts(
     assert c.data.lrange("e2e:order:0", 0, -1) == [f"w{i}" for i in range(1, writes + 1)]
 
 
-def restarted_worker_frees_its_predecessors_locks(c: Cluster, name: str) -> None:
+def restarted_worker_frees_its_predecessors_locks(
+    cluster: Callable[..., Cluster], name: str
+) -> None:
     """A worker SIGKILLed while holding ``res:r1`` and started again as ``name``.
 
     The new worker frees its predecessor's locks at start-up, long before
-    the predecessor's liveness TTL, and the resource is usable again through
-    it. ``c`` wants a long owner TTL (60 s).
+    the predecessor's liveness TTL (60 s on the cluster ``cluster`` makes),
+    and the resource is usable again through it.
     """
+    c = cluster(owner_ttl=60, heartbeat=1)
     w = c.start_worker(name)
     c.send("hold", "r1", "t1")
     owner = c.wait_held("t1")["owner"]

@@ -95,8 +95,7 @@ def test_locked_tasks_on_two_prefork_workers_keep_exclusion_and_exact_counts_on_
 def test_worker_killed_and_restarted_on_a_cluster_frees_its_predecessor_locks_at_startup(
     on_cluster: Callable[..., Cluster],
 ) -> None:
-    c = on_cluster(owner_ttl=60, heartbeat=1)
-    restarted_worker_frees_its_predecessors_locks(c, "phoenix-c")
+    restarted_worker_frees_its_predecessors_locks(on_cluster, "phoenix-c")
 
 
 def test_a_worker_whose_lock_cluster_does_not_answer_refuses_to_start_in_one_line(

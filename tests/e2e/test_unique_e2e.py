@@ -16,7 +16,6 @@ task, so ``apply_async`` runs UniqueTask's enqueue here.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import time
@@ -75,14 +74,8 @@ def _holders(c: Cluster, tag: str) -> dict[str, str]:
 
 
 def _started(c: Cluster, tag: str, attempt: int = 1) -> dict[str, Any]:
-    def seen() -> dict[str, Any] | None:
-        for raw in c.data.lrange(f"e2e:uh-log:{tag}", 0, -1):
-            info: dict[str, Any] = json.loads(raw)
-            if info["attempt"] == attempt:
-                return info
-        return None
-
-    return wait_for(seen, 60, f"unique_hold {tag} attempt {attempt}", on_timeout=c.report)
+    what = f"unique_hold {tag} attempt {attempt}"
+    return c.wait_logged(f"e2e:uh-log:{tag}", attempt, what)
 
 
 def _freed(c: Cluster, tag: str, what: str, timeout: float = 30) -> float:

@@ -185,8 +185,7 @@ def test_warm_shutdown_keeps_running_task_lock_until_it_finishes_then_releases_a
 def test_worker_killed_and_restarted_under_same_name_frees_predecessor_locks_at_startup(
     cluster: Callable[..., Cluster],
 ) -> None:
-    c = cluster(owner_ttl=60, heartbeat=1)
-    restarted_worker_frees_its_predecessors_locks(c, "phoenix")
+    restarted_worker_frees_its_predecessors_locks(cluster, "phoenix")
 
 
 def test_two_live_workers_with_one_node_name_never_free_each_others_locks(
