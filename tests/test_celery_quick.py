@@ -470,8 +470,21 @@ def test_worker_process_init_hook_is_idempotent_and_makes_no_redis_call(
             locks.close()
 
 
+@pytest.fixture
+def in_worker(app: Celery) -> Iterator[tuple[RedisLock, LockManager]]:
+    """A RedisLock on ``app`` in a worker's main process (incarnation
+    ``0123456789abcdef``), and its manager; left and closed after the test."""
+    locks = RedisLock(app)
+    mgr = locks.enter_worker("0123456789abcdef")
+    try:
+        yield locks, mgr
+    finally:
+        locks.leave_worker()
+        mgr.close()
+
+
 def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_child(
-    app: Celery, r: redis.Redis
+    in_worker: tuple[RedisLock, LockManager], r: redis.Redis
 ) -> None:
     # After any fork the engine is standalone (a task's helper process);
     # only Celery's worker_process_init, sent in real pool children, makes
@@ -479,66 +492,54 @@ def test_forked_process_is_standalone_until_worker_process_init_makes_it_a_pool_
     # pid, without a Redis command or a thread.
     from celery import signals
 
-    locks = RedisLock(app)
-    mgr = locks.enter_worker("0123456789abcdef")
-    try:
-        assert not mgr.liveness.own_heartbeat and mgr.liveness.group is not None  # the main process
-        r.config_resetstat()
+    locks, mgr = in_worker
+    assert not mgr.liveness.own_heartbeat and mgr.liveness.group is not None  # the main process
+    r.config_resetstat()
 
-        def child() -> dict[str, Any]:  # pragma: no cover - runs in the child
-            m = locks.manager
-            out: dict[str, Any] = {"same": m is mgr}
-            out["helper"] = [m.liveness.own_heartbeat, m.liveness.group is None]
-            threads = threading.active_count()
-            signals.worker_process_init.send(sender=None)
-            signals.worker_process_init.send(sender=None)
-            m = locks.manager
-            group = m.liveness.group
-            out["pool_child"] = [m.liveness.own_heartbeat, group() if group else None]
-            out["new_threads"] = threading.active_count() - threads
-            return out
+    def child() -> dict[str, Any]:  # pragma: no cover - runs in the child
+        m = locks.manager
+        out: dict[str, Any] = {"same": m is mgr}
+        out["helper"] = [m.liveness.own_heartbeat, m.liveness.group is None]
+        threads = threading.active_count()
+        signals.worker_process_init.send(sender=None)
+        signals.worker_process_init.send(sender=None)
+        m = locks.manager
+        group = m.liveness.group
+        out["pool_child"] = [m.liveness.own_heartbeat, group() if group else None]
+        out["new_threads"] = threading.active_count() - threads
+        return out
 
-        out = fork_and_report(child)
-        assert out == {
-            "same": True,
-            "helper": [True, True],
-            "pool_child": [False, PREFIX + "group:0123456789abcdef"],
-            "new_threads": 0,
-        }
-        calls = {
-            k
-            for k in r.info("commandstats")
-            if not k.startswith(("cmdstat_info", "cmdstat_config"))
-        }
-        assert calls == set()
-        assert (
-            not mgr.liveness.own_heartbeat and mgr.liveness.group is not None
-        )  # the parent is unchanged
-    finally:
-        locks.leave_worker()
-        mgr.close()
+    out = fork_and_report(child)
+    assert out == {
+        "same": True,
+        "helper": [True, True],
+        "pool_child": [False, PREFIX + "group:0123456789abcdef"],
+        "new_threads": 0,
+    }
+    calls = {
+        k for k in r.info("commandstats") if not k.startswith(("cmdstat_info", "cmdstat_config"))
+    }
+    assert calls == set()
+    assert (
+        not mgr.liveness.own_heartbeat and mgr.liveness.group is not None
+    )  # the parent is unchanged
 
 
 def test_close_in_a_forked_helper_stops_the_helpers_own_heartbeat(
-    app: Celery, r: redis.Redis
+    in_worker: tuple[RedisLock, LockManager], r: redis.Redis
 ) -> None:
-    locks = RedisLock(app)
-    mgr = locks.enter_worker("0123456789abcdef")
-    try:
+    locks, _ = in_worker
 
-        def child() -> list[bool]:  # pragma: no cover - runs in the child
-            helper = locks.manager
-            lease = helper.acquire("helper:1", timeout=5)
-            beating = helper.heartbeat.running
-            lease.release()
-            locks.close()
-            return [beating, helper.heartbeat.running, locks.manager is helper]
+    def child() -> list[bool]:  # pragma: no cover - runs in the child
+        helper = locks.manager
+        lease = helper.acquire("helper:1", timeout=5)
+        beating = helper.heartbeat.running
+        lease.release()
+        locks.close()
+        return [beating, helper.heartbeat.running, locks.manager is helper]
 
-        out = fork_and_report(child)
-        assert out == [True, False, False]  # a fresh standalone manager after close
-    finally:
-        locks.leave_worker()
-        mgr.close()
+    out = fork_and_report(child)
+    assert out == [True, False, False]  # a fresh standalone manager after close
 
 
 def test_worker_start_warns_when_redis_may_evict_keys(

@@ -147,6 +147,12 @@ def _parked(c: Cluster, task: str, *args: Any, what: str = "parked", **kwargs: A
     return result
 
 
+def _parked_behind(c: Cluster, task: str, res: str) -> tuple[Any, Any]:
+    """A ``dhold`` holding ``res`` as ``<res>-h``, then ``task`` on ``res`` as
+    ``<res>-d`` parked behind it: both results."""
+    return _holding(c, res, f"{res}-h"), _parked(c, task, res, f"{res}-d")
+
+
 def _queue(c: Cluster, resource: str) -> list[str]:
     return [str(m) for m in c.lock_redis.zrange(c.key("q", resource), 0, -1)]
 
@@ -206,8 +212,7 @@ def test_an_adopted_deferred_body_re_enters_its_lock_and_names_its_task_and_node
     shared: Cluster,
 ) -> None:
     c = shared
-    holder = _holding(c, "dre", "dre-h")
-    d = _parked(c, "dreenter", "dre", "dre-d")
+    holder, d = _parked_behind(c, "dreenter", "dre")
     c.go("dre-h")
     holder.get(timeout=60)
     wait_for(lambda: c.data.llen("e2e:held-log:dre-d"), 60, "adopted body", on_timeout=c.report)
@@ -375,8 +380,7 @@ def test_a_child_killed_after_the_adopted_body_before_its_result_is_stored_runs_
     # task_reject_on_worker_lost) runs the task again, as for any acks_late
     # task, and it ends SUCCESS, never left DEFERRED.
     c = shared
-    holder = _holding(c, "bs", "bs-h")
-    d = _parked(c, "dwrite", "bs", "bs-d")
+    holder, d = _parked_behind(c, "dwrite", "bs")
     c.data.set(f"e2e:stop-before-store:{d.id}", "1")
     c.go("bs-h")
     holder.get(timeout=60)
@@ -561,8 +565,7 @@ def test_an_adopting_child_stalled_past_the_grant_deadline_runs_the_task_once(
     grant_ttl = 3
     c = cluster(owner_ttl=15, heartbeat=0.5, defer_grant_ttl=grant_ttl)
     w = c.start_worker("stall-w", concurrency=2)
-    _holding(c, "ts", "ts-h")
-    stalled = _parked(c, "dwrite", "ts", "ts-d")
+    _, stalled = _parked_behind(c, "dwrite", "ts")
     c.data.set(f"e2e:stall-after-adopt:{stalled.id}", "1")
     c.go("ts-h")
     pid = int(wait_for(lambda: c.data.get(f"e2e:stalled:{stalled.id}"), 60, "the stall"))
@@ -591,8 +594,7 @@ def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs
     w1 = c.start_worker("transit-w1", concurrency=2)
 
     # D7: the child that receives the re-dispatched task dies before adopting.
-    _holding(c, "tc", "tc-h")
-    child_victim = _parked(c, "dwrite", "tc", "tc-d")
+    _, child_victim = _parked_behind(c, "dwrite", "tc")
     c.data.set(f"e2e:kill-before-adopt:{child_victim.id}", "child")
     c.go("tc-h")
     child_victim.get(timeout=90)
@@ -600,8 +602,7 @@ def test_grant_in_transit_survives_a_sigkilled_adopting_child_or_worker_and_runs
     assert _runs(c, "tc-d") == 1
 
     # D6: the whole worker dies while the grant is in transit.
-    _holding(c, "tw", "tw-h")
-    worker_victim = _parked(c, "dwrite", "tw", "tw-d")
+    _, worker_victim = _parked_behind(c, "dwrite", "tw")
     c.data.set(f"e2e:kill-before-adopt:{worker_victim.id}", "worker")
     c.go("tw-h")
     w1.wait(60)  # the hook killed the worker's process group

@@ -85,12 +85,17 @@ def cli_json(c: Cluster, *args: str) -> Any:
     return json.loads(result.output)
 
 
+def _held(c: Cluster, task: str, tag: str) -> tuple[Any, str]:
+    """Send ``task`` on ``res:<tag>`` as ``tag``; once it holds: its result and owner."""
+    result = c.send(task, tag, tag)
+    return result, str(c.wait_held(tag)["owner"])
+
+
 def test_operator_release_fails_the_task_with_lock_lost_naming_the_operator(
     sem: tuple[Cluster, Worker], operator: LockManager
 ) -> None:
     c, w = sem
-    result = c.send("hold", "op1", "op1")
-    owner = c.wait_held("op1")["owner"]
+    result, owner = _held(c, "hold", "op1")
 
     # Who holds it: the task (name, id) on its node, in the table and in JSON.
     table = celery_cli(c, "locks", "res:op1").stdout
@@ -134,8 +139,7 @@ def test_on_lost_ignore_keeps_the_result_and_logs_the_cause(
     sem: tuple[Cluster, Worker], operator: LockManager
 ) -> None:
     c, w = sem
-    result = c.send("hold_ignore", "ig1", "ig1")
-    owner = c.wait_held("ig1")["owner"]
+    result, owner = _held(c, "hold_ignore", "ig1")
     operator.cleanup_owner(owner, force=True, reason="operator")
     wait_for(lambda: c.data.exists("e2e:lost:ig1"), 30, "the body to see its lease lost")
     c.go("ig1")
@@ -186,8 +190,7 @@ def test_a_worker_paused_past_owner_ttl_fails_its_task_with_lock_lost(
     c = Cluster(redis_server.url, tmp_path_factory.mktemp("paused"), owner_ttl=3, heartbeat=0.5)
     try:
         w = c.start_worker("paused", concurrency=1)
-        result = c.send("hold", "ps1", "ps1")
-        owner = c.wait_held("ps1")["owner"]
+        result, owner = _held(c, "hold", "ps1")
         w.kill_group(signal.SIGSTOP)
         try:
             wait_for(lambda: c.alive_pttl(owner) == -2, 30, "the child's liveness to expire")
