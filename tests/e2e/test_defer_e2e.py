@@ -418,7 +418,8 @@ def test_a_parked_task_that_retries_runs_every_attempt_and_parks_again_while_bus
         on_timeout=c.report,
     )
     assert _queue(c, "res:rt") == [f"xdefer+1:{d.id}|task:{d.id}"]  # its second life
-    assert d.state == "DEFERRED"
+    # The park writes the DEFERRED state after it queued the request.
+    wait_for(lambda: d.state == "DEFERRED", 30, "DEFERRED again", on_timeout=c.report)
     c.go("rt-w")
     behind.get(timeout=60)
     # The second retry runs too (the resource is free, or freed by then).
