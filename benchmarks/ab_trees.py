@@ -1,0 +1,87 @@
+"""The uncontended acquire + release cycle of two checkouts, interleaved.
+
+For a change that must not cost speed (a restructure): each round runs
+one process per checkout, in alternating order, against one throw-away
+redis-server, each timing ``cycles`` cycles of ``LockManager.acquire`` +
+``Lease.release`` on one resource; the report gives each checkout's median
+p50 and p99 over the rounds and the per-round ratio of the p50s, so a load
+that comes and goes on the machine touches both sides alike.
+
+    python -m benchmarks.ab_trees --old ../old-checkout --new . --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from redis_server import RedisServer  # noqa: E402
+
+_CHILD = r"""
+import sys, time
+from celery_redislock import LockManager
+url, ns, cycles = sys.argv[1], sys.argv[2], int(sys.argv[3])
+m = LockManager(url, ns)
+for _ in range(300):  # warm: connection, format check, script cache
+    m.acquire("r", timeout=5).release()
+times = []
+for _ in range(cycles):
+    t = time.perf_counter()
+    m.acquire("r", timeout=5).release()
+    times.append(time.perf_counter() - t)
+times.sort()
+print(times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6)
+m.close()
+"""
+
+
+def _one(tree: Path, url: str, ns: str, cycles: int) -> tuple[float, float]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, url, ns, str(cycles)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    p50, p99 = (float(x) for x in out.stdout.split())
+    return p50, p99
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", type=Path, required=True, help="the checkout to compare with")
+    parser.add_argument("--new", type=Path, default=Path("."), help="the checkout measured")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--cycles", type=int, default=3000)
+    args = parser.parse_args(argv)
+    trees = {"old": args.old.resolve(), "new": args.new.resolve()}
+    results: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+    with RedisServer() as server:
+        for i in range(args.rounds):
+            order = ("old", "new") if i % 2 == 0 else ("new", "old")
+            for name in order:
+                results[name].append(_one(trees[name], server.url, f"ab-{name}", args.cycles))
+    for name, rows in results.items():
+        print(
+            f"{name} ({trees[name]}): p50 {statistics.median(r[0] for r in rows):.1f} us, "
+            f"p99 {statistics.median(r[1] for r in rows):.1f} us (median of {len(rows)} rounds)"
+        )
+    ratios = [n[0] / o[0] for n, o in zip(results["new"], results["old"])]
+    print(
+        "new/old p50 per round: "
+        + " ".join(f"{r:.2f}" for r in ratios)
+        + f"; median {statistics.median(ratios):.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
