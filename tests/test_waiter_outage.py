@@ -238,3 +238,19 @@ def test_finite_timeout_waiter_raises_redis_unavailable_when_the_outage_outlasts
     managers().acquire("R", timeout=5)
     with pytest.raises(LockTimeout):
         mgr.acquire("R", timeout=0.2)
+
+
+def test_a_wait_shorter_than_a_millisecond_still_ends(managers: Managers) -> None:
+    """A waiter whose deadline is about to pass sends its shortest wait: BLPOP
+    reads 0 as for ever and Redis 6.2 truncates 0.001 s to 0 ms, so such a
+    wait must still end without a push (make test-redis62 runs this on 6.2)."""
+    mgr = managers()
+    done: list[Any] = []
+    for seconds in (0.0, 0.0005, 0.001):
+        t = threading.Thread(
+            target=lambda s=seconds: done.append(mgr.acquirer.block("nobody|x", s)), daemon=True
+        )
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), f"a {seconds} s wait did not end"
+    assert done == [None, None, None]

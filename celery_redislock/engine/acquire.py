@@ -50,6 +50,11 @@ log = logging.getLogger("celery_redislock.acquire")
 #: pool slot ahead of this request (docs/defer.md, "Waiting tasks behind a
 #: grant in transit").
 TRANSIT_WAKE = -2
+#: The shortest wait :meth:`Acquirer.block` sends (seconds). BLPOP's timeout
+#: 0 waits for ever, and Redis 6.2 truncates 0.001 s to 0 ms, so a wait that
+#: computes to a millisecond or less (a deadline about to pass) would block
+#: until a push: every server ends a 10 ms wait.
+MIN_BLOCK = 0.01
 
 
 class RequestMoved(Exception):
@@ -302,7 +307,7 @@ class Acquirer(Part):
                 # Never granted, never blocked: look at the halt list
                 # here, or a warm shutdown would wait for the replicas.
                 if haltable and (
-                    self.halted or riding_out(t.outage, t.token, block_call, t.token, 0.001) == -1
+                    self.halted or riding_out(t.outage, t.token, block_call, t.token, 0.0) == -1
                 ):
                     raise ShuttingDown(t.req.resources)
                 return None
@@ -391,7 +396,7 @@ class Acquirer(Part):
         # in Redis.
         self._state.waiting.add(t.token)  # the lost-owner watcher watches while we wait
         try:
-            fence = riding_out(t.outage, t.token, block_call, t.token, max(block, 0.001))
+            fence = riding_out(t.outage, t.token, block_call, t.token, block)
         finally:
             self._state.waiting.discard(t.token)
         if fence == -1:
@@ -529,7 +534,9 @@ class Acquirer(Part):
         watches the worker's halt list: popped, its entry is pushed back for
         the next waiter and -1 is returned (shutting down). A ``t`` (a grant
         in transit waits ahead, ``defer_nudge.lua``) returns :data:`TRANSIT_WAKE`.
+        ``seconds`` below :data:`MIN_BLOCK` wait that long.
         """
+        seconds = max(seconds, MIN_BLOCK)
         keys = [self.keys.wake(token)]
         halt_key = self.halt_key if halt else None
         if halt_key is not None:
