@@ -278,20 +278,42 @@ class DuplicateTask(LockError):
     ``unique_on_duplicate="raise"``, or whatever the mode when the key is
     held by something that is not a task (a plain lock on ``unique:<key>``).
     Attributes: ``key`` (the unique key, without the ``unique:`` prefix),
-    ``task_id`` (the task that holds it, or None when not a task) and
-    ``task`` (the name of the task that was not sent).
+    ``task_id`` (the task that holds it, or None when not a task), ``task``
+    (the name of the task that was not sent) and ``countdown``: the seconds
+    until the key frees at the latest, when that is known, else None.
+
+    ``countdown`` is known while the holder is a message no worker has
+    started (its key runs out after its ``unique_ttl``, plus any countdown or
+    eta); it is None once a worker runs the holder (the key is freed when
+    that task ends, not after a fixed time) or when the holder is not a
+    task. So ``self.retry(countdown=exc.countdown or 60)`` retries no later
+    than the key's expiry (the key may free sooner, when the task runs).
     """
 
-    def __init__(self, key: str, task_id: str | None, task: str = "the task") -> None:
+    def __init__(
+        self,
+        key: str,
+        task_id: str | None,
+        task: str = "the task",
+        countdown: float | None = None,
+    ) -> None:
         self.key = key
         self.task_id = task_id
         self.task = task
-        super().__init__(key, task_id, task)
+        self.countdown = countdown
+        super().__init__(key, task_id, task, countdown)
 
     def __str__(self) -> str:
         held = f"task {self.task_id}" if self.task_id else "a lock that is not a task's"
+        if self.countdown is not None:
+            when = f"; it frees in {self.countdown:.3g}s at the latest (countdown)"
+        elif self.task_id:
+            when = "; it frees when that task ends (countdown unknown)"
+        else:
+            when = ""
         return (
-            f"{self.task} not sent: unique key {self.key!r} is held by {held} (queued or running)"
+            f"{self.task} not sent: unique key {self.key!r} is held by {held} "
+            f"(queued or running){when}"
         )
 
 

@@ -35,6 +35,7 @@ ERRORS: list[LockError] = [
     ShuttingDown(["repo:1"]),
     DuplicateTask("report:42", "6f1c2a9e-3b7d-4e1a-9c55-0d2b8e4f7a10", "proj.report"),
     DuplicateTask("report:42", None),
+    DuplicateTask("report:42", "6f1c2a9e", "proj.report", 3599.5),
     TemplateError("repo:{repo}", "repo", "sync"),
     TemplateError("repo:{n:d}", "Unknown format code", "sync", "cannot be formatted (ValueError)"),
     ReplicationTimeout(["repo:1"], 2.5, 1, 0, 0.5),

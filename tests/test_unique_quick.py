@@ -212,6 +212,40 @@ def test_a_duplicate_while_queued_returns_the_queued_task_or_raises(
     assert 3_500_000 < ttl <= 3_600_000  # redislock_unique_ttl's default
 
 
+def test_a_duplicate_says_when_the_key_of_a_queued_task_frees(
+    app: Celery, r: redis.Redis, redis_url: str
+) -> None:
+    @app.task(base=UniqueTask, unique_key="cd", unique_ttl=100, name="uq.cd")
+    def cd() -> None:
+        pass
+
+    @app.task(base=UniqueTask, unique_key="cd", unique_on_duplicate="raise", name="uq.cd2")
+    def cd2() -> None:
+        pass
+
+    first = cd.apply_async(countdown=50)
+    with pytest.raises(DuplicateTask) as info:
+        cd2.delay()
+    exc = info.value
+    assert exc.task_id == first.id
+    assert exc.countdown is not None and 140 < exc.countdown <= 150  # unique_ttl + countdown
+    assert "frees in" in str(exc) and "countdown" in str(exc)
+    # Once a process runs the task (adopts the key), the key lives as long as
+    # that process: no fixed time is known.
+    worker = LockManager(redis_url, NS, owner_ttl=30)
+    try:
+        adoption = worker.adopt(first.id)
+        assert adoption.adopted
+        with pytest.raises(DuplicateTask) as info:
+            cd2.delay()
+        assert info.value.task_id == first.id and info.value.countdown is None
+        assert "when that task ends" in str(info.value)
+        for lease in adoption.leases:
+            lease.release()
+    finally:
+        worker.close()
+
+
 def test_a_failed_send_releases_the_key(app: Celery, r: redis.Redis) -> None:
     @app.task(base=UniqueTask, unique_key="k", name="uq.send")
     def send() -> None:
@@ -280,6 +314,7 @@ def test_a_key_held_by_a_plain_lock_is_a_duplicate_not_a_handle_of_no_task(
         with pytest.raises(DuplicateTask) as info:
             plain.delay()  # unique_on_duplicate="return": there is no task to return
         assert info.value.task_id is None and info.value.key == "plain"
+        assert info.value.countdown is None
         assert r.llen(app.conf.task_default_queue) == 0
         lease.release()
         sent = plain.delay()

@@ -56,6 +56,11 @@ class TaskGrant:
             the call (an earlier call for the same task and attempt). A
             read made just before the script in the same round trip: a
             call that redis-py retried after a lost reply may also see it.
+        holder_ttl: when refused by a task owner (a message not started
+            yet), the seconds until its liveness runs out and the grant is
+            free to take (one ``PTTL`` after the refusal); None when the
+            holder is a process (its locks live as long as it does), not a
+            task owner, or left meanwhile.
     """
 
     task_id: str
@@ -64,6 +69,7 @@ class TaskGrant:
     token: str | None
     holder: str | None
     repeated: bool = False
+    holder_ttl: float | None = None
 
     @property
     def holder_owner(self) -> str | None:
@@ -166,8 +172,20 @@ class TaskOwners(Part):
             blocker = blocking_holder(req.modes, holders)
             if blocker is None:
                 continue  # the holder left between the script and the read
-            return TaskGrant(task_id, False, None, None, blocker)
+            return TaskGrant(task_id, False, None, None, blocker, holder_ttl=self._ttl_of(blocker))
         return TaskGrant(task_id, False, None, None, None)
+
+    def _ttl_of(self, blocker: str) -> float | None:
+        """Seconds left of the liveness of ``blocker``'s owner when it is a
+        task owner (one ``PTTL``), else None. A hint: None on any error."""
+        owner = blocker.split("|", 1)[0]
+        if not owner.startswith(("task:", "task+", "defer:", "defer+")):
+            return None  # a process: its grants live as long as it does
+        try:
+            ms = int(self._channel.command("PTTL", self.keys.alive(owner)))
+        except (LockError, redis.RedisError, ValueError, TypeError):
+            return None
+        return ms / 1000.0 if ms >= 0 else None
 
     def _run_then_read(
         self, owner: str, token: str, req: Request, args: list[Any]

@@ -453,7 +453,7 @@ class UniqueTask(Task):
                     existing or grant.holder_owner,
                 )
             else:
-                return self._duplicate(key, existing)
+                return self._duplicate(key, existing, grant.holder_ttl)
         try:
             return super().apply_async(
                 args,
@@ -470,11 +470,11 @@ class UniqueTask(Task):
                 _release_unsent(self, mgr, task_id, attempt, key)
             raise
 
-    def _duplicate(self, key: str, existing: str | None) -> Any:
+    def _duplicate(self, key: str, existing: str | None, countdown: float | None = None) -> Any:
         if existing is not None and self.unique_on_duplicate == "return":
             log.info("unique.duplicate task=%s key=%s existing=%s", self.name, key, existing)
             return self.AsyncResult(existing)
-        raise DuplicateTask(key, existing, self.name)
+        raise DuplicateTask(key, existing, self.name, countdown)
 
     # -- run --------------------------------------------------------------
 
