@@ -246,6 +246,53 @@ def test_a_duplicate_says_when_the_key_of_a_queued_task_frees(
         worker.close()
 
 
+def test_per_call_options_override_the_task_attributes_for_that_call_only(
+    app: Celery, r: redis.Redis
+) -> None:
+    @app.task(base=UniqueTask, unique_key="pc:{n}", unique_ttl=100, name="uq.pc")
+    def pc(n: int) -> None:
+        pass
+
+    first = pc.apply_async((1,), unique_ttl=30)
+    assert 25_000 < r.pttl(PREFIX + f"alive:task:{first.id}") <= 30_000
+    assert pc.delay(1).id == first.id  # the attribute: "return"
+    with pytest.raises(DuplicateTask) as info:
+        pc.apply_async((1,), unique_on_duplicate="raise")
+    assert info.value.task_id == first.id
+    assert pc.s(1).set(unique_on_duplicate="return").delay().id == first.id
+    with pytest.raises(DuplicateTask):
+        pc.s(1).apply_async(unique_on_duplicate="raise")  # a signature call
+    second = pc.apply_async((2,), unique_ttl=None, unique_on_duplicate=None)  # the task's
+    assert 95_000 < r.pttl(PREFIX + f"alive:task:{second.id}") <= 100_000
+    third = pc.apply_async((3,), countdown=50, unique_ttl=10)  # a countdown is added
+    assert 55_000 < r.pttl(PREFIX + f"alive:task:{third.id}") <= 60_000
+    # Celery never saw the options: not in any message sent.
+    messages = r.lrange(app.conf.task_default_queue, 0, -1)
+    assert len(messages) == 3 and not any(b"unique_" in m for m in messages)
+
+
+def test_bad_per_call_options_are_refused_before_any_redis_call() -> None:
+    down = make_app("redis://127.0.0.1:1/0")  # nothing listens: any call would fail
+    try:
+
+        @down.task(base=UniqueTask, unique_key="bad", name="uq.badcall")
+        def bad() -> None:
+            pass
+
+        with pytest.raises(ConfigurationError, match="unique_key.*per call"):
+            bad.apply_async(unique_key="other")
+        with pytest.raises(ConfigurationError, match="unique_tll.*unique_on_duplicate, unique_ttl"):
+            bad.apply_async(unique_tll=5)
+        with pytest.raises(ConfigurationError, match="unique_on_duplicate.*'ignore'"):
+            bad.apply_async(unique_on_duplicate="ignore")
+        with pytest.raises(ConfigurationError, match="unique_ttl"):
+            bad.apply_async(unique_ttl=-1)
+        with pytest.raises(ConfigurationError, match="unique_ttl"):
+            bad.s().apply_async(unique_ttl=10**9)
+    finally:
+        close_app(down)
+
+
 def test_a_failed_send_releases_the_key(app: Celery, r: redis.Redis) -> None:
     @app.task(base=UniqueTask, unique_key="k", name="uq.send")
     def send() -> None:

@@ -62,6 +62,9 @@ log = logging.getLogger("celery_redislock.unique")
 UNIQUE_PREFIX = "unique:"
 #: Values of ``unique_on_duplicate``.
 ON_DUPLICATE_MODES = ("return", "raise")
+#: The options ``apply_async`` takes per call (keyword arguments that
+#: override the task attribute of the same name for that call only).
+PER_CALL_OPTIONS = ("unique_on_duplicate", "unique_ttl")
 #: Longest default key kept readable; a longer one is hashed (sha256).
 MAX_PLAIN_KEY = 200
 
@@ -297,6 +300,44 @@ def _canonical(value: Any, task: str, name: str, where: str) -> Any:
     return text
 
 
+def _call_options(task: UniqueTask, options: dict[str, Any]) -> tuple[str, float | None]:
+    """Take the per-call ``unique_*`` options out of ``options`` (so that
+    Celery's ``apply_async`` never sees them), checked: ``(on_duplicate,
+    ttl)``, the task's attributes where not given. Raises
+    :class:`ConfigurationError` for an unknown ``unique_*`` keyword or a bad
+    value, before any Redis call."""
+    given = {k: options.pop(k) for k in [k for k in options if k.startswith("unique_")]}
+    unknown = sorted(set(given) - set(PER_CALL_OPTIONS))
+    if unknown:
+        why = (
+            "the worker derives the key from the task's unique_key, so it cannot change "
+            "per call (give the task another template, or use another task)"
+            if unknown == ["unique_key"]
+            else f"unknown option; apply_async takes {', '.join(PER_CALL_OPTIONS)} per call"
+        )
+        raise ConfigurationError(f"{task.name}.apply_async({', '.join(unknown)}=...)", why)
+    # None: the task's own (as if not given).
+    mode = given.get("unique_on_duplicate")
+    if mode is None:
+        mode = task.unique_on_duplicate
+    if mode not in ON_DUPLICATE_MODES:
+        raise ConfigurationError(
+            f"{task.name}.apply_async(unique_on_duplicate=...)",
+            f"must be one of {', '.join(ON_DUPLICATE_MODES)}, not {mode!r}",
+        )
+    ttl = given.get("unique_ttl")
+    if ttl is None:
+        ttl = task.unique_ttl
+    else:
+        ttl = _v.duration(
+            f"{task.name}.apply_async(unique_ttl=...)",
+            ttl,
+            minimum=_v.MIN_OWNER_TTL,
+            maximum=_v.MAX_OWNER_TTL,
+        )
+    return mode, ttl
+
+
 def _check_options(cls: type) -> None:
     """Refuse bad ``unique_*`` attributes when the task class is made (import time)."""
     name = getattr(cls, "name", None) or cls.__qualname__
@@ -343,6 +384,14 @@ class UniqueTask(Task):
         ``"return"`` (default): ``apply_async`` / ``delay`` return the
         ``AsyncResult`` of the task that holds the key; nothing is sent.
         ``"raise"``: raise :class:`DuplicateTask` (with its ``task_id``).
+
+    ``unique_ttl`` and ``unique_on_duplicate`` can also be given to one
+    call, ``task.apply_async(args, kwargs, unique_on_duplicate="raise",
+    unique_ttl=60)`` (or a signature's options): they override the
+    attributes for that call only and are not passed on to Celery.
+    ``unique_key`` cannot (the worker derives the key from the attribute);
+    any other ``unique_*`` keyword is refused with
+    :class:`ConfigurationError` before any Redis call.
 
     The key is freed when the task ends (success, failure, exhausted
     retries, soft time limit), when the process running it dies (hard time
@@ -416,7 +465,13 @@ class UniqueTask(Task):
         round trip, never waits). Duplicate: the holder's ``AsyncResult``,
         or :class:`DuplicateTask` (see the class doc). If sending fails, the
         key is released before the error propagates.
+
+        ``unique_on_duplicate`` and ``unique_ttl`` in ``options`` override
+        the task's attributes for this call (taken out of the options Celery
+        sees); another ``unique_*`` keyword raises
+        :class:`ConfigurationError`.
         """
+        on_duplicate, unique_ttl = _call_options(self, options)
         locks = RedisLock.for_task(self)
         mgr = locks.manager
         key = self.unique_key_for(args, kwargs)
@@ -424,7 +479,7 @@ class UniqueTask(Task):
         explicit_id = task_id is not None
         task_id = task_id or str(uuid.uuid4())
         attempt = int(options.get("retries") or 0)
-        ttl = _key_ttl(self, locks, options)
+        ttl = _key_ttl(self, locks, options, unique_ttl)
         if attempt:
             _hand_on(task_id)
         try:
@@ -439,7 +494,7 @@ class UniqueTask(Task):
             # This very task id holds the key already: it was sent before.
             # (Only for an id the caller chose: a fresh uuid cannot repeat,
             # short of redis-py resending the call after a lost reply.)
-            return self._duplicate(key, task_id)
+            return self._duplicate(key, task_id, on_duplicate)
         if not grant.granted:
             existing = grant.holder_task_id
             if attempt:
@@ -453,7 +508,7 @@ class UniqueTask(Task):
                     existing or grant.holder_owner,
                 )
             else:
-                return self._duplicate(key, existing, grant.holder_ttl)
+                return self._duplicate(key, existing, on_duplicate, grant.holder_ttl)
         try:
             return super().apply_async(
                 args,
@@ -470,8 +525,10 @@ class UniqueTask(Task):
                 _release_unsent(self, mgr, task_id, attempt, key)
             raise
 
-    def _duplicate(self, key: str, existing: str | None, countdown: float | None = None) -> Any:
-        if existing is not None and self.unique_on_duplicate == "return":
+    def _duplicate(
+        self, key: str, existing: str | None, mode: str, countdown: float | None = None
+    ) -> Any:
+        if existing is not None and mode == "return":
             log.info("unique.duplicate task=%s key=%s existing=%s", self.name, key, existing)
             return self.AsyncResult(existing)
         raise DuplicateTask(key, existing, self.name, countdown)
@@ -534,10 +591,18 @@ def _release_unsent(task: UniqueTask, mgr: Any, task_id: str, attempt: int, key:
         )
 
 
-def _key_ttl(task: UniqueTask, locks: RedisLock, options: Mapping[str, Any]) -> float:
+def _key_ttl(
+    task: UniqueTask,
+    locks: RedisLock,
+    options: Mapping[str, Any],
+    unique_ttl: float | None = None,
+) -> float:
     """Seconds the task owner holds ``task``'s key for a message sent with
-    ``options``: ``unique_ttl`` plus any countdown or eta."""
-    ttl = task.unique_ttl if task.unique_ttl is not None else locks.config.unique_ttl
+    ``options``: ``unique_ttl`` (the call's, else the task's, else the
+    setting) plus any countdown or eta."""
+    if unique_ttl is None:
+        unique_ttl = task.unique_ttl
+    ttl = unique_ttl if unique_ttl is not None else locks.config.unique_ttl
     delay = 0.0
     countdown = options.get("countdown")
     eta = options.get("eta")
