@@ -5,9 +5,9 @@ importing this package does not import Celery. :class:`Inspector` reads
 who holds and who waits for what (what the CLI shows). The Celery face is
 :class:`RedisLock` (the extension), :func:`locked` (the task decorator),
 :func:`current_lease` (the lease of the running ``@locked`` body) and
-:class:`UniqueTask` (a Task base: one queued-or-running task per key; it is
-imported on first access, so that importing the package alone does not
-import Celery).
+:class:`UniqueTask` (a Task base: one queued-or-running task per key) with
+:func:`normalise_key_value` (a key encoder for it); both are imported on
+first access, so that importing the package alone does not import Celery.
 """
 
 from .engine.lease import Lease
@@ -43,6 +43,10 @@ def __getattr__(name: str) -> object:
         from .integration.unique import UniqueTask
 
         return UniqueTask
+    if name == "normalise_key_value":
+        from .integration.unique import normalise_key_value
+
+        return normalise_key_value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -75,4 +79,5 @@ __all__ = [
     "check_eviction",
     "current_lease",
     "locked",
+    "normalise_key_value",
 ]

@@ -50,6 +50,7 @@ PUBLIC_NAMES = {
     "check_eviction",
     "current_lease",
     "locked",
+    "normalise_key_value",
 }
 
 SETTINGS = [

@@ -120,6 +120,83 @@ def test_default_key_of_json_arguments_is_what_earlier_releases_computed(app: Ce
     assert compat.unique_key_for(args) == f"uq.compat:{old}"
 
 
+def test_a_key_encoder_gives_uuid_decimal_and_datetime_the_key_of_their_text(
+    app: Celery, r: redis.Redis
+) -> None:
+    import uuid
+    from datetime import date, datetime, timedelta, timezone
+    from decimal import Decimal
+
+    from celery_redislock import normalise_key_value
+
+    u = uuid.UUID("6f1c2a9e-3b7d-4e1a-9c55-0d2b8e4f7a10")
+    at = datetime(2026, 5, 4, 3, 2, 1, tzinfo=timezone(timedelta(hours=2)))
+
+    @app.task(base=UniqueTask, name="uq.plainenc")
+    def plain(x: Any) -> None:
+        pass
+
+    # The default (no encoder) keeps the keys of earlier releases: the repr.
+    assert plain.unique_key_for((u,)) == 'uq.plainenc:{"x":"' + repr(u) + '"}'
+    assert plain.unique_key_for((u,)) != plain.unique_key_for((str(u),))
+
+    @app.task(base=UniqueTask, unique_key_encoder=normalise_key_value, name="uq.enc")
+    def enc(x: Any, y: Any = None) -> None:
+        pass
+
+    k = enc.unique_key_for
+    assert k((u,)) == k((str(u),)) == k((), {"x": str(u)})
+    assert k((Decimal("1.5"),)) == k(("1.5",)) != k((Decimal("1.50"),))
+    assert k((at,)) == k((at.isoformat(),))
+    assert k((date(2026, 5, 4),)) == k(("2026-05-04",))
+    assert k(([u, {"d": Decimal("2")}],)) == k(([str(u), {"d": "2"}],))  # nested too
+    assert k(({u},)) == k(({str(u)},))
+    assert k((1, 2.5)) == 'uq.enc:{"x":1,"y":2.5}'  # JSON data: as without an encoder
+    first = enc.delay(u)
+    assert enc.delay(str(u)).id == first.id  # a duplicate through the broker path too
+
+    class Unique(UniqueTask):  # a project's base: one encoder for its tasks
+        abstract = True
+        unique_key_encoder = staticmethod(normalise_key_value)
+
+    @app.task(base=Unique, name="uq.baseenc")
+    def baseenc(x: Any) -> None:
+        pass
+
+    assert baseenc.unique_key_for((u,)) == baseenc.unique_key_for((str(u),))
+
+    class Encoder(json.JSONEncoder):  # celery-singleton's singleton_json_encoder_class
+        def default(self, o: Any) -> Any:
+            if isinstance(o, uuid.UUID):
+                return o.hex
+            return super().default(o)  # raises TypeError: the repr, as ever
+
+    @app.task(base=UniqueTask, unique_key_encoder=Encoder, name="uq.jenc")
+    def jenc(x: Any) -> None:
+        pass
+
+    assert jenc.unique_key_for((u,)) == jenc.unique_key_for((u.hex,))
+    assert jenc.unique_key_for((Decimal("1"),)) == 'uq.jenc:{"x":"Decimal(\'1\')"}'
+
+    def same(value: Any) -> Any:
+        return value
+
+    @app.task(base=UniqueTask, unique_key_encoder=same, name="uq.same")
+    def bad(x: Any) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="unique_key_encoder returned a UUID"):
+        bad.unique_key_for((u,))
+    other = Celery("bad", set_as_current=False)  # its refused task stays pending there
+    with pytest.raises(ConfigurationError, match="uq.notenc.unique_key_encoder"):
+
+        @other.task(base=UniqueTask, unique_key_encoder="json", name="uq.notenc", shared=False)
+        def notenc(x: Any) -> None:
+            pass
+
+        _ = notenc.name  # a lazy proxy: make the task
+
+
 def test_default_key_takes_mixed_dict_keys_and_refuses_a_value_only_a_memory_address_names(
     app: Celery, r: redis.Redis
 ) -> None:

@@ -34,9 +34,10 @@ import inspect
 import json
 import logging
 import uuid
-from collections.abc import Mapping
-from datetime import datetime, timezone
-from typing import Any
+from collections.abc import Callable, Mapping
+from datetime import date, datetime, time, timezone
+from decimal import Decimal
+from typing import Any, Union
 
 from celery import Task, signals
 
@@ -251,7 +252,52 @@ _running: contextvars.ContextVar[tuple[tuple[str, _KeyHold], ...]] = contextvars
 )
 
 
-def _stable(value: Mapping[str, Any], task: str = "the task") -> str:
+#: What ``unique_key_encoder`` may be: a callable from a value to JSON data,
+#: or a ``json.JSONEncoder`` subclass (its ``default`` is used).
+KeyEncoder = Union[Callable[[Any], Any], "type[json.JSONEncoder]"]
+
+
+def normalise_key_value(value: Any) -> Any:
+    """A ``unique_key_encoder`` that gives a value the key of its text form.
+
+    ``uuid.UUID`` and ``decimal.Decimal``: their ``str()``;
+    ``datetime``, ``date`` and ``time``: their ``isoformat()`` (what
+    Celery's JSON serializer sends). So ``f.delay(u)`` and
+    ``f.delay(str(u))`` are one key, and a ``Decimal("1.5")`` and ``"1.5"``
+    too (``Decimal("1.50")`` is another: its ``str()`` differs); an aware
+    datetime keeps its offset (the same instant in two time zones is two
+    keys). Any other value raises TypeError: the default key's own rule
+    applies to it (its ``repr``).
+    """
+    if isinstance(value, uuid.UUID | Decimal):
+        return str(value)
+    if isinstance(value, datetime | date | time):
+        return value.isoformat()
+    raise TypeError(f"no key form for {type(value).__qualname__}")
+
+
+def _encoder_of(hook: Any, where: str) -> Callable[[Any], Any] | None:
+    """The callable of a ``unique_key_encoder`` (None for None); refuses
+    anything else with :class:`ConfigurationError`."""
+    if hook is None:
+        return None
+    if isinstance(hook, type) and issubclass(hook, json.JSONEncoder):
+        return hook().default
+    if isinstance(hook, staticmethod):
+        hook = hook.__func__
+    if callable(hook) and not isinstance(hook, type):
+        return hook  # type: ignore[no-any-return]
+    raise ConfigurationError(
+        where,
+        f"must be a callable (value -> JSON data) or a json.JSONEncoder subclass, not {hook!r}",
+    )
+
+
+def _stable(
+    value: Mapping[str, Any],
+    task: str = "the task",
+    encoder: Callable[[Any], Any] | None = None,
+) -> str:
     """The default key's text of the bound arguments ``value`` (name -> value):
     the same for equal arguments in every process (whatever the hash seed).
 
@@ -259,10 +305,12 @@ def _stable(value: Mapping[str, Any], task: str = "the task") -> str:
     dict whose keys JSON cannot sort or hold (mixed types, tuples) becomes
     ``{"__dict__": [[key, value], ...]}`` and a set ``{"__set__": [...]}``,
     their entries sorted by their own text; any other value is its
-    ``repr``. Raises TypeError, naming the argument, for a value whose repr
+    ``repr``, unless ``encoder`` (the task's ``unique_key_encoder``) turns
+    it into JSON data first (raising TypeError for a value it leaves to the
+    ``repr``). Raises TypeError, naming the argument, for a value whose repr
     names a memory address (it differs in every process).
     """
-    canonical = {name: _canonical(v, task, name, "") for name, v in value.items()}
+    canonical = {name: _canonical(v, task, name, "", encoder) for name, v in value.items()}
     return _dumps(canonical)
 
 
@@ -270,25 +318,46 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _canonical(value: Any, task: str, name: str, where: str) -> Any:
+def _canonical(
+    value: Any,
+    task: str,
+    name: str,
+    where: str,
+    encoder: Callable[[Any], Any] | None = None,
+) -> Any:
     """``value`` as JSON data that does not depend on the process (see :func:`_stable`)."""
     if value is None or isinstance(value, (str, int, float)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_canonical(v, task, name, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_canonical(v, task, name, f"{where}[{i}]", encoder) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        items = {k: _canonical(v, task, name, f"{where}[{k!r}]") for k, v in value.items()}
+        items = {k: _canonical(v, task, name, f"{where}[{k!r}]", encoder) for k, v in value.items()}
         if all(k is None or isinstance(k, (str, int, float)) for k in items):
             try:
                 sorted(items)  # what json's sort_keys does
                 return items
             except TypeError:
                 pass
-        pairs = [[_canonical(k, task, name, f"{where} (a key)"), v] for k, v in items.items()]
+        pairs = [
+            [_canonical(k, task, name, f"{where} (a key)", encoder), v] for k, v in items.items()
+        ]
         return {"__dict__": sorted(pairs, key=lambda kv: _dumps(kv[0]))}
     if isinstance(value, (set, frozenset)):
-        members = [_canonical(v, task, name, f"{where} (a member)") for v in value]
+        members = [_canonical(v, task, name, f"{where} (a member)", encoder) for v in value]
         return {"__set__": sorted(members, key=_dumps)}
+    if encoder is not None:
+        try:
+            encoded = encoder(value)
+        except TypeError:
+            pass  # not the encoder's: the rule below
+        else:
+            if type(encoded) is type(value):
+                raise TypeError(
+                    f"{task}: unique_key_encoder returned a {type(value).__qualname__} for "
+                    f"argument {name!r}{where}, the type it was given; it must return JSON "
+                    "data (str, int, float, None, list, dict) or raise TypeError"
+                )
+            return _canonical(encoded, task, name, where, encoder)
     text = repr(value)
     if " at 0x" in text:
         raise TypeError(
@@ -356,6 +425,8 @@ def _check_options(cls: type) -> None:
     ttl = cls.__dict__.get("unique_ttl")
     if ttl is not None:
         _v.duration(f"{name}.unique_ttl", ttl, minimum=_v.MIN_OWNER_TTL, maximum=_v.MAX_OWNER_TTL)
+    if "unique_key_encoder" in cls.__dict__:
+        _encoder_of(cls.__dict__["unique_key_encoder"], f"{name}.unique_key_encoder")  # checked
     mode = cls.__dict__.get("unique_on_duplicate")
     if mode is not None and mode not in ON_DUPLICATE_MODES:
         raise ConfigurationError(
@@ -375,6 +446,14 @@ class UniqueTask(Task):
         ``@locked``. Default (None): the task name and every argument,
         normalised, so ``f.delay(1)`` and ``f.delay(x=1)`` are the same key
         (a key longer than 200 characters is hashed).
+    ``unique_key_encoder``
+        How the default key writes an argument JSON does not hold: None
+        (default) its ``repr``, as ever (so ``uuid.UUID(x)`` and ``x`` are
+        two keys); or a callable from such a value to JSON data, raising
+        TypeError for values it leaves to the ``repr``, such as
+        :func:`normalise_key_value` (UUID, Decimal, datetime: their text
+        form); or a ``json.JSONEncoder`` subclass (its ``default``).
+        Changing it changes the keys of such arguments: see docs/unique.md.
     ``unique_ttl``
         Seconds the key is held for a message no worker has started yet
         (queued, or its producer died before sending it); a countdown or
@@ -403,6 +482,7 @@ class UniqueTask(Task):
     """
 
     unique_key: str | None = None
+    unique_key_encoder: KeyEncoder | None = None
     unique_ttl: float | None = None
     unique_on_duplicate: str = "return"
     #: Marks unique tasks for the worker's ``task_revoked`` handler.
@@ -440,7 +520,12 @@ class UniqueTask(Task):
         if self.unique_key is not None:
             [key] = format_all([self.unique_key], mapping, f"{self.name}.unique_key")
             return key
-        text = _stable(mapping, self.name)
+        encoder = _encoder_of(
+            # A function set as a class attribute is read as it is, not bound.
+            inspect.getattr_static(self, "unique_key_encoder", None),
+            f"{self.name}.unique_key_encoder",
+        )
+        text = _stable(mapping, self.name, encoder)
         key = f"{self.name}:{text}"
         if len(key) > MAX_PLAIN_KEY:
             key = f"{self.name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
