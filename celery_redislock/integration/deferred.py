@@ -29,6 +29,7 @@ from ..exceptions import LockError, LockTimeout, ReplicationTimeout, ShuttingDow
 from . import guard
 from .app import RedisLock
 from .body import BodyRun, hand_back, holding, run_body, upkeep_if_due
+from .parked import Parked
 from .settings import APP_DEFAULT
 from .templates import holder_info
 
@@ -329,7 +330,6 @@ def parked_behind_transit(
     """The wait was parked in its place (:func:`transit_hook`): run the
     body with the grant adopted at once, or free the pool slot, as a parked
     task does (``DEFERRED``, its guard, ``Ignore``)."""
-    from celery.exceptions import Ignore
 
     result, message = parked
     guarded = guard.enabled(locks.app, locks.config.defer_guard_interval)
@@ -355,7 +355,7 @@ def parked_behind_transit(
         return _run_adopted(leases, resources, run, fun, args, kwargs, mark)
     _store_deferred(task, task_id, resources)
     _send_guard(locks, task_id, message, result.life, guarded)
-    raise Ignore()
+    raise Parked()
 
 
 def _run_adopted(
@@ -653,7 +653,6 @@ class _DeferredCall:
         copy as a duplicate; or wait in the slot when the message does not
         survive JSON. ``copy_life``: the life the message's grant header
         named (None: none); ``min_life``: the lowest life to park in."""
-        from celery.exceptions import Ignore
 
         try:
             result, message, park_ttl = self._park_request(timeout, min_life)
@@ -679,7 +678,7 @@ class _DeferredCall:
                 self.guarded,
             )
         log.info(
-            "locked.deferred task=%s id=%s resources=%s",
+            "locked.deferred task=%s id=%s resources=%s: parked; it runs when its locks are free",
             self.label,
             task_id,
             ",".join(self.resources),
@@ -694,7 +693,7 @@ class _DeferredCall:
         # result backend lost it too) and before the message is acked (Ignore):
         # from now on the guard is the task's copy outside the lock Redis.
         _send_guard(locks, task_id, message, result.life, self.guarded)
-        raise Ignore()
+        raise Parked()
 
     def _park_request(self, timeout: Any, min_life: int) -> tuple[Any, dict[str, Any], float]:
         """The park (:func:`defer.park`): its result, the message it stored

@@ -206,6 +206,11 @@ def test_parked_tasks_keep_their_fifo_place_among_waiters_and_free_their_pool_sl
         return set(records.values()) == {"done"}
 
     wait_for(all_done, 30, "every park record done", on_timeout=lambda: str(records))
+    # A prefork child logged each park as parked, not as Celery's "ignored".
+    logs = [ln for w in c.processes for ln in w.log_lines(d1.id)]
+    assert any("parked (on_busy='defer'): it runs when its locks are free" in ln for ln in logs)
+    assert any("locked.deferred" in ln and "parked; it runs" in ln for ln in logs), logs
+    assert not any(ln.rstrip().endswith(f"[{d1.id}] ignored") for ln in logs), logs
 
 
 def test_an_adopted_deferred_body_re_enters_its_lock_and_names_its_task_and_node(
