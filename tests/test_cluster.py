@@ -238,6 +238,39 @@ def _server_of(servers: list[RedisServer], client: RedisCluster, key: str) -> Re
     return next(s for s in servers if s.port == node.port)
 
 
+def test_a_valkey_cluster_client_locks_waits_and_hands_off_on_the_cluster(
+    cluster_servers: list[RedisServer], cluster: Callable[..., RedisCluster]
+) -> None:
+    """valkey-py's ValkeyCluster: the manager connects with redis-py's
+    RedisCluster, seeded with the nodes the valkey-py client knows."""
+    valkey_cluster = pytest.importorskip("valkey.cluster")
+    source = valkey_cluster.ValkeyCluster(host="127.0.0.1", port=cluster_servers[1].port)
+    namespace = "v" + uuid.uuid4().hex[:8]
+    mgr = LockManager(source, namespace, owner_ttl=5)
+    other = LockManager(cluster(), namespace, owner_ttl=5)
+    try:
+        assert isinstance(mgr.client, RedisCluster)
+        assert mgr.url.startswith("redis+cluster://127.0.0.1:")
+        lease = mgr.acquire("vk")
+        with pytest.raises(LockTimeout):
+            other.acquire("vk", timeout=0)
+        got: list[Lease] = []
+        waiter = threading.Thread(target=lambda: got.append(other.acquire("vk", timeout=20)))
+        waiter.start()
+        rc = cluster()
+        wait_until(lambda: rc.zcard(mgr.keys.queue("vk")) == 1, what="the waiter queued")
+        lease.release()
+        waiter.join(30)
+        assert got and got[0].fencing_token > lease.fencing_token
+        assert mgr.holders("vk")[0].owner_id == other.owner_id
+        got[0].release()
+        assert not mgr.is_locked("vk")
+    finally:
+        other.close()
+        mgr.close()
+        source.close()
+
+
 def test_namespaces_spread_over_the_masters_each_on_one_slot(
     cluster: Callable[..., RedisCluster],
 ) -> None:

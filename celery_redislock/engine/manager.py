@@ -61,6 +61,7 @@ from ..store.connect import (
     parse_sentinel_url,
     redact,
 )
+from ..store.valkey_client import from_valkey, is_valkey_client
 from .acquire import Acquirer, RequestMoved
 from .cleanup import Cleaner
 from .context import ContextStack
@@ -106,7 +107,11 @@ class LockManager:
         redis_url: a ``redis://``, ``rediss://``, ``unix://`` or
             ``sentinel://`` URL (forms: docs/configuration.md), or a
             ready :class:`redis.Redis` or :class:`redis.cluster.RedisCluster`
-            client (its pool is reused; replies may be bytes or str).
+            client (its pool is reused; replies may be bytes or str); or a
+            valkey-py ``Valkey`` / ``ValkeyCluster`` client, whose settings
+            a redis-py client of the manager's own is made with (README,
+            "valkey-py clients"). ``valkey://`` / ``valkeys://`` URLs are
+            ``redis://`` / ``rediss://``.
         namespace: keys live under the hash tag ``{namespace}``; managers,
             workers and the CLI with the same namespace share the same locks.
         owner_ttl: seconds an owner stays alive without a heartbeat. A
@@ -710,8 +715,11 @@ def _client(redis_url: str | AnyRedis) -> tuple[AnyRedis, str]:
         return client, url
     if isinstance(redis_url, (redis.Redis, RedisCluster)):
         return redis_url, describe_client(redis_url)
+    if is_valkey_client(redis_url):  # its settings, on a redis-py client of our own
+        client = from_valkey(redis_url)
+        return client, describe_client(client)
     raise ConfigurationError(
         "redis_url",
-        "must be a URL, a redis.Redis or a redis.cluster.RedisCluster client, "
-        f"not {type(redis_url).__name__}",
+        "must be a URL, a redis.Redis or a redis.cluster.RedisCluster client "
+        f"(or valkey-py's Valkey or ValkeyCluster), not {type(redis_url).__name__}",
     )

@@ -4,6 +4,8 @@ Accepted URLs:
 
 - ``redis://``, ``rediss://`` (TLS) and ``unix://``: passed to
   :meth:`redis.Redis.from_url` unchanged (its query options apply).
+  ``valkey://`` and ``valkeys://`` (valkey-py's names) are the same as
+  ``redis://`` and ``rediss://``.
 - ``sentinel://`` (this module's form)::
 
       sentinel://[[username]:password@]host[:port][,host[:port]...]/service_name[/db][?options]
@@ -66,6 +68,7 @@ from redis.sentinel import (
 
 from ..exceptions import ConfigurationError, RedisUnavailable
 from ..redact import redact_url
+from .valkey_client import VALKEY_SCHEMES, as_redis_url
 
 #: A client the engine accepts: standalone / Sentinel, or Redis Cluster (every
 #: key of a namespace shares one hash tag, so every script is single-slot).
@@ -75,8 +78,9 @@ AnyRedis = redis.Redis | RedisCluster
 DIRECT_SCHEMES = ("redis://", "rediss://", "unix://")
 #: Schemes of the Redis Cluster form (the second one is TLS).
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-#: Every scheme :func:`client_from_url` accepts.
-URL_SCHEMES = (*DIRECT_SCHEMES, "sentinel://", *CLUSTER_SCHEMES)
+#: Every scheme :func:`client_from_url` accepts (``valkey://`` and
+#: ``valkeys://`` are ``redis://`` and ``rediss://``: :mod:`.valkey_client`).
+URL_SCHEMES = (*DIRECT_SCHEMES, "sentinel://", *CLUSTER_SCHEMES, *VALKEY_SCHEMES)
 #: Default TCP port of a cluster node.
 CLUSTER_PORT = 6379
 #: Query options of a ``redis+cluster://`` URL (the ``ssl_*`` ones only on
@@ -567,6 +571,9 @@ def validate_url(url: Any, *, setting: str = "redis_url", master_name: str | Non
         return parse_sentinel_url(url, setting=setting, master_name=master_name).to_url()
     if is_cluster_url(url):
         return parse_cluster_url(url, setting=setting).to_url()
+    if url.lower().startswith(tuple(VALKEY_SCHEMES)):
+        validate_url(as_redis_url(url), setting=setting)
+        return url
     if not url.lower().startswith(DIRECT_SCHEMES):
         raise ConfigurationError(
             setting, f"must be a {', '.join(URL_SCHEMES)} URL, not {redact_url(url)!r}"
@@ -657,7 +664,7 @@ def client_from_url(
         )
         return client
     try:
-        return redis.Redis.from_url(url, decode_responses=decode_responses)
+        return redis.Redis.from_url(as_redis_url(url), decode_responses=decode_responses)
     except ValueError as exc:
         raise _url_error(setting, url, exc) from exc
 
