@@ -523,6 +523,21 @@ def test_celery_a_message_lost_by_the_broker_at_a_main_process_kill_is_counted_n
     assert "left_pending" in kinds(ch.check())  # a pool child had it
 
 
+def test_celery_a_message_sent_while_a_worker_kill_is_under_way_is_counted_as_broker_lost(
+    ch: CeleryHistory,
+) -> None:
+    # The kill's start is stamped before the SIGKILL goes out, and the broker
+    # serves a dead consumer's blocking pop until it sees the connection
+    # closed: a send 4 ms after the start can still be popped and lost.
+    ch.send("a", 10.0, state="PENDING")
+    ch.fault("kill_worker", 9.996, 11.2, node="cw1@e2e")
+    ch.end = 12.0
+    assert ch.check() == []
+    assert checker.check_celery(ch.folder).stats["broker_lost"] == 1
+    ch.faults[-1]["t1"] = 9.998  # the kill was over before the send
+    assert {"left_pending", "never_ran"} <= set(kinds(ch.check()))
+
+
 def test_celery_a_task_that_retries_must_run_its_second_attempt(ch: CeleryHistory) -> None:
     ch.send("a", 10.0, kind="retry", state="RETRY")
     ch.body("a", 10.05, 10.3, retrying=True)

@@ -638,8 +638,8 @@ def render(report: Report, limit: int = MAX_TRACES) -> str:
 #     never makes (a retry of a task that does not retry).
 #     A task whose message the broker lost before any pool child got it (a
 #     kill of a worker's main process between kombu's BRPOP and its unacked
-#     bookkeeping, within BROKER_SLACK of the send; PENDING, never in a
-#     child) is counted (``broker_lost``): the Redis transport's own window,
+#     bookkeeping: under way at the send or within BROKER_SLACK after it;
+#     PENDING, never in a child) is counted (``broker_lost``): the Redis transport's own window,
 #     before Celery or the locks see the message.
 # ``left_pending``
 #     After the drain (bounded), a sent task is not SUCCESS, FAILURE or
@@ -878,18 +878,24 @@ def broker_lost(run: CeleryRun, s: Sent) -> bool:
     kombu's Redis transport takes a message off its queue (BRPOP) and only
     then records it as unacked (its visibility-timeout restore reads that
     record): a worker's main process SIGKILLed in between loses the message
-    for good, before Celery or this library sees it. Counted
-    (``broker_lost``), not reported, when the task never reached a pool
-    child (no prerun, no body), has no result at all (PENDING), and a kill
-    of a worker's main process (or its whole worker) came between its send
-    and BROKER_SLACK after it.
+    for good, before Celery or this library sees it. So does a main process
+    SIGKILLed just before the send: Redis serves a blocked BRPOP of a dead
+    client until it sees the connection closed, and writes the message into
+    a socket no one reads. Counted (``broker_lost``), not reported, when the
+    task never reached a pool child (no prerun, no body), has no result at
+    all (PENDING), and a kill of a worker's main process (or its whole
+    worker) was under way at its send (the fault's start is stamped before
+    the SIGKILL goes out, its end once the process is reaped) or came
+    within BROKER_SLACK after it.
     """
     return (
         run.final.get("states", {}).get(s.id, "PENDING") == "PENDING"
         and not any(u.id == s.id for u in run.slots)
         and not any(b.id == s.id for b in run.bodies)
         and any(
-            f["kind"] in ("kill_main", "kill_worker") and s.t0 <= f["t0"] <= s.t1 + BROKER_SLACK
+            f["kind"] in ("kill_main", "kill_worker")
+            and f["t1"] >= s.t0
+            and f["t0"] <= s.t1 + BROKER_SLACK
             for f in run.faults
         )
     )
