@@ -18,6 +18,9 @@ docs/defer.md gives the algorithm and its races (D1-D11). Pinned here:
   transit (D6: the grant TTL runs out, the task is parked again and another
   worker runs it); each runs exactly once;
 - the threads, solo and gevent pools dispatch from their main process too;
+- a redelivered copy that finds no park record (the lock Redis lost it)
+  of a task whose body started (its adoption marker) or ran (SUCCESS) is
+  dropped (``defer.stale-copy``), not run again;
 - a parked task that retries (``self.retry()``) runs every attempt, parking
   again while its resource is busy;
 - a ``UniqueTask`` that parks keeps its unique key while parked (a duplicate
@@ -309,6 +312,46 @@ def test_a_redelivered_copy_of_a_task_that_parked_and_ran_is_dropped_not_run_aga
     assert _runs(c, "rd-1") == 1
     assert worker.log_lines("defer.redelivered", task.id)
     assert c.lock_redis.hget(record, "state") == "done"
+    assert task.state == "SUCCESS"
+
+
+def test_a_redelivered_copy_finding_no_park_record_of_a_task_that_started_or_ran_is_dropped(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """D12 (stale copies): the lock Redis lost a deferred task's park record
+    (here: deleted) and a redelivered copy of its message arrives. With no
+    record the lock is free to take, yet the result backend says the task
+    started (the adoption marker of a dispatched grant, its body running) or
+    ran (SUCCESS): the copy is dropped (``defer.stale-copy``), never run."""
+    c = cluster(owner_ttl=5, heartbeat=0.5, defer_guard=60)  # guards on, none due here
+    worker = c.start_worker("stale-copy", concurrency=2)
+    c.send("dhold", "sc", "sc-h")
+    c.wait_held("sc-h")
+    task = c.send("dhold", "sc", "sc-d")
+    wait_for(lambda: _deferred(c, task), 60, "parked", on_timeout=c.report)
+    c.producer.send_task("e2e.dhold", args=("sc", "sc-d"), task_id=task.id, queue="sc-capture")
+    payload = wait_for(lambda: c.data.rpop("sc-capture"), 30, "the captured message")
+    c.go("sc-h")
+    c.wait_held("sc-d")  # adopted: its body runs
+    record = c.key("defer", task.id)
+    for copies, why in enumerate(("adopted", "SUCCESS"), start=1):
+        c.lock_redis.delete(record)  # the lock Redis lost the record
+        _redeliver(c, payload)
+        wait_for(
+            lambda n=copies: (
+                len(worker.log_lines("defer.stale-copy", task.id)) == n
+                or c.data.llen("e2e:held-log:sc-d") > 1
+            ),
+            60,
+            f"the copy handled ({why})",
+            on_timeout=c.report,
+        )
+        assert c.data.llen("e2e:held-log:sc-d") == 1  # not run again
+        assert f"why={why}" in worker.log_lines("defer.stale-copy", task.id)[-1]
+        if why == "adopted":
+            c.go("sc-d")
+            task.get(timeout=60)  # no record to mark done: none is left
+    assert c.data.llen("e2e:held-log:sc-d") == 1  # the body ran once
     assert task.state == "SUCCESS"
 
 
