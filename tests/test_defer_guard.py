@@ -20,7 +20,11 @@ publishes are read from the broker's queue list. Pinned here:
 - with no result either (the result backend lost it too) the task fails
   with ``LockLost`` instead of running twice; another state (``STARTED``)
   makes it look again later;
-- a lock Redis it cannot reach: the same guard message is sent again.
+- a lock Redis it cannot reach: the same guard message is sent again;
+- the namespace's guard budget (``redislock_defer_guard_rate``): however
+  many tasks are parked, the guards' checks booked in any one interval stay
+  within the budget (each guard's interval stretches), and every parked
+  task is still checked.
 
 tests/e2e/test_loss_e2e.py runs the whole path with a real worker and a
 lock Redis that restarts empty.
@@ -29,7 +33,11 @@ lock Redis that restarts empty.
 from __future__ import annotations
 
 import base64
+import datetime
+import heapq
 import json
+import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -345,3 +353,52 @@ def test_a_copy_finding_no_record_of_a_task_that_ran_is_stale(app: Celery, rs: r
     locks.manager.acquire("a")
     _park(app, "g12")
     assert copy_is_stale(locks, "g12", 0, 0, False) is None
+
+
+def _eta(msg: dict[str, Any]) -> float:
+    return datetime.datetime.fromisoformat(msg["h"]["eta"]).timestamp()
+
+
+def test_the_guard_budget_bounds_the_checks_per_interval_however_many_tasks_are_parked(
+    redis_url: str, rs: redis.Redis
+) -> None:
+    interval, rate = 0.2, 50.0  # the budget: 10 checks per interval
+    bound = int(rate * interval) + 1  # + 1: a slot on an interval's edge
+    app = quick_app(
+        redis_url, "guard-budget", NS, redislock_url=redis_url, redislock_defer_guard_rate=rate
+    )
+    RedisLock(app)
+    try:
+        locks = _locks(app)
+        assert locks.config.defer_guard_rate == rate
+        locks.manager.acquire("a")  # keeps every task parked
+        # The broker's countdown queue: (due, order, the guard message's args).
+        due: list[tuple[float, int, list[Any]]] = []
+        parked = 0
+        for n in (5, 20, 80):
+            while parked < n:
+                tid = f"b{parked}"
+                _park(app, tid)
+                args = [tid, MESSAGE, f"G-{tid}", 0, 0, False, interval, interval]
+                heapq.heappush(due, (time.time() + interval, parked, args))  # the park's guard
+                parked += 1
+            booked: Counter[int] = Counter()  # checks booked, per interval of their due time
+            checked = set()
+            end = time.time() + 2 * max(interval, n / rate) + 2 * interval
+            while due[0][0] < end:
+                at, order, args = heapq.heappop(due)
+                time.sleep(max(0.0, at - time.time()))  # delivered when due, as the broker does
+                assert check(locks, *args) == "rearm"
+                checked.add(args[0])
+                [msg] = _sent(app, rs)
+                assert msg["task"] == GUARD_TASK
+                heapq.heappush(due, (_eta(msg), order, msg["args"]))
+                booked[int(_eta(msg) // interval)] += 1
+            assert len(checked) == n  # every parked task is still checked
+            # n guard checks per interval without a budget; at most the budget with it.
+            assert max(booked.values()) <= min(n, bound), (n, sorted(booked.items()))
+            if n > bound:  # stretched: each guard's next check about n / rate seconds on
+                every = max(float(a[7]) for _, _, a in due)
+                assert n / rate * 0.8 <= every <= n / rate + interval
+    finally:
+        close_app(app)

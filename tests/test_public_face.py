@@ -64,6 +64,7 @@ SETTINGS = [
     "redislock_defer_ttl",
     "redislock_defer_grant_ttl",
     "redislock_defer_guard_interval",
+    "redislock_defer_guard_rate",
     "redislock_fast_restart_cleanup",
     "redislock_eviction_check",
     "redislock_on_lost",

@@ -107,13 +107,17 @@ def send_guard(
     gid: str | None = None,
     seq: int = 0,
     suspect: bool = False,
+    every: float | None = None,
 ) -> str:
-    """Publish a guard for ``task_id`` due in ``interval`` seconds; its id."""
+    """Publish a guard for ``task_id`` due in ``every`` seconds (default: the
+    guard ``interval``; longer when the namespace's guard budget stretches
+    it, see :func:`check`); its id."""
     gid = gid or uuid.uuid4().hex
+    every = interval if every is None else max(every, interval)
     app.send_task(
         GUARD_TASK,
-        args=[task_id, message, gid, seq, life, suspect, interval],
-        countdown=interval,
+        args=[task_id, message, gid, seq, life, suspect, interval, every],
+        countdown=every,
         add_to_parent=False,
         ignore_result=True,  # no result, and no result subscription here
         **_routing(message),
@@ -219,32 +223,47 @@ def copy_is_stale(
     return None
 
 
+def _int(raw: Any) -> int:
+    return int(raw.decode() if isinstance(raw, bytes) else raw)
+
+
 def _look(
     locks: Any, task_id: str, gid: str, seq: int, life: int, interval: float, attempt: int
-) -> tuple[str, int, str | None]:
-    """``(what, record's life, result state)``: ``rearm`` (claimed), an
-    ending (``adopted``, ``done``, ``other``, ``stale``, ``superseded``, a
-    ready state), or ``none`` (no record, and the task neither ended nor
-    started)."""
-    from ..worker.defer import record_key
+) -> tuple[str, int, str | None, float]:
+    """``(what, record's life, result state, next check's delay)``:
+    ``rearm`` (claimed; the delay is the interval, stretched by the
+    namespace's guard budget), an ending (``adopted``, ``done``, ``other``,
+    ``stale``, ``superseded``, a ready state), or ``none`` (no record, and
+    the task neither ended nor started)."""
+    from ..worker.defer import deferred_key, record_key
 
     mgr = locks.manager
-    claim_ms = str(max(1, int(3 * interval * 1000)))
+    interval_ms = max(1, int(interval * 1000))
+    rate = locks.config.defer_guard_rate
     reply = mgr.channel.call(
-        "defer_guard", [record_key(mgr, task_id)], [gid, str(seq), claim_ms, str(attempt)]
+        "defer_guard",
+        [record_key(mgr, task_id), deferred_key(mgr), f"{mgr.keys.prefix}guardslot"],
+        [
+            gid,
+            str(seq),
+            str(3 * interval_ms),
+            str(attempt),
+            str(interval_ms),
+            str(rate) if rate else "",
+        ],
     )
     what = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if what == "rearm":
-        raw = reply[1]
-        return what, int(raw.decode() if isinstance(raw, bytes) else raw), None
+        delay = _int(reply[2]) / 1000 if len(reply) > 2 else interval
+        return what, _int(reply[1]), None, max(delay, interval)
     if what != "none":
-        return what, life, None
+        return what, life, None, interval
     state = locks.app.backend.get_task_meta(task_id).get("status")
     if state in _FINAL:
-        return str(state), life, state
+        return str(state), life, state, interval
     if _started(locks.app, task_id, attempt, life):
-        return "adopted", life, state
-    return "none", life, state
+        return "adopted", life, state, interval
+    return "none", life, state, interval
 
 
 def check(
@@ -256,6 +275,7 @@ def check(
     life: int,
     suspect: bool,
     interval: float,
+    every: float | None = None,
 ) -> str:
     """One guard check (the body of :data:`GUARD_TASK`); returns what it did:
     ``rearm``, ``ended:<why>``, ``wait:<state>``, ``suspect``, ``recovered``
@@ -264,24 +284,39 @@ def check(
     ``retry`` (the
     lock Redis or the result backend did not answer: the same guard message
     is sent again for the next interval, so the guard is never lost to an
-    outage, such as the restart it is there for)."""
+    outage, such as the restart it is there for).
+
+    The next check of a claimed record comes after ``interval``, stretched
+    by the namespace's guard budget (``redislock_defer_guard_rate``): to
+    (parked tasks) / rate seconds when that is longer, so that the guards of
+    all parked tasks together make at most about ``rate`` checks a second.
+    ``every`` is the delay this guard message was sent with; a look again
+    after an outage or an unexpected state waits as long (the budget holds
+    during an outage too). Only the second look at a missing record comes
+    after ``interval``: once per task and loss."""
     app = locks.app
     attempt = attempt_of(message)
+    every = interval if every is None else max(float(every), interval)
     try:
-        what, record_life, state = _look(locks, task_id, gid, seq, life, interval, attempt)
+        what, record_life, state, delay = _look(locks, task_id, gid, seq, life, interval, attempt)
     except Exception as exc:
         log.warning("defer.guard-retry id=%s error=%r: looking again later", task_id, exc)
-        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=suspect)
+        send_guard(
+            app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=suspect,
+            every=every,
+        )  # fmt: skip
         return "retry"
     if what == "rearm":
-        send_guard(app, task_id, message, interval, life=record_life, gid=gid, seq=seq + 1)
+        send_guard(
+            app, task_id, message, interval, life=record_life, gid=gid, seq=seq + 1, every=delay
+        )
         return "rearm"
     if what != "none":
         return f"ended:{what}"
     if state not in ("DEFERRED", "PENDING"):
         # STARTED (task_track_started: a copy arrived and is about to park
         # or adopt), or a state of the task's own: look again later.
-        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq)
+        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, every=every)
         return f"wait:{state}"
     if not suspect:
         # A record is briefly absent while a dispatcher parks a task again,
@@ -315,7 +350,10 @@ def check(
         result = park_again(locks.manager, task_id, message, life + 1)
     except Exception as exc:
         log.warning("defer.guard-retry id=%s error=%r: parking it again later", task_id, exc)
-        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=True)
+        send_guard(
+            app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=True,
+            every=every,
+        )  # fmt: skip
         return "retry"
     log.error(
         "defer.recovered id=%s task=%s state=%s outcome=%s life=%d: the lock Redis held no "
@@ -345,10 +383,13 @@ def register(app: Any, locks: Any) -> None:
         life: int,
         suspect: bool = False,
         interval: float = 300.0,
+        every: float | None = None,
     ) -> str:
         """Check that a parked deferred task is still held (docs/defer.md, D12)."""
         try:
-            return check(locks, task_id, message, gid, int(seq), int(life), bool(suspect), interval)
+            return check(
+                locks, task_id, message, gid, int(seq), int(life), bool(suspect), interval, every
+            )
         except Exception as exc:  # the broker refused the next message
             log.error(
                 "defer.guard-error id=%s error=%r: the guard could not be sent again; "

@@ -42,6 +42,11 @@ ON_BUSY_MODES = ("wait", "defer", "retry", "raise", "skip")
 ON_LOST_MODES = ("fail", "terminate", "ignore")
 #: Bounds of ``redislock_defer_ttl`` and ``redislock_defer_grant_ttl`` (seconds).
 MIN_DEFER_TTL = 1.0
+#: Default of ``redislock_defer_guard_rate`` (guard checks a second, namespace-wide)
+#: and its bounds when set (0 or None: no budget).
+DEFAULT_DEFER_GUARD_RATE = 20.0
+MIN_DEFER_GUARD_RATE = 0.01
+MAX_DEFER_GUARD_RATE = 100000.0
 MAX_DEFER_TTL = 30 * 86400.0
 #: Marks a setting left unset (where None is a value of its own).
 _UNSET: Any = object()
@@ -159,6 +164,16 @@ SETTINGS: tuple[Setting, ...] = (
         'lost it (docs/defer.md, "Guards"). Keep it below the broker\'s visibility_timeout. '
         "None or 0: no guards (the default when the lock Redis is the broker's, whose "
         "loss takes the queues with it). 1..2592000.",
+    ),
+    Setting(
+        "redislock_defer_guard_rate",
+        "float (checks per second) | None",
+        "20.0",
+        "The namespace's budget of guard checks: with more parked tasks than "
+        "rate x redislock_defer_guard_interval, each guard's next check comes after "
+        "(parked tasks) / rate seconds instead, so all guards together make about rate "
+        "checks a second however many tasks are parked (a lost task is then re-published "
+        'that much later). None or 0: no budget (docs/defer.md, "Guards"). 0.01..100000.',
     ),
     Setting(
         "redislock_fast_restart_cleanup",
@@ -313,6 +328,8 @@ class Config:
     defer_grant_ttl: float = 300.0
     #: Seconds between a parked task's guard checks (None for no guards).
     defer_guard_interval: float | None = None
+    #: Guard checks a second for the whole namespace (None: no budget).
+    defer_guard_rate: float | None = DEFAULT_DEFER_GUARD_RATE
 
 
 def _number(name: str, value: Any, **bounds: Any) -> float | None:
@@ -524,6 +541,16 @@ def load_config(conf: Mapping[str, Any]) -> Config:
             minimum=MIN_DEFER_TTL,
             maximum=MAX_DEFER_TTL,
         )
+    raw_rate = get("redislock_defer_guard_rate", DEFAULT_DEFER_GUARD_RATE)
+    if raw_rate is None or (raw_rate == 0 and not isinstance(raw_rate, bool)):
+        guard_rate: float | None = None
+    else:
+        guard_rate = _number(
+            "redislock_defer_guard_rate",
+            raw_rate,
+            minimum=MIN_DEFER_GUARD_RATE,
+            maximum=MAX_DEFER_GUARD_RATE,
+        )
 
     return Config(
         url=url,
@@ -545,6 +572,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         defer_ttl=defer_ttls[0],
         defer_grant_ttl=defer_ttls[1],
         defer_guard_interval=guard,
+        defer_guard_rate=guard_rate,
     )
 
 

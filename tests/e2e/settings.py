@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-#: The ``E2E_*`` variables that are a lock setting in seconds, and that setting.
+#: The ``E2E_*`` variables that are a numeric lock setting (seconds; the guard rate: a second), and that setting.
 SECONDS_SETTINGS = (
     ("E2E_OWNER_TTL", "redislock_owner_ttl"),
     ("E2E_HEARTBEAT", "redislock_heartbeat_interval"),
@@ -16,6 +16,7 @@ SECONDS_SETTINGS = (
     ("E2E_DEFER_TTL", "redislock_defer_ttl"),
     ("E2E_DEFER_GRANT_TTL", "redislock_defer_grant_ttl"),
     ("E2E_DEFER_GUARD", "redislock_defer_guard_interval"),
+    ("E2E_DEFER_GUARD_RATE", "redislock_defer_guard_rate"),
 )
 
 
