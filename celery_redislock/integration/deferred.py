@@ -267,6 +267,55 @@ def transit_hook(
     return hook
 
 
+def drop_redelivered_wait(
+    task: Any, locks: RedisLock, label: str, exclusive: list[str], shared: list[str]
+) -> None:
+    """A redelivered copy of a waiting task (docs/defer-internals.md, T5): if
+    an earlier delivery parked the task in its place behind a grant in
+    transit, a park record holds it and the task is a deferred one now
+    (parked, in transit, running or done): drop this copy (``Ignore``) as a
+    deferred task's duplicate is. That delivery's main process died after
+    the park, before it acked the message. No record of this attempt (or a
+    later one): return, and the copy waits as any redelivered task does.
+    One read, for redelivered copies only."""
+    from ..protocol.keys import text
+    from ..worker import defer
+
+    if not _redelivered(getattr(task, "request", None)):
+        return
+    mgr = locks.manager
+    task_id = str(task.request.id)
+    raw_state, raw_retries = mgr.channel.command(
+        "hmget", defer.record_key(mgr, task_id), "state", "retries"
+    )
+    if raw_state is None:
+        return
+    state = text(raw_state)
+    try:
+        attempt = int(text(raw_retries)) if raw_retries is not None else 0
+    except ValueError:
+        attempt = 0
+    if attempt < _attempt(task):
+        return  # an earlier attempt's record: this attempt never parked
+    log.info(
+        "locked.wait-redelivered task=%s id=%s state=%s: an earlier delivery parked "
+        "this task in its place; the park record decides",
+        label,
+        task_id,
+        state,
+    )
+    req = mgr.request(exclusive, shared)
+    message = defer.capture_message(task)
+    message.update(
+        modes=req.modes,
+        resources=list(req.resources),
+        park_ttl=locks.config.defer_ttl,
+        grant_ttl=locks.config.defer_grant_ttl,
+    )
+    guarded = guard.enabled(locks.app, locks.config.defer_guard_interval)
+    _drop_duplicate(task, locks, label, task_id, state, list(req.resources), message, guarded)
+
+
 def _drop_duplicate(
     task: Any,
     locks: RedisLock,

@@ -45,6 +45,7 @@ from .deferred import DeferHooks as DeferHooks
 from .deferred import (
     carries_grant,
     deferrable,
+    drop_redelivered_wait,
     parked_behind_transit,
     preceded_by,
     run_deferred,
@@ -509,6 +510,7 @@ def _wait_and_run(call: _Call, outermost: bool) -> Any:
         and deferrable(task)
         and getattr(task, "unique_lease", None) is None
     ):
+        drop_redelivered_wait(task, locks, label, call.exclusive_names, call.shared_names)
         take_over = transit_hook(task, locks, label, wait, parked)
     try:
         # The body has not started: this wait may give way to a

@@ -315,6 +315,44 @@ def test_a_redelivered_copy_of_a_task_that_parked_and_ran_is_dropped_not_run_aga
     assert task.state == "SUCCESS"
 
 
+def test_a_redelivered_copy_of_a_waiting_task_that_parked_in_its_place_and_ran_is_dropped(
+    shared: Cluster,
+) -> None:
+    """T3 + D2: a waiting task (``on_busy="wait"``) that parked in its place
+    behind a grant in transit is a deferred task from then on; its worker's
+    main process killed before the ack of that delivery (``Ignore``), the
+    broker gives the message back after the task ran from its grant. The
+    lock is free, yet the copy must not run again: the park record (done)
+    says it ran. Here the record is made by the engine's own steps."""
+    from celery_redislock.defer import adopt, mark_done, park
+
+    c = shared
+    task = c.producer.send_task("e2e.wwrite", args=("wr", "wr-1"), queue="wr-capture")
+    payload = wait_for(lambda: c.data.rpop("wr-capture"), 30, "the captured message")
+    mgr = LockManager(c.lock_url, c.namespace, heartbeat=False, eviction_check="ignore")
+    try:
+        message = {"name": "e2e.wwrite", "args": ["wr", "wr-1"], "kwargs": {}, "options": {}}
+        message.update(resources=["res:wr"], modes="x", park_ttl=60, grant_ttl=60)
+        parked = park(mgr, task.id, mgr.request(["res:wr"], []), message, park_ttl=60, grant_ttl=60)
+        assert parked.outcome == "granted"
+        _, leases = adopt(mgr, task.id, parked.life)
+        leases[0].release()
+        mark_done(mgr, task.id, leases[0].owner_id)
+    finally:
+        mgr.close()
+    assert c.lock_redis.hget(c.key("defer", task.id), "state") == "done"
+    _redeliver(c, payload)
+    worker = c.processes[0]
+    wait_for(
+        lambda: worker.log_lines("defer.duplicate", task.id) or _runs(c, "wr-1"),
+        60,
+        "the redelivered copy handled",
+        on_timeout=c.report,
+    )
+    assert _runs(c, "wr-1") == 0
+    assert worker.log_lines("locked.wait-redelivered", task.id)
+
+
 def test_a_redelivered_copy_finding_no_park_record_of_a_task_that_started_or_ran_is_dropped(
     cluster: Callable[..., Cluster],
 ) -> None:
