@@ -713,6 +713,12 @@ class _DeferredCall:
         if result.outcome == "granted" and result.leases:
             return self.run_adopted(result.leases, result.life, copy_life)
         task, locks, task_id = self.task, self.locks, self.task_id
+        if (
+            result.outcome == "duplicate"
+            and result.state == "adopted"
+            and _redelivered(self.request)
+        ):
+            self._look_again_later(message)
         if result.outcome == "duplicate":
             if self.hooks is not None:
                 self.hooks.dropped()
@@ -743,6 +749,42 @@ class _DeferredCall:
         # from now on the guard is the task's copy outside the lock Redis.
         _send_guard(locks, task_id, message, result.life, self.guarded)
         raise Parked()
+
+    def _look_again_later(self, message: dict[str, Any]) -> NoReturn:
+        """A redelivered copy met the task ``adopted`` by an owner whose
+        liveness has not run out (docs/defer-internals.md, D13). Its own
+        earlier delivery may be that adopter, its child SIGKILLed a moment
+        ago: Celery gives the message back at once, before the dead child's
+        liveness is gone, and dropping the copy would lose the task. So the
+        copy is published again, record-first (header ``recover``), due
+        when a dead adopter's liveness has surely run out; then the park
+        record decides (a live adopter: dropped; a dead one: it runs again;
+        done: dropped), and this delivery is acked (``Ignore``)."""
+        from celery.exceptions import Ignore
+
+        from .defer import HEADER
+
+        delay = self.mgr.owner_ttl + 1.0
+        opts = dict(message.get("options") or {})
+        log.warning(
+            "defer.look-again task=%s id=%s: a redelivered copy found this task adopted "
+            "by an owner still alive (maybe its own delivery's, just killed); looking "
+            "again in %.1fs",
+            self.label,
+            self.task_id,
+            delay,
+        )
+        self.locks.app.send_task(
+            message["name"],
+            args=message.get("args") or [],
+            kwargs=message.get("kwargs") or {},
+            task_id=self.task_id,
+            headers={HEADER: guard.RECOVER},
+            countdown=delay,
+            add_to_parent=False,
+            **opts,
+        )
+        raise Ignore()
 
     def _park_request(self, timeout: Any, min_life: int) -> tuple[Any, dict[str, Any], float]:
         """The park (:func:`defer.park`): its result, the message it stored

@@ -353,6 +353,37 @@ def test_a_redelivered_copy_of_a_waiting_task_that_parked_in_its_place_and_ran_i
     assert worker.log_lines("locked.wait-redelivered", task.id)
 
 
+def test_a_redelivered_copy_meeting_an_adopter_not_yet_seen_dead_looks_again_and_runs_once(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """D13: a child SIGKILLed mid-body gives its message back at once
+    (``task_reject_on_worker_lost``), before its liveness is gone: the
+    redelivered copy finds the task ``adopted`` by an owner that still looks
+    alive. Dropping it would lose the task; it is published again,
+    record-first, due once a dead adopter's liveness ran out, and then runs
+    once. The adopter here is an engine of this process that stops beating."""
+    from celery_redislock.defer import park
+
+    c = cluster(owner_ttl=2, heartbeat=0.5)
+    worker = c.start_worker("look-again", concurrency=2)
+    task = c.producer.send_task("e2e.dwrite", args=("la", "la-1"), queue="la-capture")
+    payload = wait_for(lambda: c.data.rpop("la-capture"), 30, "the captured message")
+    adopter = LockManager(c.lock_url, c.namespace, owner_ttl=2, heartbeat=False)
+    try:
+        message = {"name": "e2e.dwrite", "args": ["la", "la-1"], "kwargs": {}, "options": {}}
+        message.update(resources=["res:la"], modes="x", park_ttl=60, grant_ttl=60)
+        req = adopter.request(["res:la"], [])
+        parked = park(adopter, task.id, req, message, park_ttl=60, grant_ttl=60)
+        assert parked.outcome == "granted" and parked.leases  # adopted: the body "runs"
+        assert c.lock_redis.hget(c.key("defer", task.id), "state") == "adopted"
+        _redeliver(c, payload)  # at once, the adopter's liveness still there
+        task.get(timeout=60)
+        assert _runs(c, "la-1") == 1
+        assert worker.log_lines("defer.look-again", task.id)
+    finally:
+        adopter.close()
+
+
 def test_a_redelivered_copy_finding_no_park_record_of_a_task_that_started_or_ran_is_dropped(
     cluster: Callable[..., Cluster],
 ) -> None:
