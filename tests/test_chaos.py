@@ -504,6 +504,22 @@ def test_celery_a_task_failed_by_a_lock_server_outage_is_counted_not_reported(
     assert kinds(ch.check()) == ["never_ran", "resource_idle"]
 
 
+def test_celery_a_retry_failed_by_a_lock_server_outage_is_counted_not_reported(
+    ch: CeleryHistory,
+) -> None:
+    # Attempt 0 ran and retried; attempt 1 started while the lock server
+    # restarted and failed with RedisUnavailable before its body.
+    ch.send("a", 10.0, kind="retry", state="FAILURE")
+    ch.errors["a"] = "RedisUnavailable"
+    ch.body("a", 10.05, 10.3, retrying=True)
+    ch.fault("lock_restart", 10.4, 10.5)
+    ch.end = 12.0
+    assert ch.check() == []
+    assert checker.check_celery(ch.folder).stats["failed_lock_down"] == 1
+    ch.faults.pop()  # no outage: attempt 1 should have run
+    assert "never_ran" in kinds(ch.check())
+
+
 def test_celery_a_message_lost_by_the_broker_at_a_main_process_kill_is_counted_not_reported(
     ch: CeleryHistory,
 ) -> None:

@@ -630,7 +630,7 @@ def render(report: Report, limit: int = MAX_TRACES) -> str:
 #     (acks_late redelivers that message) is counted (``at_least_once`` in
 #     the numbers), not reported.
 #     A task that failed with RedisUnavailable without running, while the
-#     lock server restarted after its send, is counted (``failed_lock_down``):
+#     lock server restarted after its send (that attempt), is counted (``failed_lock_down``):
 #     the documented outcome of a task that starts while the lock Redis is
 #     unreachable.
 # ``unexpected_run``
@@ -854,14 +854,16 @@ def _extra_runs(rs: list[Body]) -> tuple[list[Body], int]:
 
 
 def failed_lock_down(run: CeleryRun, s: Sent) -> bool:
-    """Whether ``s`` failed with RedisUnavailable, its body never run, while
-    the lock server restarted after its send: the documented outcome of a
-    task that starts while the lock Redis is unreachable (it ends in a
-    state that says why)."""
+    """Whether ``s`` failed with RedisUnavailable, the body of its last
+    attempt never run, while the lock server restarted after its send: the
+    documented outcome of a task (or a retry of one) that starts while the
+    lock Redis is unreachable (it ends in a state that says why). The
+    attempts before the last one are still checked."""
+    last = max(_attempts(s))
     return (
         run.final.get("states", {}).get(s.id) == "FAILURE"
         and run.final.get("errors", {}).get(s.id) == "RedisUnavailable"
-        and not any(b.id == s.id for b in run.bodies)
+        and not any(b.id == s.id and b.retries == last for b in run.bodies)
         and any(f["kind"] == "lock_restart" and f["t1"] >= s.t0 for f in run.faults)
     )
 
@@ -910,10 +912,13 @@ def check_exactly_once(run: CeleryRun) -> list[Violation]:
     runs = _runs(run)
     out = []
     for s in run.sent.values():
-        if _counted_apart(run, s):
+        if broker_lost(run, s):
             continue
+        lock_down = failed_lock_down(run, s)
         for a in _attempts(s):
             rs = runs.get((s.id, a), [])
+            if lock_down and not rs:
+                continue  # the attempt that failed with the lock server down
             done, unexplained = _extra_runs(rs)
             if not done:
                 what = "never ran" if not rs else f"started {len(rs)} time(s), never ended"
