@@ -762,7 +762,7 @@ class _DeferredCall:
         done: dropped), and this delivery is acked (``Ignore``)."""
         from celery.exceptions import Ignore
 
-        from .defer import HEADER
+        from ..worker.defer import HEADER
 
         delay = self.mgr.owner_ttl + 1.0
         opts = dict(message.get("options") or {})

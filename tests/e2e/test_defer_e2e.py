@@ -324,7 +324,7 @@ def test_a_redelivered_copy_of_a_waiting_task_that_parked_in_its_place_and_ran_i
     broker gives the message back after the task ran from its grant. The
     lock is free, yet the copy must not run again: the park record (done)
     says it ran. Here the record is made by the engine's own steps."""
-    from celery_redislock.defer import adopt, mark_done, park
+    from celery_redislock.worker.defer import adopt, mark_done, park
 
     c = shared
     task = c.producer.send_task("e2e.wwrite", args=("wr", "wr-1"), queue="wr-capture")
@@ -362,7 +362,7 @@ def test_a_redelivered_copy_meeting_an_adopter_not_yet_seen_dead_looks_again_and
     alive. Dropping it would lose the task; it is published again,
     record-first, due once a dead adopter's liveness ran out, and then runs
     once. The adopter here is an engine of this process that stops beating."""
-    from celery_redislock.defer import park
+    from celery_redislock.worker.defer import park
 
     c = cluster(owner_ttl=2, heartbeat=0.5)
     worker = c.start_worker("look-again", concurrency=2)
