@@ -242,7 +242,7 @@ def _look(
     rate = locks.config.defer_guard_rate
     reply = mgr.channel.call(
         "defer_guard",
-        [record_key(mgr, task_id), deferred_key(mgr), f"{mgr.keys.prefix}guardslot"],
+        [record_key(mgr, task_id), deferred_key(mgr), mgr.keys.guardslot],
         [
             gid,
             str(seq),

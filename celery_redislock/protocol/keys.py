@@ -36,6 +36,8 @@ key                            type    holds
                                        (docs/defer.md)
 ``{ns}:deferred``              zset    task id -> next re-attempt (ms)
 ``{ns}:deadlines``             zset    task id -> park or grant deadline (ms)
+``{ns}:guardslot``             string  next free time of the deferred tasks'
+                                       guards' schedule (ms; expires once past)
 ``{ns}:dispatch``              list    task ids to dispatch again
 ``{ns}:dispatching:<inc>``     list    ids one worker is dispatching
 ``{ns}:dispatcher:<inc>``      string  that dispatcher's liveness (TTL)
@@ -305,6 +307,9 @@ class Keyspace:
         self.deferred = self.prefix + "deferred"
         self.deadlines = self.prefix + "deadlines"
         self.dispatch = self.prefix + "dispatch"
+        #: The next free time in the guards' schedule (ms, Redis TIME;
+        #: ``defer_guard.lua``, docs/defer-internals.md, "The guards' budget").
+        self.guardslot = self.prefix + "guardslot"
 
     def lock(self, resource: str) -> str:
         return f"{self.prefix}lock:{resource}"
