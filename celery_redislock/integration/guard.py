@@ -44,6 +44,8 @@ import time
 import uuid
 from typing import Any
 
+from ..protocol import defer_calls as dc
+
 log = logging.getLogger("celery_redislock.defer")
 
 #: The registered name of the guard task.
@@ -235,23 +237,11 @@ def _look(
     namespace's guard budget), an ending (``adopted``, ``done``, ``other``,
     ``stale``, ``superseded``, a ready state), or ``none`` (no record, and
     the task neither ended nor started)."""
-    from ..worker.defer import deferred_key, record_key
-
     mgr = locks.manager
     interval_ms = max(1, int(interval * 1000))
     rate = locks.config.defer_guard_rate
-    reply = mgr.channel.call(
-        "defer_guard",
-        [record_key(mgr, task_id), deferred_key(mgr), mgr.keys.guardslot],
-        [
-            gid,
-            str(seq),
-            str(3 * interval_ms),
-            str(attempt),
-            str(interval_ms),
-            str(rate) if rate else "",
-        ],
-    )
+    call = dc.defer_guard(mgr.keys, task_id, gid, seq, attempt, interval_ms, rate or None)
+    reply = mgr.channel.run(call)
     what = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     if what == "rearm":
         delay = _int(reply[2]) / 1000 if len(reply) > 2 else interval

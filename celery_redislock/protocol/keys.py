@@ -310,6 +310,8 @@ class Keyspace:
         #: The next free time in the guards' schedule (ms, Redis TIME;
         #: ``defer_guard.lua``, docs/defer-internals.md, "The guards' budget").
         self.guardslot = self.prefix + "guardslot"
+        #: The deferred tasks' dispatchers (incarnation -> last beat).
+        self.dispatchers = self.prefix + "dispatchers"
 
     def lock(self, resource: str) -> str:
         return f"{self.prefix}lock:{resource}"
@@ -354,6 +356,10 @@ class Keyspace:
 
     def adopted(self, owner_id: str) -> str:
         return f"{self.prefix}adopted:{owner_id}"
+
+    def dispatcher(self, incarnation: str) -> str:
+        """``{ns}:dispatcher:<inc>``: one incarnation's dispatcher liveness."""
+        return f"{self.prefix}dispatcher:{incarnation}"
 
     def defer_record(self, task_id: str) -> str:
         """``{ns}:defer:<task id>``: a deferred task's park record."""

@@ -33,6 +33,7 @@ from .._threads import real_sleep, start_os_thread
 from ..engine.lease import Lease
 from ..engine.manager import REDIS_DOWN_ERRORS, LockManager
 from ..exceptions import LockError, RedisUnavailable, ReplicationTimeout
+from ..protocol import defer_calls as dc
 from ..protocol.keys import defer_owner_id, holder_record, task_token, text
 from ..protocol.request import Request
 from ..store.connect import clone_client
@@ -83,8 +84,7 @@ def dispatch_key(mgr: LockManager) -> str:
     return mgr.keys.dispatch
 
 
-def _ms(seconds: float) -> str:
-    return str(max(1, int(seconds * 1000)))
+_ms = dc.ms
 
 
 @dataclass
@@ -149,20 +149,18 @@ def _record_args(
 ) -> list[str]:
     """ARGV 1-11 of ``defer_park.lua``; TypeError when the message does not
     encode as JSON (before anything is written)."""
-    return [
+    return dc.park_record_args(
+        mgr.keys,
+        mgr.options,
         task_id,
-        str(min_life),
-        req.modes,
-        "\n".join(req.resources),
+        min_life,
+        req,
         kjson.dumps(message),
-        _ms(grant_ttl),
-        mgr.keys.prefix,
-        _ms(min(park_ttl, mgr.owner_ttl)),
-        _ms(park_ttl + 3 * grant_ttl + mgr.owner_ttl),
-        _ms(park_ttl),
+        park_ttl=park_ttl,
+        grant_ttl=grant_ttl,
         # A retry the adopted run sent is a new life, not a duplicate.
-        str(int((message.get("options") or {}).get("retries") or 0)),
-    ]
+        retries=int((message.get("options") or {}).get("retries") or 0),
+    )
 
 
 def _queue_parked(
@@ -188,11 +186,7 @@ def _queue_parked(
         )
         code = int(got[0])
         if code == 1 and not adopt_now:  # a dispatcher re-parking: dispatch it
-            mgr.channel.call(
-                "defer_granted",
-                [record_key(mgr, task_id)],
-                [task_id, mgr.keys.prefix, text(got[1])],
-            )
+            mgr.channel.run(dc.defer_granted(mgr.keys, task_id, text(got[1])))
             return ParkResult("granted", life=life)
         if code == 1:
             outcome, leases = adopt(
@@ -248,11 +242,10 @@ def park(
     if holder is None:
         holder = str(message.get("holder") or "")
     message = _park_fields(message, holder)
-    reply = mgr.channel.call(
-        "defer_park",
-        [record_key(mgr, task_id), deferred_key(mgr)],
-        _record_args(mgr, task_id, min_life, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl),
+    record = _record_args(
+        mgr, task_id, min_life, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl
     )
+    reply = mgr.channel.run(dc.defer_park(mgr.keys, task_id, record))
     if int(reply[0]) == 0:
         return ParkResult("duplicate", state=text(reply[1]))
     token, life = text(reply[2]), int(reply[3])
@@ -329,17 +322,14 @@ def take_over(
     task_owner(task_id)  # validates the id before anything is written
     message = _park_fields(message, holder)
     owner = task_owner(task_id)  # life 0; the script names the life it picked
-    reply = mgr.channel.call(
-        "defer_park",
-        [record_key(mgr, task_id), deferred_key(mgr)],
-        [
-            *_record_args(mgr, task_id, 0, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl),
-            waiting,
-            f"task {label}",
-            # The holder record names the request id, the same in every life.
-            holder_record(task_token(owner, task_id), holder) if holder else "",
-        ],
-    )
+    record = _record_args(mgr, task_id, 0, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl)
+    take_over = [
+        waiting,
+        f"task {label}",
+        # The holder record names the request id, the same in every life.
+        holder_record(task_token(owner, task_id), holder) if holder else "",
+    ]
+    reply = mgr.channel.run(dc.defer_park(mgr.keys, task_id, record, take_over))
     if int(reply[0]) == 0:
         state = text(reply[1])
         return ParkResult("not-queued" if state == "not-queued" else "duplicate", state=state)
@@ -462,7 +452,7 @@ def _done_ttl(mgr: LockManager) -> float:
 
 def mark_done(mgr: LockManager, task_id: str, owner: str) -> None:
     """The adopted task's body ended: keep a ``done`` record (one round trip)."""
-    mgr.channel.call("defer_done", [record_key(mgr, task_id)], [owner, _ms(_done_ttl(mgr))])
+    mgr.channel.run(dc.defer_done(mgr.keys, task_id, owner, _done_ttl(mgr)))
 
 
 def withdraw(
@@ -473,18 +463,8 @@ def withdraw(
     Returns the reply as text: ``[state, msg, life]`` when withdrawn,
     ``["alive", state, pttl]`` (``only_dead``), or ``[state]``/``["none"]``.
     """
-    reply = mgr.channel.call(
-        "defer_withdraw",
-        [record_key(mgr, task_id), deferred_key(mgr), mgr.keys.owners],
-        [
-            task_id,
-            mgr.keys.prefix,
-            str(mgr.options.req_ttl_ms),
-            str(mgr.queue_scan_limit),
-            "dead" if only_dead else "any",
-        ],
-        client=client,
-    )
+    call = dc.defer_withdraw(mgr.keys, mgr.options, task_id, only_dead=only_dead)
+    reply = mgr.channel.run(call, client)
     return [text(x) for x in reply]
 
 
@@ -623,8 +603,8 @@ class Dispatcher:
         self._seen_revoked: set[str] = set()
         prefix = manager.keys.prefix
         self.dispatching_key = f"{prefix}dispatching:{incarnation}"
-        self._alive_key = f"{prefix}dispatcher:{incarnation}"
-        self._set_key = f"{prefix}dispatchers"
+        self._alive_key = self.manager.keys.dispatcher(incarnation)
+        self._set_key = self.manager.keys.dispatchers
         self.interval = manager.heartbeat_interval
         self._stop = threading.Event()
         self._thread_started = False
@@ -716,27 +696,14 @@ class Dispatcher:
         """
         mgr = self.manager
         local_ms = time.time() * 1000
-        reply = mgr.channel.call(
-            "defer_tick",
-            [
-                self._set_key,
-                self._alive_key,
-                dispatch_key(mgr),
-                deferred_key(mgr),
-                deadlines_key(mgr),
-            ],
-            [
-                self.incarnation,
-                mgr.keys.prefix,
-                _ms(mgr.owner_ttl),
-                str(DUE_BATCH),
-                _ms(mgr.owner_ttl),
-                str(DEADLINE_BATCH),
-                str(mgr.options.req_ttl_ms),
-                str(mgr.queue_scan_limit),
-            ],
-            client=self._redis(),
+        call = dc.defer_tick(
+            mgr.keys,
+            mgr.options,
+            self.incarnation,
+            due_batch=DUE_BATCH,
+            deadline_batch=DEADLINE_BATCH,
         )
+        reply = mgr.channel.run(call, self._redis())
         self._offset_ms = float(text(reply[0])) - local_ms
         moved = int(reply[1])
         if moved:
@@ -814,12 +781,7 @@ class Dispatcher:
     def handle(self, task_id: str) -> None:
         """Dispatch one task id popped from the dispatch list."""
         mgr = self.manager
-        reply = mgr.channel.call(
-            "defer_claim",
-            [record_key(mgr, task_id)],
-            [task_id, mgr.keys.prefix],
-            client=self._redis(),
-        )
+        reply = mgr.channel.run(dc.defer_claim(mgr.keys, task_id), self._redis())
         kind = text(reply[0])
         if kind == "publish":
             fence, message, life = int(reply[1]), _loads(text(reply[2])), text(reply[3])
@@ -864,19 +826,8 @@ class Dispatcher:
         gives its slot up and is parked in its place (docs/defer.md, T2).
         Returns how many were told."""
         mgr = self.manager
-        told = int(
-            mgr.channel.call(
-                "defer_nudge",
-                [record_key(mgr, task_id)],
-                [
-                    mgr.keys.prefix,
-                    str(fence),
-                    str(mgr.options.req_ttl_ms),
-                    str(mgr.queue_scan_limit),
-                ],
-                client=self._redis(),
-            )
-        )
+        call = dc.defer_nudge(mgr.keys, mgr.options, task_id, fence)
+        told = int(mgr.channel.run(call, self._redis()))
         if told:
             log.info("defer.nudged id=%s waiters=%d", task_id, told)
         return told
@@ -894,11 +845,7 @@ class Dispatcher:
         got = _attempt_as_task(mgr, token, req, liveness_ms=ttl, register="", holder=holder)
         code = int(got[0])
         if code == 1:
-            mgr.channel.call(
-                "defer_granted",
-                [record_key(mgr, task_id)],
-                [task_id, mgr.keys.prefix, text(got[1])],
-            )
+            mgr.channel.run(dc.defer_granted(mgr.keys, task_id, text(got[1])))
         elif code == 0:
             wait_ms = int(got[1])
             delay = mgr.owner_ttl * 1000 if wait_ms < 0 else min(wait_ms + 10, mgr.owner_ttl * 1000)
