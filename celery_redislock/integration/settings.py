@@ -411,30 +411,76 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         ConfigurationError: naming the setting and the values it accepts.
     """
     get: Callable[[str, Any], Any] = conf.get
+    # In the order the settings table lists them: the first bad one is named.
+    url, own_url = _url_setting(get)
+    namespace = _namespace_setting(get)
+    owner_ttl, interval = _liveness_settings(get)
+    reconcile, timeout, fast = _engine_settings(get)
+    mode = _choice(get, "redislock_eviction_check", EVICTION_MODES, "warn")
+    on_lost = _choice(get, "redislock_on_lost", ON_LOST_MODES, "fail")
+    wait_replicas, wait_timeout, wait_policy = _wait_settings(get)
+    metrics_port, metrics_address = _metrics_settings(get)
+    raw_unique = get("redislock_unique_ttl", None)
+    unique_ttl = _number(
+        "redislock_unique_ttl",
+        DEFAULT_UNIQUE_TTL if raw_unique is None else raw_unique,
+        minimum=_v.MIN_OWNER_TTL,
+        maximum=_v.MAX_OWNER_TTL,
+    )
+    assert unique_ttl is not None
+    on_busy = _choice(get, "redislock_default_on_busy", ON_BUSY_MODES, "wait")
+    defer_ttl, grant_ttl, guard, guard_rate = _defer_settings(get, own_url)
+    return Config(
+        url=url,
+        namespace=namespace,
+        owner_ttl=owner_ttl,
+        heartbeat_interval=interval,
+        reconcile_interval=reconcile,
+        default_timeout=timeout,
+        fast_restart_cleanup=fast,
+        eviction_check=mode,
+        on_lost=on_lost,
+        wait_replicas=wait_replicas,
+        wait_timeout=wait_timeout,
+        wait_policy=wait_policy,
+        metrics_port=metrics_port,
+        metrics_address=metrics_address,
+        unique_ttl=unique_ttl,
+        default_on_busy=on_busy,
+        defer_ttl=defer_ttl,
+        defer_grant_ttl=grant_ttl,
+        defer_guard_interval=guard,
+        defer_guard_rate=guard_rate,
+    )
 
+
+def _url_setting(get: Callable[[str, Any], Any]) -> tuple[str, bool]:
+    """``redislock_url`` (default: the broker's Redis), and whether it was set."""
     url = reveal(get("redislock_url", None))
-    own_url = url is not None  # the lock Redis is not (by default) the broker's
-    if url is None:
-        broker = get("broker_url", None)
-        url = default_url(broker, get("broker_transport_options", None))
-        if url is None:
-            first = broker[0] if isinstance(broker, (list, tuple)) and broker else broker
-            if isinstance(first, str) and is_sentinel_url(first):
-                raise ConfigurationError(
-                    "redislock_url",
-                    "is required: the sentinel:// broker gives no usable master "
-                    "(set broker_transport_options={'master_name': ...}) or set "
-                    "redislock_url to sentinel://host:26379[,host2:26379]/service_name[/db]",
-                )
-            raise ConfigurationError(
-                "redislock_url",
-                "is required when the broker is not Redis (broker_url="
-                f"{redact(broker) if isinstance(broker, str) else broker!r}); "
-                "set it to a redis://, rediss://, sentinel:// or redis+cluster:// URL",
-            )
-    else:
-        url = validate_url(url, setting="redislock_url")
+    if url is not None:
+        return validate_url(url, setting="redislock_url"), True
+    broker = get("broker_url", None)
+    url = default_url(broker, get("broker_transport_options", None))
+    if url is not None:
+        return url, False
+    first = broker[0] if isinstance(broker, (list, tuple)) and broker else broker
+    if isinstance(first, str) and is_sentinel_url(first):
+        raise ConfigurationError(
+            "redislock_url",
+            "is required: the sentinel:// broker gives no usable master "
+            "(set broker_transport_options={'master_name': ...}) or set "
+            "redislock_url to sentinel://host:26379[,host2:26379]/service_name[/db]",
+        )
+    raise ConfigurationError(
+        "redislock_url",
+        "is required when the broker is not Redis (broker_url="
+        f"{redact(broker) if isinstance(broker, str) else broker!r}); "
+        "set it to a redis://, rediss://, sentinel:// or redis+cluster:// URL",
+    )
 
+
+def _namespace_setting(get: Callable[[str, Any], Any]) -> str:
+    """``redislock_namespace``, validated as the engine validates it."""
     namespace = get("redislock_namespace", None)
     if namespace is None:
         namespace = "redislock"
@@ -442,7 +488,11 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         validate_namespace(namespace)
     except ConfigurationError as exc:
         raise ConfigurationError("redislock_namespace", str(exc).split(": ", 1)[-1]) from exc
+    return str(namespace)
 
+
+def _liveness_settings(get: Callable[[str, Any], Any]) -> tuple[float, float]:
+    """``redislock_owner_ttl`` and ``redislock_heartbeat_interval``."""
     raw_ttl = get("redislock_owner_ttl", None)
     owner_ttl = (
         30.0
@@ -452,7 +502,6 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         )
     )
     assert owner_ttl is not None
-
     raw_iv = get("redislock_heartbeat_interval", None)
     interval = _number(
         "redislock_heartbeat_interval",
@@ -462,7 +511,12 @@ def load_config(conf: Mapping[str, Any]) -> Config:
     )
     assert interval is not None
     _v.warn_fast_heartbeat("redislock_heartbeat_interval", interval)
+    return owner_ttl, interval
 
+
+def _engine_settings(get: Callable[[str, Any], Any]) -> tuple[float | None, float | None, bool]:
+    """``redislock_reconcile_interval``, ``redislock_default_timeout`` and
+    ``redislock_fast_restart_cleanup``."""
     raw_rec = get("redislock_reconcile_interval", 60.0)
     reconcile: float | None
     if raw_rec in (0, "0", None):
@@ -474,7 +528,6 @@ def load_config(conf: Mapping[str, Any]) -> Config:
             minimum=MIN_RECONCILE_INTERVAL,
             maximum=MAX_RECONCILE_INTERVAL,
         )
-
     timeout = _number(
         "redislock_default_timeout",
         get("redislock_default_timeout", None),
@@ -483,40 +536,30 @@ def load_config(conf: Mapping[str, Any]) -> Config:
     )
     if timeout is not None and math.isinf(timeout):
         timeout = None
-
     fast = get("redislock_fast_restart_cleanup", None)
-    fast_b = True if fast is None else _bool("redislock_fast_restart_cleanup", fast)
-
-    mode = get("redislock_eviction_check", None) or "warn"
-    if not isinstance(mode, str) or mode not in EVICTION_MODES:
-        raise ConfigurationError(
-            "redislock_eviction_check", f"must be one of {', '.join(EVICTION_MODES)}, not {mode!r}"
-        )
-
-    on_lost = get("redislock_on_lost", None) or "fail"
-    if not isinstance(on_lost, str) or on_lost not in ON_LOST_MODES:
-        raise ConfigurationError(
-            "redislock_on_lost", f"must be one of {', '.join(ON_LOST_MODES)}, not {on_lost!r}"
-        )
-
-    wait_replicas, wait_timeout, wait_policy = _wait_settings(get)
-    metrics_port, metrics_address = _metrics_settings(get)
-
-    raw_unique = get("redislock_unique_ttl", None)
-    unique_ttl = _number(
-        "redislock_unique_ttl",
-        DEFAULT_UNIQUE_TTL if raw_unique is None else raw_unique,
-        minimum=_v.MIN_OWNER_TTL,
-        maximum=_v.MAX_OWNER_TTL,
+    return (
+        reconcile,
+        timeout,
+        True if fast is None else _bool("redislock_fast_restart_cleanup", fast),
     )
-    assert unique_ttl is not None
-    on_busy = get("redislock_default_on_busy", None) or "wait"
-    if not isinstance(on_busy, str) or on_busy not in ON_BUSY_MODES:
-        raise ConfigurationError(
-            "redislock_default_on_busy",
-            f"must be one of {', '.join(ON_BUSY_MODES)}, not {on_busy!r}",
-        )
-    defer_ttls = []
+
+
+def _choice(
+    get: Callable[[str, Any], Any], name: str, values: tuple[str, ...], default: str
+) -> str:
+    """A setting that takes one of ``values`` (unset or empty: ``default``)."""
+    value = get(name, None) or default
+    if not isinstance(value, str) or value not in values:
+        raise ConfigurationError(name, f"must be one of {', '.join(values)}, not {value!r}")
+    return value
+
+
+def _defer_settings(
+    get: Callable[[str, Any], Any], own_url: bool
+) -> tuple[float, float, float | None, float | None]:
+    """``redislock_defer_ttl``, ``_defer_grant_ttl``, ``_defer_guard_interval``
+    and ``_defer_guard_rate``."""
+    ttls = []
     for name, default in (("redislock_defer_ttl", 86400.0), ("redislock_defer_grant_ttl", 300.0)):
         raw = get(name, None)
         value = (
@@ -525,7 +568,7 @@ def load_config(conf: Mapping[str, Any]) -> Config:
             else _number(name, raw, minimum=MIN_DEFER_TTL, maximum=MAX_DEFER_TTL)
         )
         assert value is not None
-        defer_ttls.append(value)
+        ttls.append(value)
     # Guards protect parked tasks from a loss of the lock Redis's data; with
     # the broker's own Redis (the default) such a loss takes the broker's
     # queues, guards included, with it: no guards unless asked for.
@@ -543,37 +586,15 @@ def load_config(conf: Mapping[str, Any]) -> Config:
         )
     raw_rate = get("redislock_defer_guard_rate", DEFAULT_DEFER_GUARD_RATE)
     if raw_rate is None or (raw_rate == 0 and not isinstance(raw_rate, bool)):
-        guard_rate: float | None = None
+        rate: float | None = None
     else:
-        guard_rate = _number(
+        rate = _number(
             "redislock_defer_guard_rate",
             raw_rate,
             minimum=MIN_DEFER_GUARD_RATE,
             maximum=MAX_DEFER_GUARD_RATE,
         )
-
-    return Config(
-        url=url,
-        namespace=namespace,
-        owner_ttl=owner_ttl,
-        heartbeat_interval=interval,
-        reconcile_interval=reconcile,
-        default_timeout=timeout,
-        fast_restart_cleanup=fast_b,
-        eviction_check=mode,
-        on_lost=on_lost,
-        wait_replicas=wait_replicas,
-        wait_timeout=wait_timeout,
-        wait_policy=wait_policy,
-        metrics_port=metrics_port,
-        metrics_address=metrics_address,
-        unique_ttl=unique_ttl,
-        default_on_busy=on_busy,
-        defer_ttl=defer_ttls[0],
-        defer_grant_ttl=defer_ttls[1],
-        defer_guard_interval=guard,
-        defer_guard_rate=guard_rate,
-    )
+    return ttls[0], ttls[1], guard, rate
 
 
 def _metrics_settings(get: Callable[[str, Any], Any]) -> tuple[int | None, str]:
