@@ -2,8 +2,8 @@
 
 Holds: :mod:`.keys` (every key name and token format of a namespace, the
 data-format version), :mod:`.options` (a manager's options, validated once),
-:mod:`.request` (a validated request), :mod:`.calls` (each script's KEYS and
-ARGV, and the reading of its reply), :mod:`.causes` (the loss vocabulary)
+:mod:`.request` (a validated request), :mod:`.calls` and :mod:`.defer_calls`
+(each script's KEYS and ARGV, and the reading of its reply), :mod:`.causes` (the loss vocabulary)
 and :mod:`.reports` (what cleanups and queries return).
 
 May import: the shared modules at the package's top (``exceptions``,
