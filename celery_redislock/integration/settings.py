@@ -328,7 +328,7 @@ class Config:
     defer_grant_ttl: float = 300.0
     #: Seconds between a parked task's guard checks (None for no guards).
     defer_guard_interval: float | None = None
-    #: Guard checks a second for the whole namespace (None: no budget).
+    #: The guard checks a second the whole namespace may make, or None for no budget.
     defer_guard_rate: float | None = DEFAULT_DEFER_GUARD_RATE
 
 
