@@ -314,25 +314,47 @@ def check(
         send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=True)
         return "suspect"
     if state == "PENDING":
-        # The park wrote DEFERRED before it sent this guard: the result
-        # backend lost it too (one Redis for both?), and nothing tells
-        # whether the task ran. Never run it twice: end it, saying why.
-        from ..exceptions import CAUSE_REDIS_LOST, LockLost
-        from ..worker.defer import task_owner
+        return _lost(app, task_id, message, life)
+    return _recover(locks, task_id, message, gid, seq, life, state, interval, every)
 
-        log.error(
-            "defer.lost id=%s task=%s: neither the lock Redis nor the result backend holds "
-            "this parked task any more (both lost their data); it may have run, so it is "
-            "not published again: failing it with LockLost",
-            task_id,
-            message.get("name", "?"),
-        )
-        owner = task_owner(task_id, life)  # the park record's task owner
-        lost = LockLost(list(message.get("resources") or ()), owner, 0, CAUSE_REDIS_LOST)
-        app.backend.mark_as_failure(task_id, lost)
-        return "ended:lost"
+
+def _lost(app: Any, task_id: str, message: dict[str, Any], life: int) -> str:
+    """The park wrote DEFERRED before it sent this guard: the result
+    backend lost it too (one Redis for both?), and nothing tells whether the
+    task ran. Never run it twice: end it, saying why (``LockLost``)."""
+    from ..exceptions import CAUSE_REDIS_LOST, LockLost
+    from ..worker.defer import task_owner
+
+    log.error(
+        "defer.lost id=%s task=%s: neither the lock Redis nor the result backend holds "
+        "this parked task any more (both lost their data); it may have run, so it is "
+        "not published again: failing it with LockLost",
+        task_id,
+        message.get("name", "?"),
+    )
+    owner = task_owner(task_id, life)  # the park record's task owner
+    lost = LockLost(list(message.get("resources") or ()), owner, 0, CAUSE_REDIS_LOST)
+    app.backend.mark_as_failure(task_id, lost)
+    return "ended:lost"
+
+
+def _recover(
+    locks: Any,
+    task_id: str,
+    message: dict[str, Any],
+    gid: str,
+    seq: int,
+    life: int,
+    state: str,
+    interval: float,
+    every: float,
+) -> str:
+    """The lock Redis lost a parked task that neither ran nor started: park
+    it again here, and keep guarding it (``recovered``), or look again later
+    when the lock Redis does not answer (``retry``)."""
     from ..worker.defer import park_again
 
+    app = locks.app
     try:
         # Parked here, record-first, in a life above any this guard saw: every
         # guard of the task may do this, the record keeps one; a copy of an
