@@ -29,7 +29,6 @@ from ..exceptions import LockError, LockTimeout, ReplicationTimeout, ShuttingDow
 from . import guard
 from .app import RedisLock
 from .body import BodyRun, hand_back, holding, run_body, upkeep_if_due
-from .parked import Parked
 from .settings import APP_DEFAULT
 from .templates import holder_info
 
@@ -404,6 +403,8 @@ def parked_behind_transit(
         return _run_adopted(leases, resources, run, fun, args, kwargs, mark)
     _store_deferred(task, task_id, resources)
     _send_guard(locks, task_id, message, result.life, guarded)
+    from .parked import Parked  # imports Celery: only where a task parks
+
     raise Parked()
 
 
@@ -748,6 +749,8 @@ class _DeferredCall:
         # result backend lost it too) and before the message is acked (Ignore):
         # from now on the guard is the task's copy outside the lock Redis.
         _send_guard(locks, task_id, message, result.life, self.guarded)
+        from .parked import Parked  # imports Celery: only where a task parks
+
         raise Parked()
 
     def _look_again_later(self, message: dict[str, Any]) -> NoReturn:
