@@ -61,7 +61,7 @@ class CeleryConfig:
     #: Redis lost are recovered within the drain.
     guard_interval: float = 2.0
     #: redislock_defer_guard_rate: the guards' budget (checks a second). The
-    #: producer's backlog bound keeps about 90 tasks outstanding, so at 40 a
+    #: producer's backlog bound keeps about 45 tasks outstanding, so at 40 a
     #: second the 2 s interval stretches a little at the peaks; a lost task
     #: is still recovered within the lock restart's settling time.
     guard_rate: float = 40.0
@@ -74,7 +74,11 @@ class CeleryConfig:
     #: load is a little above what four pool slots serve on c:r0, so without
     #: a bound its line grows for as long as the run lasts: after a few
     #: minutes waiting tasks time out behind it and the drain cannot end.
-    max_backlog: int = 30
+    #: 15: what one resource serves (about 0.3 s a body, with pauses of 3 to
+    #: 4 s while faults hit its holders) within the wait-mode tasks' timeout
+    #: (the visibility timeout less 5 s, 15 s): at 30 such tasks timed out in
+    #: line, their place kept.
+    max_backlog: int = 15
     fault_gap: tuple[float, float] = (2.0, 5.0)
     #: Longest drain (0: derived from the TTLs and the visibility timeout).
     drain: float = 0.0
