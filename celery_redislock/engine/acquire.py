@@ -16,7 +16,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import _validate as _v
@@ -27,7 +27,7 @@ from ..exceptions import (
     ReplicationTimeout,
     ShuttingDown,
 )
-from ..protocol.calls import acquire_reclaimed, acquire_transit, resend, text
+from ..protocol.calls import acquire_reclaimed, acquire_transit, mode_refusal, resend, text
 from ..protocol.request import Request, RequestCache
 from ..store.channel import REDIS_DOWN_ERRORS
 from .context import AcquireContext, ContextStack
@@ -188,9 +188,10 @@ class Acquirer(Part):
         shared: str | Iterable[str] | None,
         timeout: float | None,
         nested: bool | None,
+        limited: Mapping[str, int] | None = None,
     ) -> Lease:
         """``LockManager.acquire`` (see its docstring for the contract)."""
-        req = self._requests.get(exclusive, shared)
+        req = self._requests.get(exclusive, shared, limited)
         if self._core.closed:
             raise self.closed_error()
         timeout = _v.seconds("timeout", timeout, allow_none=True, allow_inf=True)
@@ -284,6 +285,8 @@ class Acquirer(Part):
             if retired:
                 self._re_request(t)
                 continue
+            if code == -2:
+                raise mode_refusal(t.reply)
             if code == -1:
                 self._liveness.owner_lost(t.ident, "acquire")
                 t.renew(self._liveness.identity.current())
@@ -432,16 +435,17 @@ class Acquirer(Part):
         nested: bool | None,
     ) -> Lease:
         """A nested acquire re-entering outer leases (see ``LockManager.acquire``)."""
-        parents, rest_ex, rest_sh = reentry
-        if rest_ex or rest_sh:
+        parents, rest_ex, rest_sh, rest_lim = reentry
+        if rest_ex or rest_sh or rest_lim:
             # The resources not held yet: a nested acquire of their own
             # (waits only for holders; a finite timeout is required).
-            lease = self.acquire(rest_ex, rest_sh, timeout, nested)
+            lease = self.acquire(rest_ex, rest_sh, timeout, nested, rest_lim or None)
             try:
                 with self._state.lock:
                     lease.share(parents)
                 lease.exclusive = req.exclusive
                 lease.shared = req.shared
+                lease.limited = req.limit_map
             except BaseException:
                 lease.release()
                 raise

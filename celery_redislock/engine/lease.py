@@ -91,6 +91,8 @@ class Lease:
         self.fencing_token = fencing_token
         self.exclusive = request.exclusive
         self.shared = request.shared
+        #: The limited resources held (one slot each) and their limits.
+        self.limited: dict[str, int] = request.limit_map
         self.acquired_at = time.time()
         self.pid = os.getpid()
         self._depth = depth
@@ -119,8 +121,8 @@ class Lease:
 
     @property
     def resources(self) -> tuple[str, ...]:
-        """Every resource held, exclusive first."""
-        return self.exclusive + self.shared
+        """Every resource held: exclusive, then shared, then limited."""
+        return self.exclusive + self.shared + tuple(self.limited)
 
     @property
     def lost(self) -> bool:
@@ -330,7 +332,8 @@ class Lease:
         state = "lost" if self._lost else "released" if self._handle_released else "held"
         if self.parents:
             state += " reentrant"
+        limited = f" limited={self.limited}" if self.limited else ""
         return (
-            f"<Lease {state} exclusive={list(self.exclusive)} shared={list(self.shared)} "
-            f"fence={self.fencing_token} owner={self.owner_id}>"
+            f"<Lease {state} exclusive={list(self.exclusive)} shared={list(self.shared)}"
+            f"{limited} fence={self.fencing_token} owner={self.owner_id}>"
         )

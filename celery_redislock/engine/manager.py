@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -345,10 +345,13 @@ class LockManager:
         self.tasks.hold_in_thread(leases)
 
     def request(
-        self, exclusive: str | Iterable[str] | None, shared: str | Iterable[str] | None
+        self,
+        exclusive: str | Iterable[str] | None,
+        shared: str | Iterable[str] | None,
+        limited: Mapping[str, int] | None = None,
     ) -> Request:
         """The validated request for these resources (no I/O; cached)."""
-        return self.requests.get(exclusive, shared)
+        return self.requests.get(exclusive, shared, limited)
 
     # -- acquire ----------------------------------------------------------
 
@@ -357,6 +360,7 @@ class LockManager:
         exclusive: str | Iterable[str] | None = None,
         shared: str | Iterable[str] | None = None,
         *,
+        limited: Mapping[str, int] | None = None,
         timeout: float | None = None,
         nested: bool | None = None,
     ) -> Lease:
@@ -365,6 +369,12 @@ class LockManager:
         Args:
             exclusive: resource names to hold alone (writer).
             shared: resource names to hold alongside other shared holders.
+            limited: resource name -> limit N (an int from 1 to
+                :data:`~celery_redislock.protocol.request.MAX_LIMIT`): one
+                slot of each, granted only while fewer than this request's
+                own N hold the resource. A name used with ``limited`` is
+                only ever taken limited (:class:`InvalidResource` names the
+                other mode otherwise).
             timeout: seconds to wait; ``0`` tries once without queueing;
                 ``None`` waits for ever.
             nested: whether this request is made from inside a lock held by
@@ -404,7 +414,7 @@ class LockManager:
         limit, a gevent kill), the request's grant or queue entries are
         released by its own token before the exception leaves this method.
         """
-        return self.acquirer.acquire(exclusive, shared, timeout, nested)
+        return self.acquirer.acquire(exclusive, shared, timeout, nested, limited)
 
     @contextmanager
     def lock(
@@ -412,11 +422,12 @@ class LockManager:
         exclusive: str | Iterable[str] | None = None,
         shared: str | Iterable[str] | None = None,
         *,
+        limited: Mapping[str, int] | None = None,
         timeout: float | None = None,
         nested: bool | None = None,
     ) -> Iterator[Lease]:
         """Context manager form of :meth:`acquire`; releases on exit."""
-        lease = self.acquire(exclusive, shared, timeout=timeout, nested=nested)
+        lease = self.acquire(exclusive, shared, limited=limited, timeout=timeout, nested=nested)
         try:
             yield lease
         finally:
@@ -427,6 +438,7 @@ class LockManager:
         exclusive: str | Iterable[str] | None = None,
         shared: str | Iterable[str] | None = None,
         *,
+        limited: Mapping[str, int] | None = None,
         nested: bool | None = None,
     ) -> Lease | None:
         """Acquire every resource at once if they are free now; else None.
@@ -438,7 +450,7 @@ class LockManager:
         of reach) is raised as :meth:`acquire` raises it.
         """
         try:
-            return self.acquire(exclusive, shared, timeout=0, nested=nested)
+            return self.acquire(exclusive, shared, limited=limited, timeout=0, nested=nested)
         except LockTimeout:
             return None
 

@@ -304,7 +304,7 @@ class TaskOwners(Part):
         """The leases of an adopt.lua reply, kept while ``ident`` is current."""
         leases: list[Lease] = []
         for grant in adopted_grants(reply):
-            req = self._requests.get(grant.exclusive, grant.shared)
+            req = self._requests.from_spec(grant.names, grant.modes)
             # A depth of its own: adopted locks do not make the thread's next
             # acquire a nested one.
             leases.append(Lease(self._releaser, req, ident, grant.token, grant.fence, Depth()))

@@ -11,9 +11,17 @@
 --
 -- Encodings:
 --   token        '<owner>|<request id>'   (one acquisition; owner ids never contain '|')
---   lock hash    field token -> '<mode><fence>': 'x' (exclusive) or 's'
---                (shared), then the grant's fencing token in decimal,
---                e.g. 'x1764456000123456'; mode_of() reads the mode
+--   lock hash    field token -> '<mode><fence>': 'x' (exclusive), 's'
+--                (shared) or 'l' (one slot of a limited resource), then the
+--                grant's fencing token in decimal, e.g. 'x1764456000123456';
+--                mode_of() reads the mode. The holders of one lock are one
+--                'x', or all 's', or all 'l' (a name is never taken both
+--                limited and exclusive or shared: the scripts refuse it)
+--   modes        a request's modes: one char per resource ('x', 's', 'l'),
+--                then, when a resource is 'l', ':' and the limit of each
+--                'l' resource in order, ',' separated ('xl:5', 'll:3,8');
+--                mode_count() and limits_of() read it. Stored as it came
+--                in the request state, the waits hash and a park record
 --   registry     {ns}:held:<owner>: a hash, field = resource name (not the
 --                lock key) -> '' for every lock the owner holds a token in,
 --                or, for a grant a Celery task took, its holder record
@@ -69,9 +77,36 @@ local function mode_of(v)
   return string.sub(v, 1, 1)
 end
 
--- Two modes conflict unless both are shared.
+-- Two modes conflict unless both are shared. Two limited requests do not
+-- conflict: they count (limits_of).
 local function conflicts(a, b)
   return a == 'x' or b == 'x'
+end
+
+-- Whether modes A and B may not meet on one resource: one is limited and
+-- the other is not.
+local function mixed(a, b)
+  return (a == 'l') ~= (b == 'l')
+end
+
+-- The number of resources of a request's MODES (see Encodings).
+local function mode_count(modes)
+  local c = string.find(modes, ':', 1, true)
+  if c then return c - 1 end
+  return #modes
+end
+
+-- The limits of a request's MODES: a table resource index -> limit, for
+-- its 'l' resources (an empty table when it has none).
+local function limits_of(modes)
+  local out = {}
+  local c = string.find(modes, ':', 1, true)
+  if not c then return out end
+  local it = string.gmatch(string.sub(modes, c + 1), '%d+')
+  for i = 1, c - 1 do
+    if string.sub(modes, i, i) == 'l' then out[i] = tonumber(it()) end
+  end
+  return out
 end
 
 -- The resource name of a lock key '{ns}:lock:<res>'.
@@ -375,10 +410,11 @@ end
 -- LOCK when the caller has it; nil: the first HSCAN page is read at once
 -- (one call where HLEN, then the page, would be two; a hash of up to 128
 -- fields, a listpack, comes whole in one page).
--- Returns (ms, freed, by): ms = the live holder's remaining liveness (it
--- blocks MODE), 0 when the purge budget ran out first (treat as blocked,
--- try again soon), or nil when no conflicting holder is left; by = that
--- live holder's token (nil when none was met).
+-- Returns (ms, freed, by, other): ms = the live holder's remaining liveness
+-- (it blocks MODE), 0 when the purge budget ran out first (treat as
+-- blocked, try again soon), or nil when no conflicting holder is left; by =
+-- that live holder's token (nil when none was met); other = 'l' when the
+-- lock's holders are limited, which MODE may not meet (nothing freed then).
 local function reclaim_holders(prefix, lock, mode, limit, n)
   if n == 0 or (mode == 's' and n ~= nil and n > 1) then return nil, 0 end
   local budget = purge_budget(limit)
@@ -389,10 +425,13 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
     if n == 1 then
       kv = redis.call('HGETALL', lock)
       cursor = '0'
+      if kv[2] and mode_of(kv[2]) == 'l' then return nil, 0, nil, 'l' end
     else
       local page = redis.call('HSCAN', lock, cursor, 'COUNT', int(limit))
       cursor, kv = page[1], page[2]
       seen = seen + #kv / 2
+      -- The holders of a lock are all limited or none is.
+      if seen > 0 and seen == #kv / 2 and mode_of(kv[2]) == 'l' then return nil, 0, nil, 'l' end
       -- Two holders or more are all shared: none conflicts with a shared MODE.
       if mode == 's' and seen > 1 then break end
     end
@@ -423,6 +462,68 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
     end
   end
   return ms, freed, by
+end
+
+-- The holders of the limited LOCK, for a request that may take a slot
+-- while fewer than CAP (its own limit) hold it. Fewer than CAP hold it (HLEN):
+-- not blocked, and one holder (HRANDFIELD) tells their mode. CAP or more
+-- hold it: their owners' liveness is read in HSCAN pages of LIMIT, dead
+-- ones are freed as reclaim_holders frees them, until CAP live ones are
+-- seen (blocked), or LIMIT live ones (blocked, conservatively), or the
+-- purge budget runs out (blocked, ms 0: try again at once), or the hash
+-- ends (not blocked). O(1) commands while a slot is free; O(CAP + holders
+-- freed) PTTLs, bounded by LIMIT, while the resource is full.
+-- Returns (ms, freed, by, live, other): ms = the soonest liveness end
+-- among the live holders seen when blocked, else nil; by = that holder's
+-- token; live = the live holders counted (all of them when not blocked);
+-- other = the holders' mode when they are not limited ('x' or 's': a name
+-- the request may not take limited; nothing freed then).
+local function reclaim_slots(prefix, lock, cap, limit)
+  local n = redis.call('HLEN', lock)
+  if n == 0 then return nil, 0, nil, 0 end
+  if n < cap then
+    local one = redis.call('HRANDFIELD', lock, '1', 'WITHVALUES')
+    if one[2] and mode_of(one[2]) ~= 'l' then return nil, 0, nil, n, mode_of(one[2]) end
+    return nil, 0, nil, n
+  end
+  local budget = purge_budget(limit)
+  local freed, live, dead_owners = 0, 0, {}
+  local cursor, ms, by, stop, first = '0', nil, nil, false, true
+  repeat
+    local page = redis.call('HSCAN', lock, cursor, 'COUNT', int(limit))
+    cursor = page[1]
+    local kv = page[2]
+    if first and kv[2] and mode_of(kv[2]) ~= 'l' then return nil, 0, nil, n, mode_of(kv[2]) end
+    first = false
+    for j = 1, #kv, 2 do
+      local t = kv[j]
+      local o = owner_of(t)
+      local left = owner_pttl(prefix, o)
+      if left >= 0 then
+        live = live + 1
+        if ms == nil or left < ms then ms, by = left, t end
+        if live >= cap or live >= limit then
+          stop = true
+          break
+        end
+      elseif redis.call('HDEL', lock, t) == 1 then
+        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
+        dead_owners[o] = true
+        freed = freed + 1
+        if freed >= budget then
+          ms, stop = 0, true
+          break
+        end
+      end
+    end
+  until stop or cursor == '0'
+  for o, _ in pairs(dead_owners) do
+    if not owner_holds(lock, o) then
+      registry_del(prefix, o, {name_of(prefix, lock)})
+    end
+  end
+  if not stop then return nil, freed, nil, live end
+  return ms, freed, by, live
 end
 
 local wake_front
@@ -456,13 +557,17 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   if st[1] ~= 'q' or not st[3] or not st[4] then return false end
   local owner = owner_of(token)
   local modes, names = st[3], split_names(st[4])
-  local n = #modes
+  local n = mode_count(modes)
   if #names ~= n then return false end
+  local caps = limits_of(modes)
   for i = 1, n do
     if prefix .. 'q:' .. names[i] ~= served then
       local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
       local hn = redis.call('HLEN', lock)
-      if hn > 0 then
+      local cap = caps[i]
+      if mode == 'l' then
+        if cap == nil or hn + 1 > cap then return false end
+      elseif hn > 0 then
         if mode == 'x' then return false end
         if hn == 1 and mode_of(redis.call('HVALS', lock)[1]) == 'x' then return false end
       end
@@ -470,8 +575,11 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
         local ahead = redis.call('ZRANGEBYSCORE', prefix .. 'q:' .. names[i], '-inf',
           '(' .. st[2], 'LIMIT', '0', int(limit))
         if #ahead >= limit then return false end
+        -- A limited request counts the entries ahead of it as slots taken.
+        if cap and hn + #ahead + 1 > cap then return false end
         for _, m in ipairs(ahead) do
-          if conflicts(mode, string.sub(m, 1, 1)) then return false end
+          local em = string.sub(m, 1, 1)
+          if conflicts(mode, em) or mixed(mode, em) then return false end
         end
       end
     end
@@ -527,6 +635,65 @@ local function serve(prefix, queue, m, st, limit, ttl_ms, plain)
   end
 end
 
+-- The limit queued request state ST (entry_state) asked for on the
+-- resource of QUEUE, or nil (not a limited request there).
+local function entry_cap(prefix, queue, st)
+  if not st[3] or not st[4] then return nil end
+  local names = split_names(st[4])
+  local caps = limits_of(st[3])
+  for i = 1, #names do
+    if prefix .. 'q:' .. names[i] == queue then return caps[i] end
+  end
+  return nil
+end
+
+-- Serve the head of the limited QUEUE now that N hold its lock: in arrival
+-- order, each live entry that fits (N, plus the entries served before it
+-- here, plus itself, is at most its own limit) is handed its locks
+-- (try_handoff) or, blocked elsewhere, woken; the first entry that does
+-- not fit ends it, so no later one goes past it here. Dead entries met are
+-- removed (drop_entry). The first page is one entry; later pages are no
+-- longer than the slots its limit leaves free, so a release that frees one
+-- slot reads one entry. Past LIMIT entries served or the purge budget, the
+-- next entry is woken: its own script carries on (acquire.lua step 6).
+-- Returns the number of entries served.
+local function serve_slots(prefix, queue, n, limit, ttl_ms, plain)
+  local budget = purge_budget(limit)
+  local pos, purged, room = 0, 0, 1
+  local cursor = '-inf'
+  local function wake_next()
+    local nxt = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'LIMIT', '0', '1')
+    if #nxt > 0 then wake(prefix, string.sub(nxt[1], 2), ttl_ms) end
+  end
+  while true do
+    local want = math.min(limit, room) - pos
+    if want <= 0 then break end
+    local page = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'WITHSCORES', 'LIMIT', '0', int(want))
+    for j = 1, #page, 2 do
+      local m = page[j]
+      cursor = '(' .. page[j + 1]
+      local st = entry_state(prefix, string.sub(m, 2))
+      if st == nil then
+        drop_entry(prefix, queue, m)
+        purged = purged + 1
+        if purged >= budget then
+          wake_next()
+          return pos
+        end
+      else
+        local cap = entry_cap(prefix, queue, st)
+        if cap == nil or n + pos + 1 > cap then return pos end
+        serve(prefix, queue, m, st, limit, ttl_ms, plain)
+        pos = pos + 1
+        if cap - n > room then room = cap - n end
+      end
+    end
+    if #page < 2 * want then return pos end
+  end
+  if pos >= limit then wake_next() end
+  return pos
+end
+
 -- Serve the head of QUEUE now that LOCK changed: every queued request that
 -- the holders of LOCK no longer block and that no earlier queued request
 -- blocks on this resource (the first entry if exclusive, only when the lock
@@ -555,6 +722,9 @@ wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
   if n == 1 and mode_of(redis.call('HVALS', lock)[1]) == 'x' then return 0 end
   local first = redis.call('ZRANGE', queue, '0', '0')
   if #first == 0 then return 0 end
+  if string.sub(first[1], 1, 1) == 'l' then
+    return serve_slots(prefix, queue, n, limit, ttl_ms, plain)
+  end
   if string.sub(first[1], 1, 1) == 'x' then
     local st = entry_state(prefix, string.sub(first[1], 2))
     if st then

@@ -23,7 +23,10 @@
 -- ARGV:
 --   1 token '<owner>|<request id>' (unique per acquisition; the owner id is
 --     read from it)
---   2 modes: one char per resource, 'x' exclusive or 's' shared
+--   2 modes: one char per resource, 'x' exclusive, 's' shared or 'l' one
+--     slot of a limited resource, then, with an 'l', ':' and each limited
+--     resource's limit in order, ',' separated ('xl:5'; _common.lua
+--     Encodings)
 --   3 flags, any of: 'q' join the wait queue when blocked (else try once),
 --     'n' a nested request (waits only for holders, queued first), 'l' this
 --     owner is in {ns}:owners already (an earlier grant or queued request
@@ -71,7 +74,10 @@
 --      that owner's registry); the live one blocks, and the resource's
 --      contended stream, if a holder watches it (wait_for_contender), gets
 --      an entry. A blocking task owner's park record is read: a grant in
---      transit is named in the reply.
+--      transit is named in the reply. A limited resource ('l'; its own
+--      limit from ARGV[2]) blocks while its limit or more live holders hold
+--      it (_common.lua reclaim_slots: one HLEN while a slot is free, else
+--      the holders' liveness, dead ones freed, bounded by ARGV[7]).
 --   5. Queue (not for nested requests): earlier entries are read in pages.
 --      One that conflicts blocks, unless its owner is dead or its state has
 --      expired, in which case the request is removed from every queue
@@ -80,7 +86,12 @@
 --      the same way and the scan reads on. Removed entries do not count
 --      against ARGV[7], which bounds the live entries looked at (past it:
 --      blocked, conservatively); at most 4 x ARGV[7] are removed per queue
---      (past it: blocked with wait_ms 0, to run again at once).
+--      (past it: blocked with wait_ms 0, to run again at once). On a
+--      limited resource every live entry ahead takes a slot first: the
+--      request is blocked unless its live holders, the live entries ahead
+--      and itself are at most its own limit (scan_slots).
+--      A resource held or queued for in the other kind (limited against
+--      exclusive or shared) ends the script: reply {-2, name, mode}.
 --   6. Not blocked: grant every lock (token -> mode and fence), add the
 --      resource names to the registry (one HSET; its buckets with flag 's'),
 --      each with the holder record (ARGV[10]) or '' as its value, SADD the
@@ -114,6 +125,10 @@
 --   reclaimed = dead holders' grants step 4 freed (for the metrics)
 --   {-1}               this owner's liveness is gone, or it is tombstoned:
 --                      use a new identity
+--   {-2, name, mode}   resource NAME is held or queued for as MODE ('x',
+--                      's' or 'l'), which this request's mode for it may not
+--                      meet (limited against exclusive or shared): this
+--                      call granted and queued nothing
 
 local prefix = ARGV[5]
 local token, modes, flags = ARGV[1], ARGV[2], ARGV[3]
@@ -122,7 +137,9 @@ local known = string.find(flags, 'l', 1, true) ~= nil
 local spill = string.find(flags, 's', 1, true) ~= nil
 local reg_ttl = ARGV[4]
 local register, holder = ARGV[8] or '', ARGV[10] or ''
-local n = #modes
+-- (_common.lua mode_count, inline: the fast path makes no closure for it)
+local colon = string.find(modes, ':', 1, true)
+local n = colon and colon - 1 or #modes
 local alive_key = prefix .. 'alive:' .. owner
 -- probe: the lock keys, then their queues (probe[n + i] is lock i's queue)
 local names, probe = {}, {}
@@ -176,6 +193,11 @@ if not first then
   queued = state[1] == 'q'
 end
 
+-- A limited request's limits (resource index -> its own limit)
+local caps = {}
+if colon then caps = limits_of(modes) end
+local live_held = {} -- resource index -> live holders of a limited lock
+
 local blocked, why = false, 'held'
 local wait_ms = -1
 local function note_wait(ms)
@@ -187,8 +209,16 @@ local transit = ''
 
 -- 4. holders
 for i = 1, n do
-  local lock = KEYS[i]
-  local ms, freed, by = reclaim_holders(prefix, lock, string.sub(modes, i, i), limit)
+  local lock, mode = KEYS[i], string.sub(modes, i, i)
+  local ms, freed, by, other
+  if mode == 'l' then
+    local live
+    ms, freed, by, live, other = reclaim_slots(prefix, lock, caps[i], limit)
+    live_held[i] = live
+  else
+    ms, freed, by, other = reclaim_holders(prefix, lock, mode, limit)
+  end
+  if other then return {-2, names[i], other} end
   if freed > 0 then
     rewake[i] = true
     reclaimed = reclaimed + freed
@@ -207,13 +237,57 @@ local function entry_dead(t)
   local ms = owner_pttl(prefix, owner_of(t))
   return ms < 0 or redis.call('EXISTS', prefix .. 'req:' .. t) == 0, ms
 end
+-- A limited resource: the live entries ahead take slots before this
+-- request; it fits while its live holders, the entries ahead and itself are
+-- at most its limit. Returns the mode of an entry that is not limited (the
+-- name is queued for otherwise), else nil.
+local function scan_slots(i, q, max, budget)
+  local room = caps[i] - (live_held[i] or 0) - 1
+  if room < 0 then return nil end -- the holders block it (step 4 read them)
+  local ahead, purged, cursor = 0, 0, '-inf'
+  while true do
+    local want = math.min(room + 1, limit) - ahead
+    local page = redis.call('ZRANGEBYSCORE', q, cursor, max, 'WITHSCORES', 'LIMIT', '0', int(want))
+    for j = 1, #page, 2 do
+      local m = page[j]
+      cursor = '(' .. page[j + 1]
+      if string.sub(m, 1, 1) ~= 'l' then return string.sub(m, 1, 1) end
+      local t = string.sub(m, 2)
+      if t ~= token then
+        local dead, ms = entry_dead(t)
+        if dead then
+          drop_entry(prefix, q, m)
+          rewake[i] = true
+          purged = purged + 1
+          if purged >= budget then
+            blocked, why = true, 'queued'
+            note_wait(0)
+            return nil
+          end
+        else
+          ahead = ahead + 1
+          if ahead > room or ahead >= limit then
+            blocked, why = true, 'queued'
+            note_wait(ms)
+            return nil
+          end
+        end
+      end
+    end
+    if #page < 2 * want then return nil end
+  end
+end
 if not nested then
   local max = '+inf'
   if queued then max = '(' .. state[2] end
   local budget = purge_budget(limit)
   for i = 1, n do
     local q, mode = probe[n + i], string.sub(modes, i, i)
-    local kept, purged, cursor, stop = 0, 0, '-inf', false
+    if mode == 'l' then
+      local other = scan_slots(i, q, max, budget)
+      if other then return {-2, names[i], other} end
+    end
+    local kept, purged, cursor, stop = 0, 0, '-inf', mode == 'l'
     local unchecked = {} -- compatible entries kept without a liveness check
     local function purge(m)
       drop_entry(prefix, q, m)
@@ -232,6 +306,7 @@ if not nested then
         local m = page[j]
         cursor = '(' .. page[j + 1]
         local t = string.sub(m, 2)
+        if string.sub(m, 1, 1) == 'l' then return {-2, names[i], 'l'} end
         if t == token then
           kept = kept + 1
         elseif not conflicts(mode, string.sub(m, 1, 1)) then

@@ -17,7 +17,8 @@
 -- Atomic steps: nothing unless the record is still 'granted' with fence
 -- ARGV[2] (not adopted, not withdrawn). Then, for each of its resources, the
 -- first ARGV[4] entries of its queue are read: every entry that waits for
--- the grant (all of them where the grant is exclusive; where it is shared,
+-- the grant (all of them where the grant is exclusive or limited: a slot
+-- it holds may be the one they wait for; where it is shared,
 -- those from the first exclusive entry on) and belongs to a process, not a
 -- task owner (a parked request holds no pool slot), gets 't' on its wake
 -- list (one element, expiring like any wake-up).
@@ -30,10 +31,11 @@ if st[1] ~= 'granted' or st[4] ~= ARGV[2] or not st[3] then return 0 end
 local names = split_names(st[3])
 local told = 0
 for i = 1, #names do
-  local waits = string.sub(st[2], i, i) == 'x'
+  -- an exclusive or limited grant may block any waiter behind it
+  local waits = string.sub(st[2], i, i) ~= 's'
   local page = redis.call('ZRANGE', prefix .. 'q:' .. names[i], '0', int(limit - 1))
   for _, m in ipairs(page) do
-    waits = waits or string.sub(m, 1, 1) == 'x'
+    waits = waits or string.sub(m, 1, 1) ~= 's'
     local t = string.sub(m, 2)
     if waits and not is_task_owner(owner_of(t)) then
       local k = prefix .. 'wake:' .. t

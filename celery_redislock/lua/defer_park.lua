@@ -14,7 +14,7 @@
 --   1 task id
 --   2 lowest life number to use (a dispatcher parking a task again: the
 --     withdrawn record's life + 1; else '0')
---   3 modes, one char per resource ('x' | 's')
+--   3 modes, as acquire.lua's ARGV[2] (limits included)
 --   4 resource names, '\n'-separated, same order
 --   5 the task message (JSON: name, args, kwargs, options)
 --   6 grant TTL, ms (how long a handed-over grant waits to be adopted)

@@ -18,7 +18,7 @@
 --
 -- ARGV:
 --   1 token '<owner>|<request id>' (the owner id is read from it)
---   2 modes, one char per resource ('x' | 's')
+--   2 modes, one char per resource ('x' | 's' | 'l'), as acquire.lua's ARGV[2]
 --   3 key prefix '{ns}:'
 --   4 request TTL in ms (for wake lists)
 --   5 queue scan limit
@@ -62,7 +62,7 @@ local token, modes, prefix = ARGV[1], ARGV[2], ARGV[3]
 local owner = owner_of(token)
 local req_ttl, limit = ARGV[4], tonumber(ARGV[5])
 local granted = ARGV[6] ~= '0'
-local n = #modes
+local n = mode_count(modes)
 local spilled = nil -- unknown: the bucket index tells (_common.lua registry_del)
 if ARGV[7] == '1' then spilled = true elseif ARGV[7] == '0' then spilled = false end
 local released, dequeued = 0, 0

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from .keys import FORMAT_VERSION, UNVERSIONED_FORMAT, Keyspace, holder_record, text
+from ..exceptions import InvalidResource
+from .keys import FORMAT_VERSION, MODE_NAMES, UNVERSIONED_FORMAT, Keyspace, holder_record, text
 from .options import EngineOptions
 from .request import Request
 
@@ -43,12 +44,13 @@ class ScriptCall(NamedTuple):
 
 
 class AdoptedGrant(NamedTuple):
-    """One grant adopt.lua moved: its new token, fence and resources by mode."""
+    """One grant adopt.lua moved: its new token, fence, resources and their
+    modes (one character each: :meth:`.RequestCache.from_spec`)."""
 
     token: str
     fence: int
-    exclusive: list[str]
-    shared: list[str]
+    names: list[str]
+    modes: str
 
 
 class Protocol:
@@ -247,10 +249,23 @@ def adopted_grants(reply: Any) -> list[AdoptedGrant]:
     out = []
     for entry in reply[1:]:
         token, fence, modes, *names = (text(x) for x in entry)
-        ex = [n for m, n in zip(modes, names) if m == "x"]
-        sh = [n for m, n in zip(modes, names) if m != "x"]
-        out.append(AdoptedGrant(token, int(fence), ex, sh))
+        out.append(AdoptedGrant(token, int(fence), names, modes))
     return out
+
+
+def mode_refusal(reply: Any) -> InvalidResource:
+    """The error of an acquire reply ``{-2, name, mode}``: the resource is
+    held or queued for in a mode this request's may not meet."""
+    name, mode = text(reply[1]), text(reply[2])
+    if mode == "l":
+        what = "as a limited resource, so it cannot also be taken exclusive or shared"
+    else:
+        what = f"{MODE_NAMES.get(mode, mode)}, so it cannot also be taken limited"
+    return InvalidResource(
+        f"resource {name!r} is held or waited for {what}: a name used with limited "
+        "is only ever taken limited",
+        name,
+    )
 
 
 def blocking_holder(modes: str, holders: Iterable[Any]) -> str | None:

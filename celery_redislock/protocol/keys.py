@@ -225,7 +225,7 @@ def task_token(owner_id: str, task_id: str) -> str:
 
 
 #: A grant's mode letter in a lock hash, by name.
-MODE_NAMES = {"x": "exclusive", "s": "shared"}
+MODE_NAMES = {"x": "exclusive", "s": "shared", "l": "limited"}
 
 
 def owner_of_token(token: str) -> str:
