@@ -140,7 +140,7 @@ def lock_holders(r: redis.Redis, namespace: str = "t") -> dict[str, dict[str, st
 
 def lock_fences(r: redis.Redis, lock_key: str) -> dict[str, int]:
     """{holder token: fencing token stored with its grant} of one lock hash."""
-    return {_s(t): int(_s(v)[1:]) for t, v in r.hgetall(lock_key).items()}
+    return {_s(t): int(_s(v)[1:].partition(":")[0]) for t, v in r.hgetall(lock_key).items()}
 
 
 def registries(r: redis.Redis, namespace: str = "t") -> dict[str, set[str]]:

@@ -14,7 +14,9 @@
 --   lock hash    field token -> '<mode><fence>': 'x' (exclusive), 's'
 --                (shared) or 'l' (one slot of a limited resource), then the
 --                grant's fencing token in decimal, e.g. 'x1764456000123456';
---                mode_of() reads the mode. The holders of one lock are one
+--                a slot then has ':' and the limit its request asked for
+--                ('l1764456000123456:5', for operators). mode_of() reads the
+--                mode, fence_of() the fencing token. The holders of one lock are one
 --                'x', or all 's', or all 'l' (a name is never taken both
 --                limited and exclusive or shared: the scripts refuse it)
 --   modes        a request's modes: one char per resource ('x', 's', 'l'),
@@ -75,6 +77,11 @@ end
 -- The mode of a lock hash value ('x' or 's').
 local function mode_of(v)
   return string.sub(v, 1, 1)
+end
+
+-- The fencing token of a lock hash value (see Encodings), a string.
+local function fence_of(v)
+  return string.match(v, '^.(%d+)')
 end
 
 -- Two modes conflict unless both are shared. Two limited requests do not
@@ -587,7 +594,9 @@ local function try_handoff(prefix, token, ttl_ms, limit, served, st)
   local fence = next_fence(prefix .. 'fence')
   for i = 1, n do
     local lock, mode = prefix .. 'lock:' .. names[i], string.sub(modes, i, i)
-    redis.call('HSET', lock, token, mode .. fence)
+    local v = mode .. fence
+    if mode == 'l' then v = v .. ':' .. int(caps[i]) end
+    redis.call('HSET', lock, token, v)
     redis.call('ZREM', prefix .. 'q:' .. names[i], mode .. token)
   end
   -- A task's request carries who it is (its holder record): the registry

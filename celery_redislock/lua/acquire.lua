@@ -167,8 +167,13 @@ end
 -- nobody holds or waits and this token is neither granted nor queued.
 if redis.call('EXISTS', unpack(probe)) == 0 then
   local fence = next_fence(prefix .. 'fence')
+  -- a slot's value carries its limit (_common.lua Encodings)
+  local nums = colon and string.gmatch(string.sub(modes, colon + 1), '%d+')
   for i = 1, n do
-    redis.call('HSET', KEYS[i], token, string.sub(modes, i, i) .. fence)
+    local mode = string.sub(modes, i, i)
+    local v = mode .. fence
+    if mode == 'l' then v = v .. ':' .. nums() end
+    redis.call('HSET', KEYS[i], token, v)
   end
   registry_add(prefix, owner, names, spill, holder)
   if not known then redis.call('SADD', prefix .. 'owners', owner) end
@@ -188,7 +193,7 @@ local req_key, wake_key = prefix .. 'req:' .. token, prefix .. 'wake:' .. token
 local state, queued = nil, false
 if not first then
   local granted = redis.call('HGET', KEYS[1], token)
-  if granted then return {1, string.sub(granted, 2)} end
+  if granted then return {1, fence_of(granted)} end
   state = redis.call('HMGET', req_key, 'state', 'seq')
   queued = state[1] == 'q'
 end
@@ -354,7 +359,9 @@ if not blocked then
   local fence = next_fence(prefix .. 'fence')
   for i = 1, n do
     local lock, mode = KEYS[i], string.sub(modes, i, i)
-    redis.call('HSET', lock, token, mode .. fence)
+    local v = mode .. fence
+    if mode == 'l' then v = v .. ':' .. int(caps[i]) end
+    redis.call('HSET', lock, token, v)
     if queued then
       redis.call('ZREM', probe[n + i], mode .. token)
       rewake[i] = true

@@ -111,7 +111,7 @@ local function grant_of(token, shape)
   local modes, names = string.sub(shape, 1, cut - 1), split_names(string.sub(shape, cut + 1))
   local v = redis.call('HGET', lock_prefix .. names[1], token)
   if not v then return nil end
-  local entry = {token, string.sub(v, 2), modes}
+  local entry = {token, fence_of(v), modes}
   for i = 1, #names do entry[#entry + 1] = names[i] end
   return entry
 end
@@ -186,7 +186,7 @@ for _, lock in ipairs(registry_locks()) do
         redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
         local g = grants[new]
         if not g then
-          g = {string.sub(v, 2), {}, {}}
+          g = {fence_of(v), {}, {}}
           grants[new] = g
           order[#order + 1] = new
         end

@@ -234,12 +234,20 @@ def owner_of_token(token: str) -> str:
 
 
 def parse_grant(value: str) -> tuple[str, int | None]:
-    """A lock hash value ``'<mode><fence>'`` (e.g. ``'x1764456000123456'``)
-    as (mode letter, fencing token or None)."""
+    """A lock hash value ``'<mode><fence>'`` (e.g. ``'x1764456000123456'``;
+    a slot of a limited resource adds ``':<limit>'``) as (mode letter,
+    fencing token or None)."""
     try:
-        return value[:1], int(value[1:])
+        return value[:1], int(value[1:].partition(":")[0])
     except ValueError:
         return value[:1], None
+
+
+def grant_limit(value: str) -> int | None:
+    """The limit a slot's request asked for, from its lock hash value
+    (``'l1764456000123456:5'`` -> 5); None for any other grant."""
+    _, sep, limit = value.partition(":")
+    return int(limit) if sep and limit.isdigit() else None
 
 
 def task_id_of_token(token: str) -> str | None:

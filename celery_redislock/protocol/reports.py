@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .keys import MODE_NAMES, owner_of_token, parse_grant, text
+from .keys import MODE_NAMES, grant_limit, owner_of_token, parse_grant, text
 
 
 @dataclass(frozen=True)
@@ -18,10 +18,12 @@ class LockHolder:
         owner_id: the process holding the grant (``<pid>-<random>``), or a
             task owner (``task:<task id>``; ``defer:<task id>`` for a parked
             deferred task) for a task message that is not running anywhere yet.
-        mode: ``"exclusive"`` or ``"shared"``.
+        mode: ``"exclusive"``, ``"shared"`` or ``"limited"`` (one slot).
         fencing_token: the grant's fencing token (None for a grant written
             without one).
         token: the grant's holder token, ``<owner>|<request id>``.
+        limit: for a slot of a limited resource, the limit its request
+            asked for; None for the other modes.
     """
 
     resource: str
@@ -29,12 +31,20 @@ class LockHolder:
     mode: str
     fencing_token: int | None
     token: str
+    limit: int | None = None
 
     @classmethod
     def from_grant(cls, resource: str, token: str, value: str) -> LockHolder:
         """The holder of lock hash field ``token`` with value ``value``."""
         mode, fence = parse_grant(value)
-        return cls(resource, owner_of_token(token), MODE_NAMES.get(mode, mode), fence, token)
+        return cls(
+            resource,
+            owner_of_token(token),
+            MODE_NAMES.get(mode, mode),
+            fence,
+            token,
+            grant_limit(value),
+        )
 
 
 @dataclass(frozen=True)
