@@ -481,8 +481,10 @@ end
 -- ends (not blocked). O(1) commands while a slot is free; O(CAP + holders
 -- freed) PTTLs, bounded by LIMIT, while the resource is full.
 -- Returns (ms, freed, by, live, other): ms = the soonest liveness end
--- among the live holders seen when blocked, else nil; by = that holder's
--- token; live = the live holders counted (all of them when not blocked);
+-- among the live holders seen when blocked, else nil; by = the token of the
+-- first live holder seen that is a task owner's (it may be a grant in
+-- transit: acquire.lua names it), else that of the soonest one; live = the
+-- live holders counted (all of them when not blocked);
 -- other = the holders' mode when they are not limited ('x' or 's': a name
 -- the request may not take limited; nothing freed then).
 local function reclaim_slots(prefix, lock, cap, limit)
@@ -496,6 +498,7 @@ local function reclaim_slots(prefix, lock, cap, limit)
   local budget = purge_budget(limit)
   local freed, live, dead_owners = 0, 0, {}
   local cursor, ms, by, stop, first = '0', nil, nil, false, true
+  local task_by = nil
   repeat
     local page = redis.call('HSCAN', lock, cursor, 'COUNT', int(limit))
     cursor = page[1]
@@ -509,6 +512,7 @@ local function reclaim_slots(prefix, lock, cap, limit)
       if left >= 0 then
         live = live + 1
         if ms == nil or left < ms then ms, by = left, t end
+        if task_by == nil and is_task_owner(o) then task_by = t end
         if live >= cap or live >= limit then
           stop = true
           break
@@ -530,7 +534,7 @@ local function reclaim_slots(prefix, lock, cap, limit)
     end
   end
   if not stop then return nil, freed, nil, live end
-  return ms, freed, by, live
+  return ms, freed, task_by or by, live
 end
 
 local wake_front
