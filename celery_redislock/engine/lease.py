@@ -121,7 +121,7 @@ class Lease:
 
     @property
     def resources(self) -> tuple[str, ...]:
-        """Every resource held: exclusive, then shared, then limited."""
+        """Every resource held, the exclusive ones first, then shared, then limited."""
         return self.exclusive + self.shared + tuple(self.limited)
 
     @property

@@ -369,9 +369,8 @@ class LockManager:
         Args:
             exclusive: resource names to hold alone (writer).
             shared: resource names to hold alongside other shared holders.
-            limited: resource name -> limit N (an int from 1 to
-                :data:`~celery_redislock.protocol.request.MAX_LIMIT`): one
-                slot of each, granted only while fewer than this request's
+            limited: resource name -> limit N (an int from 1 to 10,000):
+                one slot of each, granted only while fewer than this request's
                 own N hold the resource. A name used with ``limited`` is
                 only ever taken limited (:class:`InvalidResource` names the
                 other mode otherwise).

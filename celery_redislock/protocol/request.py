@@ -54,7 +54,7 @@ class Request:
 
     @property
     def resources(self) -> tuple[str, ...]:
-        """Every resource: exclusive, then shared, then limited."""
+        """Every resource, the exclusive ones first, then shared, then limited."""
         return self.exclusive + self.shared + self.limited
 
     @property
