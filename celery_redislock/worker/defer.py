@@ -166,8 +166,7 @@ def _record_args(
 def _queue_parked(
     mgr: LockManager,
     task_id: str,
-    token: str,
-    life: int,
+    reply: Any,
     req: Request,
     message: dict[str, Any],
     *,
@@ -176,10 +175,18 @@ def _queue_parked(
     holder: str,
     adopt_now: bool,
 ) -> ParkResult:
-    """The second round trip of a park: ``acquire.lua`` as the task owner of
-    the record just written. Granted at once: adopted here, or (``adopt_now``
-    False: a dispatcher parking a task again) dispatched. On any error the
-    task is withdrawn again and the error raised."""
+    """The second round trip of a park, after ``defer_park.lua`` replied
+    ``reply``: none when a record holds the task already (``duplicate``,
+    its ``state`` in the result) or the request to take over is no longer
+    queued (``not-queued``). Else ``acquire.lua`` as the task owner of the
+    record just written (its token and life: ``reply[2:4]``). Granted at
+    once: adopted here, or (``adopt_now`` False: a dispatcher parking a
+    task again) dispatched. On any error the task is withdrawn again and
+    the error raised."""
+    if int(reply[0]) == 0:
+        state = text(reply[1])
+        return ParkResult("not-queued" if state == "not-queued" else "duplicate", state=state)
+    token, life = text(reply[2]), int(reply[3])
     try:
         got = _attempt_as_task(
             mgr, token, req, liveness_ms=_ms(park_ttl), register=f"task {label}", holder=holder
@@ -220,6 +227,7 @@ def park(
     adopt_now: bool = True,
     min_life: int = 0,
     holder: str | None = None,
+    take_over: list[str] | None = None,
 ) -> ParkResult:
     """Queue ``req`` for a task owner of ``task_id`` and store its message.
 
@@ -237,6 +245,9 @@ def park(
     it first parked, unless the message has it already), from which the
     adopted grant's wait is measured (metrics). A task parked by a pool
     child (``adopt_now``) counts as one park for the metrics hook.
+    ``take_over``: ARGV 12-14 of ``defer_park.lua``, a waiting request
+    the task owner takes over (:func:`take_over`); then the result is
+    ``not-queued`` when that request is no longer queued.
     """
     task_owner(task_id)  # validates the id before anything is written
     if holder is None:
@@ -245,15 +256,11 @@ def park(
     record = _record_args(
         mgr, task_id, min_life, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl
     )
-    reply = mgr.channel.run(dc.defer_park(mgr.keys, task_id, record))
-    if int(reply[0]) == 0:
-        return ParkResult("duplicate", state=text(reply[1]))
-    token, life = text(reply[2]), int(reply[3])
+    reply = mgr.channel.run(dc.defer_park(mgr.keys, task_id, record, take_over))
     return _queue_parked(
         mgr,
         task_id,
-        token,
-        life,
+        reply,
         req,
         message,
         park_ttl=park_ttl,
@@ -319,32 +326,25 @@ def take_over(
     written); on any error after the record was written the task is
     withdrawn again and the error raised.
     """
-    task_owner(task_id)  # validates the id before anything is written
-    message = _park_fields(message, holder)
-    owner = task_owner(task_id)  # life 0; the script names the life it picked
-    record = _record_args(mgr, task_id, 0, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl)
-    take_over = [
+    # Validates the id before anything is written; life 0: the script names
+    # the life it picked.
+    owner = task_owner(task_id)
+    moves = [
         waiting,
         f"task {label}",
         # The holder record names the request id, the same in every life.
         holder_record(task_token(owner, task_id), holder) if holder else "",
     ]
-    reply = mgr.channel.run(dc.defer_park(mgr.keys, task_id, record, take_over))
-    if int(reply[0]) == 0:
-        state = text(reply[1])
-        return ParkResult("not-queued" if state == "not-queued" else "duplicate", state=state)
-    token, life = text(reply[2]), int(reply[3])
-    return _queue_parked(
+    return park(
         mgr,
         task_id,
-        token,
-        life,
         req,
         message,
         park_ttl=park_ttl,
+        grant_ttl=grant_ttl,
         label=label,
         holder=holder,
-        adopt_now=True,
+        take_over=moves,
     )
 
 
