@@ -39,6 +39,7 @@ docs/defer.md (D12) gives the races.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -287,35 +288,47 @@ def check(
     app = locks.app
     attempt = attempt_of(message)
     every = interval if every is None else max(float(every), interval)
+    # This guard message again (its life, seq, suspect and every as given).
+    again = functools.partial(send_guard, app, task_id, message, interval, gid=gid, seq=seq)
     try:
         what, record_life, state, delay = _look(locks, task_id, gid, seq, life, interval, attempt)
     except Exception as exc:
-        log.warning("defer.guard-retry id=%s error=%r: looking again later", task_id, exc)
-        send_guard(
-            app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=suspect,
-            every=every,
-        )  # fmt: skip
-        return "retry"
+        return _retry_later(again, task_id, exc, "looking again", life, suspect, every)
     if what == "rearm":
-        send_guard(
-            app, task_id, message, interval, life=record_life, gid=gid, seq=seq + 1, every=delay
-        )
+        again(life=record_life, seq=seq + 1, every=delay)
         return "rearm"
     if what != "none":
         return f"ended:{what}"
     if state not in ("DEFERRED", "PENDING"):
         # STARTED (task_track_started: a copy arrived and is about to park
         # or adopt), or a state of the task's own: look again later.
-        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, every=every)
+        again(life=life, every=every)
         return f"wait:{state}"
     if not suspect:
         # A record is briefly absent while a dispatcher parks a task again,
         # and a marker is written just after the adoption: look once more.
-        send_guard(app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=True)
+        again(life=life, suspect=True)
         return "suspect"
     if state == "PENDING":
         return _lost(app, task_id, message, life)
-    return _recover(locks, task_id, message, gid, seq, life, state, interval, every)
+    return _recover(locks, task_id, message, life, state, again, every)
+
+
+def _retry_later(
+    again: functools.partial[str],
+    task_id: str,
+    exc: Exception,
+    doing: str,
+    life: int,
+    suspect: bool,
+    every: float,
+) -> str:
+    """The lock Redis or the result backend did not answer (``exc``) while
+    ``doing``: send the same guard message again (``again``: :func:`send_guard`
+    of this guard), due after ``every``, and say ``retry``."""
+    log.warning("defer.guard-retry id=%s error=%r: %s later", task_id, exc, doing)
+    again(life=life, suspect=suspect, every=every)
+    return "retry"
 
 
 def _lost(app: Any, task_id: str, message: dict[str, Any], life: int) -> str:
@@ -342,31 +355,24 @@ def _recover(
     locks: Any,
     task_id: str,
     message: dict[str, Any],
-    gid: str,
-    seq: int,
     life: int,
     state: str,
-    interval: float,
+    again: functools.partial[str],
     every: float,
 ) -> str:
     """The lock Redis lost a parked task that neither ran nor started: park
     it again here, and keep guarding it (``recovered``), or look again later
-    when the lock Redis does not answer (``retry``)."""
+    when the lock Redis does not answer (``retry``). ``again``: this guard's
+    :func:`send_guard`."""
     from ..worker.defer import park_again
 
-    app = locks.app
     try:
         # Parked here, record-first, in a life above any this guard saw: every
         # guard of the task may do this, the record keeps one; a copy of an
         # older life still in the broker finds nothing of its own to adopt.
         result = park_again(locks.manager, task_id, message, life + 1)
     except Exception as exc:
-        log.warning("defer.guard-retry id=%s error=%r: parking it again later", task_id, exc)
-        send_guard(
-            app, task_id, message, interval, life=life, gid=gid, seq=seq, suspect=True,
-            every=every,
-        )  # fmt: skip
-        return "retry"
+        return _retry_later(again, task_id, exc, "parking it again", life, True, every)
     log.error(
         "defer.recovered id=%s task=%s state=%s outcome=%s life=%d: the lock Redis held no "
         "record of this parked task (it lost its data: a restart without persistence, or "
@@ -379,7 +385,7 @@ def _recover(
         result.life,
     )
     new_life = result.life if result.life >= 0 else life
-    send_guard(app, task_id, message, interval, life=new_life, gid=gid, seq=seq)
+    again(life=new_life)
     return "recovered" if result.outcome == "parked" else f"recovered:{result.outcome}"
 
 
