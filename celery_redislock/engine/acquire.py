@@ -218,17 +218,10 @@ class Acquirer(Part):
         take_over = None if nested else ctx.take_over
         # A task's own request id (``task:<id>``, set by UniqueTask around
         # the call) makes the grant name its task, like acquire_for_task's.
+        ident = self.start_liveness()
         t = _Try(
-            req,
-            depth,
-            self._liveness.identity.current(),
-            ctx.request_id,
-            timeout,
-            nested,
-            take_over,
-            self._options.owner_ttl,
+            req, depth, ident, ctx.request_id, timeout, nested, take_over, self._options.owner_ttl
         )
-        self.start_liveness()
         try:
             return self._loop(t, ctx)
         except RequestMoved:
