@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import redis
 from redis.cluster import RedisCluster
@@ -98,6 +98,22 @@ __all__ = [
 ]
 
 log = logging.getLogger("celery_redislock.acquire")
+_T = TypeVar("_T")
+
+
+class _Option(Generic[_T]):
+    """A manager attribute that reads the :class:`EngineOptions` field of
+    its own name (``manager.owner_ttl`` is ``manager.options.owner_ttl``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, manager: None, cls: type) -> _Option[_T]: ...
+    @overload
+    def __get__(self, manager: LockManager, cls: type | None = None) -> _T: ...
+    def __get__(self, manager: LockManager | None, cls: type | None = None) -> Any:
+        return self if manager is None else getattr(manager.options, self._name)
 
 
 class LockManager:
@@ -188,6 +204,16 @@ class LockManager:
     ``contenders()`` are one round trip each; nothing ever SCANs the keyspace.
     """
 
+    owner_ttl = _Option[float]()
+    heartbeat_interval = _Option[float]()
+    queue_scan_limit = _Option[int]()
+    name = _Option[str | None]()
+    wait_replicas = _Option[int]()
+    wait_timeout = _Option[float]()
+    wait_policy = _Option[str]()
+    #: Seconds the local liveness deadline keeps from owner_ttl.
+    liveness_margin = _Option[float]()
+
     def __init__(
         self,
         redis_url: str | AnyRedis = "redis://127.0.0.1:6379/0",
@@ -230,15 +256,6 @@ class LockManager:
         self.keys = Keyspace(namespace)
         self.namespace = namespace
         self.client, self.url = made[0]
-        self.owner_ttl = opts.owner_ttl
-        self.heartbeat_interval = opts.heartbeat_interval
-        self.queue_scan_limit = opts.queue_scan_limit
-        self.name = opts.name
-        self.wait_replicas = opts.wait_replicas
-        self.wait_timeout = opts.wait_timeout
-        self.wait_policy = opts.wait_policy
-        #: Seconds the local liveness deadline keeps from owner_ttl.
-        self.liveness_margin = opts.liveness_margin
         self._build_parts(opts, metrics)
 
     def _build_parts(self, opts: EngineOptions, metrics: MetricsHook | None) -> None:
