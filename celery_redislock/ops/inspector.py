@@ -375,7 +375,7 @@ class Inspector:
     Raises :class:`RedisUnavailable` (naming the URL) when Redis cannot be
     reached; nothing here writes, so an interrupted call leaves no trace.
 
-    One class holds every view (about 700 lines), so that the CLI, the
+    One class holds every view (about 740 lines), so that the CLI, the
     metrics collector and users' scripts read the namespace the same
     batched way; its batched readers and its release plans are the parts to
     move out first when it grows.
@@ -721,35 +721,8 @@ class Inspector:
         parsed = [(text(m, "replace"), float(score)) for m, score in entries]
         tokens = [m[1:] for m, _ in parsed]
         live = self.liveness(owner_of_token(t) for t in tokens)
-        states: dict[str, str | None] = {}
-        # A request made by a Celery task carries its holder record.
-        tasks: dict[str, tuple[str | None, str | None]] = {}
-        for batch in self._batches(tokens):
-            pipe = self._pipe()
-            for token in batch:
-                pipe.hmget(self.keys.req(token), "state", "holder")
-            for token, got in zip(batch, self._run(pipe)):
-                if isinstance(got, Exception):
-                    states[token] = None
-                    continue
-                states[token] = _opt_text(got[0])
-                record = _opt_text(got[1])
-                info = holder_info_of(record, token) if record else None
-                if info is not None:
-                    name, task_id, _node = _holder_fields(info)
-                    tasks[token] = (name, task_id)
-        parked: dict[str, str | None] = {}  # token -> task name (deferred tasks)
-        deferred = [t for t in tokens if "|task:" in t]
-        for batch in self._batches(deferred):
-            pipe = self._pipe()
-            for token in batch:
-                pipe.hmget(
-                    self.keys.prefix + "defer:" + token.split("|task:", 1)[1], "token", "msg"
-                )
-            for token, got in zip(batch, self._run(pipe)):
-                if isinstance(got, Exception) or _opt_text(got[0]) != token:
-                    continue
-                parked[token] = _task_name(_opt_text(got[1]))
+        states, tasks = self._request_records(tokens)
+        parked = self._parked_tasks(tokens)
         out: list[Waiter] = []
         for pos, ((member, score), token) in enumerate(zip(parsed, tokens), start=1):
             owner = owner_of_token(token)
@@ -783,6 +756,49 @@ class Inspector:
                 )
             )
         return out
+
+    def _request_records(
+        self, tokens: Sequence[str]
+    ) -> tuple[dict[str, str | None], dict[str, tuple[str | None, str | None]]]:
+        """Each queued request's state (``q``, ``g``; None when its record
+        is gone) and, for a request a Celery task made, that task's name and
+        id (from the holder record it carries): one HMGET per request,
+        pipelined in batches."""
+        states: dict[str, str | None] = {}
+        tasks: dict[str, tuple[str | None, str | None]] = {}
+        for batch in self._batches(tokens):
+            pipe = self._pipe()
+            for token in batch:
+                pipe.hmget(self.keys.req(token), "state", "holder")
+            for token, got in zip(batch, self._run(pipe)):
+                if isinstance(got, Exception):
+                    states[token] = None
+                    continue
+                states[token] = _opt_text(got[0])
+                record = _opt_text(got[1])
+                info = holder_info_of(record, token) if record else None
+                if info is not None:
+                    name, task_id, _node = _holder_fields(info)
+                    tasks[token] = (name, task_id)
+        return states, tasks
+
+    def _parked_tasks(self, tokens: Sequence[str]) -> dict[str, str | None]:
+        """token -> task name of each request a parked deferred task made
+        (its park record names the token): one HMGET per task owner's
+        request, pipelined in batches."""
+        parked: dict[str, str | None] = {}
+        deferred = [t for t in tokens if "|task:" in t]
+        for batch in self._batches(deferred):
+            pipe = self._pipe()
+            for token in batch:
+                pipe.hmget(
+                    self.keys.prefix + "defer:" + token.split("|task:", 1)[1], "token", "msg"
+                )
+            for token, got in zip(batch, self._run(pipe)):
+                if isinstance(got, Exception) or _opt_text(got[0]) != token:
+                    continue
+                parked[token] = _task_name(_opt_text(got[1]))
+        return parked
 
     def queue_lengths(self) -> list[QueueLength]:
         """Every resource somebody waits for, with its number of queued requests.
@@ -973,19 +989,7 @@ class Inspector:
             if max_owners is not None and owners + len(batch) > max_owners:
                 batch = batch[: max(0, max_owners - owners)]
                 truncated = True
-            pipe = self._pipe()
-            for owner in batch:
-                pipe.exists(self.keys.alive(owner))
-                pipe.hlen(self.keys.held(owner))
-                pipe.hvals(self.keys.waits(owner))
-                pipe.hlen(self.keys.held_index(owner))
-            replies = self._run(pipe) if batch else []
-            for j in range(len(batch)):
-                is_alive, n, queued, spilled = replies[4 * j : 4 * j + 4]
-                n = 0 if isinstance(n, Exception) else int(n)
-                if _is_spilled(spilled):
-                    n = len(self.registry(batch[j]))
-                queued = [] if isinstance(queued, Exception) else list(queued)
+            for is_alive, n, queued in self._owner_states(batch):
                 w = len(queued)
                 for value in queued:
                     for name in _waited_names(value):
@@ -995,7 +999,7 @@ class Inspector:
                 waiting_only += 1 if w and not n else 0
                 owners += 1
                 registered += n
-                if is_alive and not isinstance(is_alive, Exception):
+                if is_alive:
                     alive += 1
                 else:
                     dead += 1
@@ -1033,6 +1037,30 @@ class Inspector:
             busiest_resource=top[0].resource if top else None,
             busiest_waiting=top[0].waiting if top else 0,
         )
+
+    def _owner_states(self, batch: Sequence[str]) -> list[tuple[bool, int, list[Any]]]:
+        """Per owner of ``batch``: whether it is alive, its registry size and
+        its waits-hash values. One pipeline (EXISTS, HLEN of the registry,
+        HVALS of the waits hash, HLEN of the bucket index, each); a registry
+        that spilled is then read."""
+        if not batch:
+            return []
+        pipe = self._pipe()
+        for owner in batch:
+            pipe.exists(self.keys.alive(owner))
+            pipe.hlen(self.keys.held(owner))
+            pipe.hvals(self.keys.waits(owner))
+            pipe.hlen(self.keys.held_index(owner))
+        replies = self._run(pipe)
+        out: list[tuple[bool, int, list[Any]]] = []
+        for j, owner in enumerate(batch):
+            is_alive, n, queued, spilled = replies[4 * j : 4 * j + 4]
+            n = 0 if isinstance(n, Exception) else int(n)
+            if _is_spilled(spilled):
+                n = len(self.registry(owner))
+            queued = [] if isinstance(queued, Exception) else list(queued)
+            out.append((bool(is_alive) and not isinstance(is_alive, Exception), n, queued))
+        return out
 
     # -- release planning ------------------------------------------------
 
