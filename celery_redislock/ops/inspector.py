@@ -133,8 +133,10 @@ class Liveness(_Record):
 
 
 @dataclass(frozen=True)
-class Holder(_Record):
-    """One grant stored in a lock hash."""
+class _Grant(_Record):
+    """What a :class:`Holder` and a :class:`Waiter` both say: the resource,
+    the grant's (or queued request's) token and mode, and its owner's
+    liveness."""
 
     resource: str
     token: str
@@ -143,6 +145,24 @@ class Holder(_Record):
     alive: bool
     ttl: float | None
     description: str | None
+
+
+@dataclass(frozen=True)
+class _InLine(_Record):
+    """A :class:`Waiter`'s first two fields. A dataclass takes its fields
+    from its bases in reverse order of the MRO, a field it meets again
+    keeping its first place: ``Waiter(_Grant, _InLine)`` has ``resource``
+    and ``position`` first, then ``_Grant``'s others, so its repr,
+    positional arguments and ``as_dict()`` (``--json``) keep that order."""
+
+    resource: str
+    position: int
+
+
+@dataclass(frozen=True)
+class Holder(_Grant):
+    """One grant stored in a lock hash."""
+
     #: Fencing token of the grant (stored with it in the lock hash).
     fence: int | None = None
     #: The Celery task holding it (name, id) and its worker node, when the
@@ -163,17 +183,9 @@ def _holder_fields(value: Any) -> tuple[str | None, str | None, str | None]:
 
 
 @dataclass(frozen=True)
-class Waiter(_Record):
+class Waiter(_Grant, _InLine):
     """One queued request of a resource, in serving order (``position`` 1 first)."""
 
-    resource: str
-    position: int
-    token: str
-    owner_id: str
-    mode: str
-    alive: bool
-    ttl: float | None
-    description: str | None
     #: A nested request (made from inside a held lock) sorts before the others.
     nested: bool
     #: ``queued``; ``parked`` (a deferred task, docs/defer.md); ``granted``
