@@ -287,7 +287,11 @@ def redislock(ctx: click.Context, url: str | None, namespace: str | None, **_: A
 @_command_options
 @click.pass_context
 def status(ctx: click.Context, url: str | None, namespace: str | None, as_json: bool) -> None:
-    """Summary: owners alive/dead, registered locks, eviction policy, fence."""
+    """Summary: owners alive/dead, registered locks, eviction policy, fence.
+
+    The `limited` row counts the limited resources held or waited for, the
+    slots their holders take and the requests queued for one.
+    """
     insp = _inspector(ctx, url, namespace)
 
     def run() -> None:
@@ -324,6 +328,11 @@ def status(ctx: click.Context, url: str | None, namespace: str | None, as_json: 
                     else ""
                 ),
             ),
+            (
+                "limited",
+                f"{st.limited_resources} resource(s), {st.limited_slots} slot(s) held, "
+                f"{st.limited_waiting} request(s) queued",
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
@@ -335,6 +344,16 @@ def status(ctx: click.Context, url: str | None, namespace: str | None, as_json: 
 
 
 # ---------------------------------------------------------------- locks
+
+
+def _slot_mode(info: LockInfo, h: Holder) -> str:
+    """MODE of a holder: a slot of a limited resource shows the slots held
+    and the limit (``limited 3/5``; ``limited 4/3 (limits 3,5)`` while the
+    holders asked for different limits)."""
+    if info.slots is None or h.limit is None:
+        return h.mode
+    mixed = f" (limits {','.join(map(str, info.limits))})" if len(info.limits) > 1 else ""
+    return f"{h.mode} {info.slots}{mixed}"
 
 
 def _holder_rows(infos: Sequence[LockInfo]) -> list[tuple[str, ...]]:
@@ -351,7 +370,7 @@ def _holder_rows(infos: Sequence[LockInfo]) -> list[tuple[str, ...]]:
             rows.append(
                 (
                     h.resource,
-                    h.mode,
+                    _slot_mode(info, h),
                     h.owner_id,
                     _life(h.alive, h.ttl),
                     str(info.waiting),
@@ -378,7 +397,9 @@ def locks(
 
     Walks the active-owners set and each owner's registry (SSCAN), never the
     keyspace. A lock whose owner is DEAD is freed by the next acquirer, by
-    `reconcile`, or by `release --owner`.
+    `reconcile`, or by `release --owner`. A slot of a limited resource
+    shows as `limited 3/5` (slots held / the limit of the most recent
+    grant; every limit its holders asked for while they differ).
     """
     insp = _inspector(ctx, url, namespace)
 
@@ -491,6 +512,7 @@ def waiters(
     """The wait queue of RESOURCE, in the order it will be served.
 
     Without RESOURCE: every resource somebody waits for, longest queue first.
+    A request for a slot of a limited resource shows the limit it asked for.
     """
     insp = _inspector(ctx, url, namespace)
     if resource is None:
@@ -508,7 +530,9 @@ def waiters(
         rows = [
             (
                 str(w.position),
-                w.mode + (" (nested)" if w.nested else ""),
+                w.mode
+                + (f" (limit {w.limit})" if w.limit is not None else "")
+                + (" (nested)" if w.nested else ""),
                 w.owner_id,
                 _life(w.alive, w.ttl),
                 w.state,

@@ -44,6 +44,7 @@ from ..protocol.keys import (
     FORMAT_VERSION,
     MODE_NAMES,
     UNVERSIONED_FORMAT,
+    grant_limit,
     holder_info_of,
     owner_of_token,
     parse_grant,
@@ -170,6 +171,9 @@ class Holder(_Grant):
     task_name: str | None = None
     task_id: str | None = None
     node: str | None = None
+    #: For a slot of a limited resource, the limit its request asked for
+    #: (stored with the grant); None for the other modes.
+    limit: int | None = None
 
 
 def _holder_fields(value: Any) -> tuple[str | None, str | None, str | None]:
@@ -197,6 +201,9 @@ class Waiter(_Grant, _InLine):
     task_id: str | None = None
     #: Name of that task, else None.
     task_name: str | None = None
+    #: For a request of a slot of a limited resource, the limit it asked
+    #: for; None for the other modes (or an expired request).
+    limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,17 @@ class LockInfo(_Record):
     #: None for a lock hash; the Redis type otherwise (kept by cleanup, see
     #: invariant 4: an odd key is reported, never silently dropped).
     odd_type: str | None = None
+    #: A limited resource's limit: the one the most recent slot's request
+    #: asked for (highest fencing token); None unless slots are held.
+    limit: int | None = None
+    #: Every limit its holders' requests asked for, ascending: two while a
+    #: rolling deploy changes the limit (:func:`limit_of_slots`).
+    limits: tuple[int, ...] = ()
+
+    @property
+    def slots(self) -> str | None:
+        """``"3/5"`` (slots held / :attr:`limit`) for a limited resource, else None."""
+        return None if self.limit is None else f"{len(self.holders)}/{self.limit}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -219,6 +237,8 @@ class LockInfo(_Record):
             "holders": [h.as_dict() for h in self.holders],
             "waiting": self.waiting,
             "odd_type": self.odd_type,
+            "limit": self.limit,
+            "limits": list(self.limits),
         }
 
 
@@ -297,6 +317,12 @@ class Status(_Record):
     #: when nothing waits).
     busiest_resource: str | None = None
     busiest_waiting: int = 0
+    #: Limited resources (``limited={name: N}``) held or waited for, the
+    #: slots their holders take (dead holders' included, until freed) and
+    #: the requests queued for one of them (see :class:`LimitedInfo`).
+    limited_resources: int = 0
+    limited_slots: int = 0
+    limited_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -307,11 +333,98 @@ class QueueLength(_Record):
     waiting: int
 
 
+@dataclass(frozen=True)
+class LimitedInfo(_Record):
+    """One limited resource (``limited={name: N}``): slots held, limit, queue.
+
+    Found by :meth:`Inspector.limited` from the owners' registries (the
+    resources they hold, each read once: one ``HRANDFIELD`` tells its mode)
+    and their waits hashes (the requests queued for it).
+    """
+
+    resource: str
+    #: Slots held: the lock hash's grants (a dead holder's slot counts until
+    #: it is freed, as in ``redislock locks``).
+    slots: int
+    #: The limit the most recent slot's request asked for (None when no slot
+    #: is held, only requests wait); see :func:`limit_of_slots`.
+    limit: int | None
+    #: Every limit the holders' requests asked for, ascending.
+    limits: tuple[int, ...]
+    #: Requests queued for a slot (from the owners' waits hashes).
+    waiting: int
+
+    def as_dict(self) -> dict[str, Any]:
+        record = super().as_dict()
+        record["limits"] = list(self.limits)
+        return record
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What one walk of the owners found (:meth:`Inspector.summary`)."""
+
+    status: Status
+    #: The limited resources, busiest first (most requests queued, then most
+    #: slots held, then by name).
+    limited: tuple[LimitedInfo, ...]
+
+
+def limit_of_slots(
+    grants: Iterable[tuple[int | None, int | None]],
+) -> tuple[int | None, tuple[int, ...]]:
+    """The limit shown for a limited resource, and every limit its holders
+    asked for, from its slots' ``(fencing token, limit)``.
+
+    A limit belongs to each request, so while a rolling deploy changes it
+    the holders carry two. The one shown is the most recent grant's (the
+    highest fencing token): what the newest requests ask for, so ``4/3``
+    after a deploy that lowered the limit from 5 to 3 says the resource is
+    above the new limit until holders of the old one leave (the engine
+    grants each request only below its own limit: docs/design.md, "Two
+    limits for one resource").
+    """
+    best: tuple[int, int] | None = None
+    seen: set[int] = set()
+    for fence, limit in grants:
+        if limit is None:
+            continue
+        seen.add(limit)
+        key = (fence if fence is not None else -1, limit)
+        if best is None or key > best:
+            best = key
+    return (best[1] if best is not None else None), tuple(sorted(seen))
+
+
+def request_modes(spec: str, names: Sequence[str]) -> dict[str, tuple[str, int | None]]:
+    """``name -> (mode letter, limit or None)`` of a request's modes spec
+    (``xl:5``: one letter per resource, then the limits of its ``l`` ones)
+    and its resource names, as the request state and the waits hash store them."""
+    modes, _, tail = spec.partition(":")
+    limits = [int(n) if n.isdigit() else None for n in tail.split(",")] if tail else []
+    out: dict[str, tuple[str, int | None]] = {}
+    k = 0
+    for i, name in enumerate(names):
+        mode = modes[i : i + 1]
+        limit = None
+        if mode == "l":
+            limit = limits[k] if k < len(limits) else None
+            k += 1
+        out[name] = (mode, limit)
+    return out
+
+
 def _waited_names(value: Any) -> list[str]:
     """The resource names of one waits-hash value ``modes\nname\nname...``."""
     if value is None or isinstance(value, Exception):
         return []
     return [n for n in text(value, "replace").split("\n")[1:] if n]
+
+
+def _limited_names(value: Any) -> list[str]:
+    """The names a waits-hash value ``modes\nname...`` queues for a slot of."""
+    parts = text(value, "replace").split("\n")
+    return [n for n, (m, _) in request_modes(parts[0], parts[1:]).items() if m == "l" and n]
 
 
 def _by_length(counts: dict[str, int]) -> list[QueueLength]:
@@ -630,12 +743,15 @@ class Inspector:
             for key, t in zip(batch, self._run(pipe)):
                 types[key] = text(t, "replace")
         grants: list[tuple[str, str, str, int | None]] = []  # key, token, mode, fence
+        limits: dict[tuple[str, str], int] = {}  # (key, token) -> limit of a slot
         for key, h, _ in raw:
             if isinstance(h, dict):
                 for token, value in h.items():
-                    grants.append(
-                        (key, text(token, "replace"), *parse_grant(text(value, "replace")))
-                    )
+                    grant = text(value, "replace")
+                    grants.append((key, text(token, "replace"), *parse_grant(grant)))
+                    limit = grant_limit(grant)
+                    if limit is not None:
+                        limits[key, grants[-1][1]] = limit
         live = self.liveness(owner_of_token(t) for _, t, _, _ in grants)
         tasks = self._holder_infos([(self.resource_of(k), t) for k, t, _, _ in grants])
         holders: dict[str, list[Holder]] = {}
@@ -656,11 +772,13 @@ class Inspector:
                     task_name=task_name,
                     task_id=task_id,
                     node=node or describe_fields(lv.description).get("name"),
+                    limit=limits.get((key, token)),
                 )
             )
         out: list[LockInfo] = []
         for key, _h, waiting in raw:
             hs = sorted(holders.get(key, []), key=lambda x: (x.mode != "exclusive", x.owner_id))
+            limit, all_limits = limit_of_slots((h.fence, h.limit) for h in hs)
             out.append(
                 LockInfo(
                     resource=self.resource_of(key),
@@ -668,6 +786,8 @@ class Inspector:
                     holders=tuple(hs),
                     waiting=0 if isinstance(waiting, Exception) else int(waiting),
                     odd_type=types.get(key),
+                    limit=limit,
+                    limits=all_limits,
                 )
             )
         return out
@@ -733,7 +853,7 @@ class Inspector:
         parsed = [(text(m, "replace"), float(score)) for m, score in entries]
         tokens = [m[1:] for m, _ in parsed]
         live = self.liveness(owner_of_token(t) for t in tokens)
-        states, tasks = self._request_records(tokens)
+        states, tasks, asked = self._request_records(tokens, resource)
         parked = self._parked_tasks(tokens)
         out: list[Waiter] = []
         for pos, ((member, score), token) in enumerate(zip(parsed, tokens), start=1):
@@ -765,23 +885,28 @@ class Inspector:
                         else tasks.get(token, (None, None))[1]
                     ),
                     task_name=parked.get(token) if is_parked else tasks.get(token, (None,))[0],
+                    limit=asked.get(token),
                 )
             )
         return out
 
     def _request_records(
-        self, tokens: Sequence[str]
-    ) -> tuple[dict[str, str | None], dict[str, tuple[str | None, str | None]]]:
+        self, tokens: Sequence[str], resource: str
+    ) -> tuple[
+        dict[str, str | None], dict[str, tuple[str | None, str | None]], dict[str, int | None]
+    ]:
         """Each queued request's state (``q``, ``g``; None when its record
-        is gone) and, for a request a Celery task made, that task's name and
-        id (from the holder record it carries): one HMGET per request,
-        pipelined in batches."""
+        is gone), for a request a Celery task made, that task's name and
+        id (from the holder record it carries), and for a request of a slot
+        of ``resource``, the limit it asked for (from its modes spec): one
+        HMGET per request, pipelined in batches."""
         states: dict[str, str | None] = {}
         tasks: dict[str, tuple[str | None, str | None]] = {}
+        asked: dict[str, int | None] = {}
         for batch in self._batches(tokens):
             pipe = self._pipe()
             for token in batch:
-                pipe.hmget(self.keys.req(token), "state", "holder")
+                pipe.hmget(self.keys.req(token), "state", "holder", "modes", "res")
             for token, got in zip(batch, self._run(pipe)):
                 if isinstance(got, Exception):
                     states[token] = None
@@ -792,7 +917,10 @@ class Inspector:
                 if info is not None:
                     name, task_id, _node = _holder_fields(info)
                     tasks[token] = (name, task_id)
-        return states, tasks
+                spec, res = _opt_text(got[2]), _opt_text(got[3])
+                if spec and res and "l" in spec.partition(":")[0]:
+                    asked[token] = request_modes(spec, res.split("\n")).get(resource, ("", None))[1]
+        return states, tasks, asked
 
     def _parked_tasks(self, tokens: Sequence[str]) -> dict[str, str | None]:
         """token -> task name of each request a parked deferred task made
@@ -981,11 +1109,27 @@ class Inspector:
     def status(self, *, max_owners: int | None = None) -> Status:
         """Counts of owners, registered locks and queued requests, eviction policy, fence.
 
-        Per batch of owners one pipeline (EXISTS, HLEN of the registry, HVALS
-        of the waits hash, each). With
-        ``max_owners``, stops after that many owners (``truncated``), which
-        bounds the cost of a periodic caller (the metrics endpoint).
+        Per batch of owners one pipeline (EXISTS, HKEYS of the registry,
+        HVALS of the waits hash, HLEN of its bucket index, each), then one
+        ``HRANDFIELD`` per resource held (its mode: are limited resources
+        among them?) and one ``HVALS`` per limited one, pipelined in
+        batches (:meth:`summary`). With ``max_owners``, stops after that
+        many owners (``truncated``), which bounds the cost of a periodic
+        caller (the metrics endpoint).
         """
+        return self.summary(max_owners=max_owners).status
+
+    def limited(self, *, max_owners: int | None = None) -> list[LimitedInfo]:
+        """Every limited resource held or waited for: slots held, limit, queue.
+
+        Busiest first (most requests queued, then most slots held). The
+        walk of :meth:`status` (its cost, its ``max_owners``): the resources
+        the owners' registries name and their waits hashes queue for.
+        """
+        return list(self.summary(max_owners=max_owners).limited)
+
+    def summary(self, *, max_owners: int | None = None) -> Summary:
+        """:meth:`status` and :meth:`limited` from one walk of the owners."""
         # INFO refused by the ACL raises PermissionDenied here (an unknown
         # eviction policy must not pass for an answer); the documented ACL
         # grants it.
@@ -996,16 +1140,22 @@ class Inspector:
         owners = alive = dead = registered = dead_locks = waiting = 0
         holding = waiting_only = 0
         per_resource: dict[str, int] = {}
+        held_names: set[str] = set()
+        limited_queued: set[str] = set()
         truncated = False
         for batch in self.owner_ids():
             if max_owners is not None and owners + len(batch) > max_owners:
                 batch = batch[: max(0, max_owners - owners)]
                 truncated = True
-            for is_alive, n, queued in self._owner_states(batch):
+            for is_alive, held, queued in self._owner_states(batch):
+                n = len(held)
+                held_names.update(held)
                 w = len(queued)
                 for value in queued:
                     for name in _waited_names(value):
                         per_resource[name] = per_resource.get(name, 0) + 1
+                    if "l" in text(value, "replace").partition("\n")[0].partition(":")[0]:
+                        limited_queued.update(_limited_names(value))
                 waiting += w
                 holding += 1 if n else 0
                 waiting_only += 1 if w and not n else 0
@@ -1019,6 +1169,7 @@ class Inspector:
             if truncated:
                 break
         top = _by_length(per_resource)[:1]
+        limited = self._limited_infos(sorted(held_names), limited_queued, per_resource)
         warnings: list[str] = []
         if ev.may_evict:
             warnings.append(ev.describe())
@@ -1027,7 +1178,7 @@ class Inspector:
                 f"{dead} dead owner(s) still hold {dead_locks} lock(s): the next acquirer "
                 "reclaims them; `redislock reconcile` frees them now"
             )
-        return Status(
+        status = Status(
             namespace=self.keys.namespace,
             url=self.manager.url,  # already masked (LockManager.url)
             redis_version=_opt_text(version),
@@ -1048,30 +1199,65 @@ class Inspector:
             waiting_only_owners=waiting_only,
             busiest_resource=top[0].resource if top else None,
             busiest_waiting=top[0].waiting if top else 0,
+            limited_resources=len(limited),
+            limited_slots=sum(x.slots for x in limited),
+            limited_waiting=sum(x.waiting for x in limited),
         )
+        return Summary(status, limited)
 
-    def _owner_states(self, batch: Sequence[str]) -> list[tuple[bool, int, list[Any]]]:
-        """Per owner of ``batch``: whether it is alive, its registry size and
-        its waits-hash values. One pipeline (EXISTS, HLEN of the registry,
-        HVALS of the waits hash, HLEN of the bucket index, each); a registry
-        that spilled is then read."""
+    def _limited_infos(
+        self, held: Sequence[str], queued: set[str], waiting: dict[str, int]
+    ) -> tuple[LimitedInfo, ...]:
+        """The limited resources among ``held`` (registered names: one
+        ``HRANDFIELD`` each tells the mode, every holder of a lock having
+        the same kind) and ``queued`` (names a request queues for a slot
+        of): one ``HVALS`` each; ``waiting``: requests queued per name.
+        Busiest first."""
+        limited = set(queued)
+        for batch in self._batches(held):
+            pipe = self._pipe()
+            for name in batch:
+                pipe.hrandfield(self.keys.lock(name), 1, withvalues=True)
+            for name, got in zip(batch, self._run(pipe)):
+                if isinstance(got, list) and len(got) == 2 and text(got[1], "replace")[:1] == "l":
+                    limited.add(name)
+        out: list[LimitedInfo] = []
+        names = sorted(limited)
+        for batch in self._batches(names):
+            pipe = self._pipe()
+            for name in batch:
+                pipe.hvals(self.keys.lock(name))
+            for name, got in zip(batch, self._run(pipe)):
+                values = [] if isinstance(got, Exception) else [text(v, "replace") for v in got]
+                limit, limits = limit_of_slots(
+                    (parse_grant(v)[1], grant_limit(v)) for v in values if v[:1] == "l"
+                )
+                out.append(LimitedInfo(name, len(values), limit, limits, waiting.get(name, 0)))
+        return tuple(sorted(out, key=lambda x: (-x.waiting, -x.slots, x.resource)))
+
+    def _owner_states(self, batch: Sequence[str]) -> list[tuple[bool, list[str], list[Any]]]:
+        """Per owner of ``batch``: whether it is alive, the resource names in
+        its registry and its waits-hash values. One pipeline (EXISTS, HKEYS
+        of the registry, HVALS of the waits hash, HLEN of the bucket index,
+        each); a registry that spilled is then read."""
         if not batch:
             return []
         pipe = self._pipe()
         for owner in batch:
             pipe.exists(self.keys.alive(owner))
-            pipe.hlen(self.keys.held(owner))
+            pipe.hkeys(self.keys.held(owner))
             pipe.hvals(self.keys.waits(owner))
             pipe.hlen(self.keys.held_index(owner))
         replies = self._run(pipe)
-        out: list[tuple[bool, int, list[Any]]] = []
+        out: list[tuple[bool, list[str], list[Any]]] = []
         for j, owner in enumerate(batch):
-            is_alive, n, queued, spilled = replies[4 * j : 4 * j + 4]
-            n = 0 if isinstance(n, Exception) else int(n)
+            is_alive, names, queued, spilled = replies[4 * j : 4 * j + 4]
             if _is_spilled(spilled):
-                n = len(self.registry(owner))
+                held = [self.resource_of(k) for k in self.registry(owner)]
+            else:
+                held = [] if isinstance(names, Exception) else [text(x, "replace") for x in names]
             queued = [] if isinstance(queued, Exception) else list(queued)
-            out.append((bool(is_alive) and not isinstance(is_alive, Exception), n, queued))
+            out.append((bool(is_alive) and not isinstance(is_alive, Exception), held, queued))
         return out
 
     # -- release planning ------------------------------------------------
