@@ -378,11 +378,12 @@ def limit_of_slots(
 
     A limit belongs to each request, so while a rolling deploy changes it
     the holders carry two. The one shown is the most recent grant's (the
-    highest fencing token): what the newest requests ask for, so ``4/3``
-    after a deploy that lowered the limit from 5 to 3 says the resource is
-    above the new limit until holders of the old one leave (the engine
-    grants each request only below its own limit: docs/design.md, "Two
-    limits for one resource").
+    highest fencing token), the limit that let the last holder in: each
+    grant leaves at most its own N holders and only leaves follow it until
+    the next grant, so the slots held never exceed it (``3/5``, never
+    ``4/3``). While both releases request slots it follows whichever was
+    granted last; ``limits`` then lists both (docs/design.md, "Two limits
+    for one resource").
     """
     best: tuple[int, int] | None = None
     seen: set[int] = set()

@@ -8,7 +8,8 @@ package does. Two parts:
   Pass it to a :class:`~celery_redislock.LockManager` (``metrics=``) outside
   Celery; a worker with ``redislock_metrics_port`` sets it up itself.
 * :class:`NamespaceCollector`: gauges of the whole namespace (owners alive
-  and dead, registered locks, queued requests) read from Redis at scrape
+  and dead, registered locks, queued requests, limited resources' slots)
+  read from Redis at scrape
   time, with the same bounded walk as ``redislock status`` (SSCAN of the
   active-owners set in batches, never SCAN/KEYS), at most ``max_owners``
   owners per scrape.
@@ -29,7 +30,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from .. import _validate as _v
 from ..engine.manager import LockManager
 from ..engine.metrics import CLEANUP_PATHS, LOST_CAUSE_LABELS, OUTCOMES
+from ..exceptions import ConfigurationError
+from ..protocol.keys import validate_resource
 from ..store.connect import clone_client
-from .inspector import Inspector
+from .inspector import Inspector, LimitedInfo, Status
 
 log = logging.getLogger("celery_redislock.metrics")
 
@@ -52,6 +56,9 @@ BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0
 DEFAULT_MAX_OWNERS = 10_000
 #: Scrapes within this many seconds reuse the last namespace reading.
 DEFAULT_MIN_INTERVAL = 5.0
+#: Most limited resources given series of their own (label ``resource``)
+#: besides those the collector is told to watch: the busiest.
+DEFAULT_LIMITED_TOP = 10
 
 
 class PrometheusMetrics:
@@ -145,8 +152,18 @@ class NamespaceCollector(Collector):
     ``redislock_namespace_truncated`` (1 when more than ``max_owners``
     owners exist: the others are not counted) and ``redislock_namespace_up``
     (0 when Redis could not be read; the other gauges are then absent).
-    Cost per scrape: O(owners read), in pipelines of 500 commands, never a
-    SCAN; scrapes within ``min_interval`` seconds reuse the last reading.
+
+    Limited resources (``limited={name: N}``): ``redislock_limited_resources``,
+    ``redislock_limited_slots`` and ``redislock_limited_waiters`` count them
+    all; ``redislock_limited_resource_slots``, ``..._waiters`` and
+    ``..._limit`` (label ``resource``) describe each of ``limited_resources``
+    (always exported, at 0 while free) and the ``limited_top`` busiest of
+    the others (most requests queued, then most slots held), so the number
+    of series stays bounded whatever names the tasks use (docs/metrics.md).
+
+    Cost per scrape: O(owners read + resources they hold), in pipelines of
+    500 commands, never a SCAN; scrapes within ``min_interval`` seconds
+    reuse the last reading.
     """
 
     def __init__(
@@ -155,10 +172,21 @@ class NamespaceCollector(Collector):
         *,
         max_owners: int = DEFAULT_MAX_OWNERS,
         min_interval: float = DEFAULT_MIN_INTERVAL,
+        limited_resources: Sequence[str] = (),
+        limited_top: int = DEFAULT_LIMITED_TOP,
     ) -> None:
+        if isinstance(limited_resources, str):
+            raise ConfigurationError(
+                "limited_resources",
+                f"must be a sequence of resource names, not the str {limited_resources!r}",
+            )
         self.manager = manager
         self.max_owners = max_owners
         self.min_interval = min_interval
+        self.limited_resources = tuple(
+            dict.fromkeys(validate_resource(r) for r in limited_resources)
+        )
+        self.limited_top = _v.integer("limited_top", limited_top, minimum=0, maximum=1000)
         self._lock = threading.Lock()
         self._last: tuple[float, list[Metric]] | None = None
 
@@ -174,7 +202,7 @@ class NamespaceCollector(Collector):
             "redislock_namespace_up", "1 when the namespace gauges could be read from Redis."
         )
         try:
-            st = Inspector(self.manager).status(max_owners=self.max_owners)
+            summary = Inspector(self.manager).summary(max_owners=self.max_owners)
         except Exception as exc:  # a scrape must answer, Redis down or not
             log.warning(
                 "metrics.namespace-error namespace=%s error=%s", self.manager.namespace, exc
@@ -182,6 +210,7 @@ class NamespaceCollector(Collector):
             up.add_metric([], 0)
             return [up]
         up.add_metric([], 1)
+        st = summary.status
         owners = GaugeMetricFamily(
             "redislock_owners", "Owners in the active-owners set, by liveness.", labels=["state"]
         )
@@ -208,6 +237,56 @@ class NamespaceCollector(Collector):
                 "1 when the owners read were capped at the scrape's limit.",
                 value=1 if st.truncated else 0,
             ),
+            *self._limited(st, summary.limited),
+        ]
+
+    def _limited(self, st: Status, found: Sequence[LimitedInfo]) -> list[Metric]:
+        """The limited resources' gauges: totals, then per resource (bounded)."""
+        slots = GaugeMetricFamily(
+            "redislock_limited_resource_slots",
+            "Slots held of a limited resource (watched, or among the busiest).",
+            labels=["resource"],
+        )
+        waiters = GaugeMetricFamily(
+            "redislock_limited_resource_waiters",
+            "Requests queued for a slot of a limited resource (watched, or among the busiest).",
+            labels=["resource"],
+        )
+        limit = GaugeMetricFamily(
+            "redislock_limited_resource_limit",
+            "The limit of a limited resource: what its most recent slot's request asked for.",
+            labels=["resource"],
+        )
+        by_name = {x.resource: x for x in found}
+        shown = [
+            by_name.get(name, LimitedInfo(name, 0, None, (), 0)) for name in self.limited_resources
+        ]
+        watched = set(self.limited_resources)
+        shown += [x for x in found if x.resource not in watched][: self.limited_top]
+        for x in shown:
+            slots.add_metric([x.resource], x.slots)
+            waiters.add_metric([x.resource], x.waiting)
+            if x.limit is not None:
+                limit.add_metric([x.resource], x.limit)
+        return [
+            GaugeMetricFamily(
+                "redislock_limited_resources",
+                "Limited resources held or waited for.",
+                value=st.limited_resources,
+            ),
+            GaugeMetricFamily(
+                "redislock_limited_slots",
+                "Slots held of all limited resources.",
+                value=st.limited_slots,
+            ),
+            GaugeMetricFamily(
+                "redislock_limited_waiters",
+                "Requests queued for a slot of a limited resource.",
+                value=st.limited_waiting,
+            ),
+            slots,
+            waiters,
+            limit,
         ]
 
 
