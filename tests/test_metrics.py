@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from celery_redislock import ConfigurationError, LockManager, LockTimeout, RedisUnavailable
 from celery_redislock.integration.settings import load_config
+from celery_redislock.ops.inspector import Inspector
 from celery_redislock.ops.prometheus import NamespaceCollector, PrometheusMetrics
 from celery_redislock.worker.defer import PARKED_AT_HEADER
 from engine_helpers import Managers, wait_until
@@ -181,6 +183,73 @@ def test_namespace_gauges_come_from_redis_at_scrape_time(
     assert "# TYPE redislock_owners gauge" in text
     holder.close()
     waiter.join(20)
+
+
+def test_limited_resources_are_counted_and_labelled_for_the_watched_and_the_busiest(
+    managers: Managers, redis_url: str
+) -> None:
+    """Totals always; per resource (label ``resource``) the watched ones,
+    also while free, and the ``limited_top`` busiest of the others."""
+    slots = [managers().acquire(limited={"api:a": 3}, timeout=5) for _ in range(2)]
+    slots += [managers().acquire(limited={"api:b": 1}, timeout=5)]
+    slots += [managers().acquire(limited={f"user:{i}": 2}, timeout=5) for i in range(3)]
+    waiter = threading.Thread(
+        target=lambda: managers().acquire(limited={"api:b": 1}, timeout=20).release(),
+        daemon=True,
+    )
+    waiter.start()
+    inspector = LockManager(redis_url, NS, heartbeat=False)
+    try:
+        wait_until(
+            lambda: Inspector(inspector).status().limited_waiting == 1, what="the waiter queued"
+        )
+        reg = CollectorRegistry()
+        reg.register(
+            NamespaceCollector(
+                inspector,
+                min_interval=0,
+                limited_resources=["api:a", "api:idle"],
+                limited_top=1,
+            )
+        )
+        assert value(reg, "redislock_limited_resources") == 5
+        assert value(reg, "redislock_limited_slots") == 6
+        assert value(reg, "redislock_limited_waiters") == 1
+        labelled = {
+            s.labels["resource"]
+            for fam in reg.collect()
+            if fam.name == "redislock_limited_resource_slots"
+            for s in fam.samples
+        }
+        # watched (one of them free), then the busiest other (it has a queue)
+        assert labelled == {"api:a", "api:idle", "api:b"}
+        assert value(reg, "redislock_limited_resource_slots", resource="api:a") == 2
+        assert value(reg, "redislock_limited_resource_limit", resource="api:a") == 3
+        assert value(reg, "redislock_limited_resource_waiters", resource="api:a") == 0
+        assert value(reg, "redislock_limited_resource_slots", resource="api:b") == 1
+        assert value(reg, "redislock_limited_resource_waiters", resource="api:b") == 1
+        assert value(reg, "redislock_limited_resource_slots", resource="api:idle") == 0
+        assert (
+            reg.get_sample_value("redislock_limited_resource_limit", {"resource": "api:idle"})
+            is None
+        )
+        # The defaults: no resource watched, the 10 busiest labelled.
+        default = CollectorRegistry()
+        default.register(NamespaceCollector(inspector, min_interval=0))
+        assert value(default, "redislock_limited_resource_slots", resource="user:2") == 1
+        none = CollectorRegistry()
+        none.register(NamespaceCollector(inspector, min_interval=0, limited_top=0))
+        assert value(none, "redislock_limited_slots") == 6
+        assert (
+            none.get_sample_value("redislock_limited_resource_slots", {"resource": "api:b"}) is None
+        )
+        with pytest.raises(ConfigurationError):
+            NamespaceCollector(inspector, limited_resources="api:a")  # type: ignore[arg-type]
+    finally:
+        for lease in slots:
+            lease.release()
+        waiter.join(20)
+        inspector.close()
 
 
 def _waiting_owners(r: redis.Redis) -> list[str]:
