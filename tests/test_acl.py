@@ -208,6 +208,14 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
         holder.acquire_for_task("t3", "unique:b", ttl=30)
         holder.release_task("t3")
 
+        # Limited resources: a slot taken while another is held reads one
+        # holder's mode (HRANDFIELD); the Inspector and status read them too.
+        slots = [m.acquire(limited={"api": 2}, timeout=5) for m in (holder, waiter)]
+        assert insp.lock_info("api").slots == "2/2"
+        assert [x.resource for x in insp.limited()] == ["api"]
+        for s in slots:
+            s.release()
+
         # Deferred tasks (docs/defer.md): park, hand-off, dispatch, adopt,
         # done, the dispatcher's upkeep, and a withdrawal.
         busy = holder.acquire(exclusive=["d"], timeout=5)
@@ -356,7 +364,7 @@ def test_reconcile_without_a_permission_raises_permission_denied(
         mgr.close()
 
 
-@pytest.mark.parametrize("drop", ["info", "get", "sscan", "exists", "hlen"])
+@pytest.mark.parametrize("drop", ["info", "get", "sscan", "exists", "hlen", "hkeys", "hrandfield"])
 def test_inspector_status_without_a_permission_raises_permission_denied(
     drop: str, restricted: Callable[..., str], redis_server_url: str
 ) -> None:
@@ -386,6 +394,8 @@ INSPECTION_COMMANDS = [
     "zrange",
     "hget",
     "hexists",
+    "hkeys",
+    "hrandfield",
     "type",
     "sscan",
     "hscan",

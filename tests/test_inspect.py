@@ -281,6 +281,8 @@ _READ_ONLY = {
     "sscan",
     "smembers",
     "hscan",
+    "hkeys",
+    "hrandfield",
     "hvals",
     "hlen",
     "pttl",

@@ -6,7 +6,8 @@ Every key shares the hash tag ``{namespace}`` so each script is single-slot
 =============================  ======  =========================================
 key                            type    holds
 =============================  ======  =========================================
-``{ns}:lock:<resource>``       hash    holder token -> ``x`` | ``s``
+``{ns}:lock:<resource>``       hash    holder token -> ``x`` | ``s`` | ``l``,
+                                       then the fence (a slot: ``:<N>``)
 ``{ns}:q:<resource>``          zset    ``<mode><token>`` scored by arrival
 ``{ns}:held:<owner>``          hash    the owner's registry: resource -> ``''``,
                                        or a task's holder record
