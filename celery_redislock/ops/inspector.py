@@ -218,11 +218,11 @@ class LockInfo(_Record):
     #: None for a lock hash; the Redis type otherwise (kept by cleanup, see
     #: invariant 4: an odd key is reported, never silently dropped).
     odd_type: str | None = None
-    #: A limited resource's limit: the one the most recent slot's request
-    #: asked for (highest fencing token); None unless slots are held.
+    #: The limit of a limited resource, the one the most recent slot's
+    #: request asked for (highest fencing token); None unless slots are held.
     limit: int | None = None
-    #: Every limit its holders' requests asked for, ascending: two while a
-    #: rolling deploy changes the limit (:func:`limit_of_slots`).
+    #: Every limit its holders' requests asked for, in ascending order (two
+    #: while a rolling deploy changes the limit, see :func:`limit_of_slots`).
     limits: tuple[int, ...] = ()
 
     @property
@@ -343,8 +343,8 @@ class LimitedInfo(_Record):
     """
 
     resource: str
-    #: Slots held: the lock hash's grants (a dead holder's slot counts until
-    #: it is freed, as in ``redislock locks``).
+    #: The slots held, as the lock hash's grants (a dead holder's slot counts
+    #: until it is freed, as in ``redislock locks``).
     slots: int
     #: The limit the most recent slot's request asked for (None when no slot
     #: is held, only requests wait); see :func:`limit_of_slots`.
