@@ -31,8 +31,21 @@ def purge_budget(limit: int) -> int:
 
 
 def conflicts(a: str, b: str) -> bool:
-    """Two modes conflict unless both are shared."""
+    """Two modes conflict unless both are shared (two limited requests do
+    not conflict: they count, ``Model.blockers``)."""
     return a == "x" or b == "x"
+
+
+def mixed(a: str, b: str) -> bool:
+    """Whether modes ``a`` and ``b`` may not meet on one resource: one is
+    limited and the other is not (the scripts reply ``{-2, name, mode}``)."""
+    return (a == "l") != (b == "l")
+
+
+def fence_of(value: str) -> int:
+    """The fencing token of a lock hash value: ``x<fence>``, ``s<fence>``
+    or, for a slot, ``l<fence>:<N>``."""
+    return int(value[1:].split(":", 1)[0])
 
 
 @dataclass
@@ -60,7 +73,8 @@ class Request:
 
     token: str
     owner: str
-    #: resource -> 'x' | 's', in the engine's order (exclusive, then shared).
+    #: resource -> 'x' | 's' | 'l', in the engine's order (exclusive, then
+    #: shared, then limited).
     modes: dict[str, str]
     nested: bool
     #: 'fresh' (never ran), 'queued', 'granted', 'ended' (released, given
@@ -79,6 +93,8 @@ class Request:
     #: Who holds it, when a task asks (``task name\ntask id\nnode``); '' for
     #: a plain lock. Its grant records it in the owner's registry.
     holder: str = ""
+    #: resource -> its limit N, for each limited ('l') resource.
+    limits: dict[str, int] = field(default_factory=dict)
 
     @property
     def resources(self) -> list[str]:
@@ -86,7 +102,17 @@ class Request:
 
     @property
     def mode_string(self) -> str:
-        return "".join(self.modes.values())
+        """The modes as the scripts store them: one letter per resource,
+        then, with limited resources, ``:`` and their limits (``xl:2``)."""
+        letters = "".join(self.modes.values())
+        tail = ",".join(str(self.limits[r]) for r, m in self.modes.items() if m == "l")
+        return letters + ":" + tail if tail else letters
+
+    def lock_value(self, res: str) -> str:
+        """What its grant writes into ``res``'s lock hash."""
+        mode = self.modes[res]
+        value = f"{mode}{self.fence}"
+        return value + f":{self.limits[res]}" if mode == "l" else value
 
 
 @dataclass
@@ -140,30 +166,55 @@ class Model:
             if w.token != q.token and res in w.modes and self.earlier(q, w)
         )
 
-    def blockers(self, q: Request, exclude: AbstractSet[str] = frozenset()) -> list[str]:
+    def holders_of(self, res: str, but: str = "") -> int:
+        """Live grants on ``res`` (other than token ``but``)."""
+        return sum(1 for h in self.live_grants() if h.token != but and res in h.modes)
+
+    def blockers(
+        self,
+        q: Request,
+        exclude: AbstractSet[str] = frozenset(),
+        slots: dict[str, int] | None = None,
+    ) -> list[str]:
         """Why ``q`` may not be granted now; empty when it may.
 
         The policy of docs/fairness.md: per resource, no live conflicting
         holder and (unless nested) no earlier live conflicting queue entry,
         and fewer than ``limit`` earlier live entries for the scan to look
         at (dead entries do not count: they are removed on the way).
+
+        A limited resource (docs/design.md, "Limited resources"): with k
+        holders and (unless nested) a earlier live entries, granted when
+        k + a + 1 <= its own N. k is the live holders, or ``slots[res]``
+        (the holders as a script counts them) when given.
         """
         why = []
         for res, mode in q.modes.items():
-            for h in self.live_grants(exclude):
-                if h.token != q.token and res in h.modes and conflicts(mode, h.modes[res]):
-                    why.append(f"{res}: held {h.modes[res]} by {h.token}")
+            if mode == "l":
+                cap = q.limits[res]
+                k = slots[res] if slots is not None and res in slots else self.holders_of(res, q.token)
+                if k + 1 > cap:
+                    why.append(f"{res}: {k} holders, limit {cap}")
+                    continue
+            else:
+                for h in self.live_grants(exclude):
+                    if h.token != q.token and res in h.modes and conflicts(mode, h.modes[res]):
+                        why.append(f"{res}: held {h.modes[res]} by {h.token}")
             if q.nested:
                 continue
-            for w in self.live_queued(exclude):
-                if (
-                    w.token != q.token
-                    and res in w.modes
-                    and self.earlier(q, w)
-                    and conflicts(mode, w.modes[res])
-                ):
-                    why.append(f"{res}: queued {w.modes[res]} {w.token} ahead")
             ahead = self.live_ahead(q, res)
+            if mode == "l":
+                if k + ahead + 1 > q.limits[res]:
+                    why.append(f"{res}: {k} holders + {ahead} live entries ahead, limit {cap}")
+            else:
+                for w in self.live_queued(exclude):
+                    if (
+                        w.token != q.token
+                        and res in w.modes
+                        and self.earlier(q, w)
+                        and conflicts(mode, w.modes[res])
+                    ):
+                        why.append(f"{res}: queued {w.modes[res]} {w.token} ahead")
             if ahead >= self.limit:
                 why.append(f"{res}: {ahead} live entries ahead >= scan limit")
         return why
@@ -171,11 +222,20 @@ class Model:
     def fifo_violations(self, q: Request, exclude: AbstractSet[str]) -> list[str]:
         """Earlier live conflicting requests that ``q``'s grant overtook.
 
-        Nested requests are exempt (they wait for holders only).
+        Nested requests are exempt (they wait for holders only). On a
+        limited resource every earlier live request still queued counts as a
+        slot taken, ``exclude`` (requests granted with ``q``, still queued in
+        the model) included: ``q``'s grant overtook one when the live
+        holders, those requests and ``q`` are more than its N.
         """
         if q.nested:
             return []
         out = []
+        for res, mode in q.modes.items():
+            if mode == "l":
+                k, ahead = self.holders_of(res, q.token), self.live_ahead(q, res)
+                if k + ahead + 1 > q.limits[res]:
+                    out.append(f"{res}: {k} live holders + {ahead} earlier live entries")
         for w in self.live_queued(exclude):
             if w.token == q.token or not self.earlier(q, w):
                 continue

@@ -97,7 +97,7 @@ from celery_redislock.engine.identity import OwnerIdentity
 from celery_redislock.protocol.keys import holder_record
 from celery_redislock.worker.node import group_key, node_key, tomb_key
 from engine_helpers import registry_names
-from lock_model import Model, Owner, Request, conflicts, purge_budget
+from lock_model import Model, Owner, Request, conflicts, fence_of, mixed, purge_budget
 from redis_server import RedisServer
 
 ENV_EXAMPLES = "REDISLOCK_MODEL_EXAMPLES"
@@ -111,6 +111,10 @@ NS = "m"
 PREFIX = "{m}:"
 #: Three resources (contention is the point); one name full of key syntax.
 RESOURCES = ("a", "b", "q:{b}|é")
+#: The limited resource (only ever taken limited), and the limit every
+#: request of it asks for.
+LIMITED = "n"
+SLOTS = 2
 LIMIT = 3
 OWNER_TTL = 3600.0
 TTL_MS = str(int(OWNER_TTL * 1000))
@@ -135,13 +139,21 @@ def note(what: str) -> None:
     STATS[what] += 1
 
 
-#: Request shapes: 'a' is drawn most often, so that requests meet in its queue.
-shapes = st.dictionaries(
+#: Request shapes without the limited resource (task owners take no slot).
+plain_shapes = st.dictionaries(
     st.sampled_from((RESOURCES[0],) * 3 + RESOURCES[1:]),
     st.sampled_from("xs"),
     min_size=1,
     max_size=3,
 )
+#: Request shapes: 'a' is drawn most often, so that requests meet in its
+#: queue; the limited resource alone or with exclusive or shared ones.
+shapes = st.dictionaries(
+    st.sampled_from((RESOURCES[0],) * 3 + RESOURCES[1:] + (LIMITED,) * 2),
+    st.sampled_from("xs"),
+    min_size=1,
+    max_size=3,
+).map(lambda shape: {res: "l" if res == LIMITED else m for res, m in shape.items()})
 
 
 @dataclass
@@ -294,6 +306,36 @@ class ProtocolMachine(RuleBasedStateMachine):
             if not q.handed_off and q.owner not in self.retired and not q.owner.startswith("task:")
         ]
 
+    def make_request(
+        self, token: str, owner: str, shape: dict[str, str], nested: bool = False
+    ) -> Request:
+        """The model's request of ``shape`` and the engine's, kept by token."""
+        ex = [res for res, m in shape.items() if m == "x"]
+        sh = [res for res, m in shape.items() if m == "s"]
+        lim = {res: SLOTS for res, m in shape.items() if m == "l"}
+        req = self.mgr.request(ex, sh, lim or None)
+        q = Request(
+            token=token,
+            owner=owner,
+            modes=dict(zip(req.resources, req.modes)),
+            nested=nested,
+            limits=dict(req.limit_map),
+        )
+        self.model.requests[q.token] = q
+        self.reqs[q.token] = req
+        return q
+
+    def slots_seen(self, q: Request) -> dict[str, int]:
+        """The holders of each limited resource of ``q`` as acquire.lua
+        counts them: HLEN while below the limit (dead holders included),
+        else the live ones (it frees the dead ones it reads)."""
+        out = {}
+        for res, mode in q.modes.items():
+            if mode == "l":
+                n = sum(1 for t in self.view.lock(res) if t != q.token)
+                out[res] = n if n < q.limits[res] else self.model.holders_of(res, q.token)
+        return out
+
     def fields_of(self, q: Request) -> int:
         return sum(1 for res in q.modes if q.token in self.view.lock(res))
 
@@ -312,7 +354,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             most = max(most, len(self.view.ahead(q, res)) - self.model.live_ahead(q, res))
             live = {h.token for h in self.model.live_grants()}
             dead = [
-                t for t, v in self.view.lock(res).items() if t not in live and conflicts(mode, v[0])
+                t
+                for t, v in self.view.lock(res).items()
+                if t not in live and conflicts(mode, v[0]) and mode != "l"
             ]
             most = max(most, len(dead))
         return most
@@ -327,7 +371,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         elif q.state == "granted":
             expect = "granted"
         else:
-            why = self.model.blockers(q)
+            why = self.model.blockers(q, slots=self.slots_seen(q))
             expect = "blocked" if why else "granted"
             if not why and self.dead_residue(q) >= purge_budget(LIMIT):
                 expect = "either"  # more dead entries than one run removes
@@ -340,7 +384,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
         code = int(reply[0])
         q.deadline_due = False
-        note(f"acquire: {expect}{' (nested)' if q.nested else ''}")
+        kind = " limited" if "l" in q.modes.values() else ""
+        note(f"acquire{kind}: {expect}{' (nested)' if q.nested else ''}")
         if expect == "dead":
             assert code == -1, f"{q.token}: owner {q.owner} is dead, acquire replied {reply}"
             self.retired.add(q.owner)
@@ -464,15 +509,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         oid = data.draw(st.sampled_from(self.usable()), label="owner")
         # Nested: made while the same thread holds a lock (the owner has a lease).
         nested = nested and any(self.model.requests[t].owner == oid for t in self.leases())
-        ex = [res for res, m in shape.items() if m == "x"]
-        sh = [res for res, m in shape.items() if m == "s"]
-        req = self.mgr.request(ex, sh)
-        modes = dict(zip(req.resources, req.modes))
-        q = Request(token=f"{oid}|r{self._next()}", owner=oid, modes=modes, nested=nested)
+        q = self.make_request(f"{oid}|r{self._next()}", oid, shape, nested)
         if task:  # as @locked asks: its grant records who holds it
             q.holder = f"t.run\n{q.token}\nnode"
-        self.model.requests[q.token] = q
-        self.reqs[q.token] = req
         # As an owner holding many locks: its registry spills into buckets
         # (drawn per acquire, so one owner's names end up in both places).
         self.mgr.state.spill_at = 0 if spill else 10**9
@@ -487,6 +526,49 @@ class ProtocolMachine(RuleBasedStateMachine):
     def acquire_waiting(self, data: st.DataObject, shape: dict[str, str]) -> None:
         """The usual call: a blocking acquire (queues when blocked), not nested."""
         self.acquire(data, shape, True, False)
+
+    def mixable(self) -> list[str]:
+        """Resources held or queued for in Redis (a request of the other
+        kind meets them)."""
+        return [
+            res
+            for res in (*RESOURCES, LIMITED)
+            if self.view.lock(res) or self.view.queue(res)
+        ]
+
+    def registered_owners(self) -> list[str]:
+        return [o for o in self.usable() if self.idents[o].registered and self.model.alive(o)]
+
+    @precondition(lambda self: self.mixable() and self.registered_owners())
+    @rule(data=st.data(), extra=st.sampled_from(["", *RESOURCES]), mode=st.sampled_from("xs"))
+    def acquire_other_kind(self, data: st.DataObject, extra: str, mode: str) -> None:
+        """A name taken limited asked for exclusive or shared, or one taken
+        exclusive or shared asked for limited (with or without another
+        resource of its own kind): ``{-2, name, mode}``, nothing granted or
+        queued, and the exit path's release finds nothing."""
+        res = data.draw(st.sampled_from(self.mixable()), label="resource")
+        oid = data.draw(st.sampled_from(self.registered_owners()), label="owner")
+        if res == LIMITED:
+            shape = {res: mode}
+            if extra:
+                shape[extra] = mode
+            met = "l"
+        else:
+            shape = {res: "l"}
+            if extra == RESOURCES[0]:
+                shape[LIMITED] = "l"
+            holders = self.view.lock(res)
+            met = next(iter(holders.values()))[0] if holders else self.view.queue(res)[0][0][0]
+        q = self.make_request(f"{oid}|r{self._next()}", oid, shape)
+        reply = self.mgr.acquirer.attempt(
+            self.idents[oid], q.token, self.reqs[q.token], True, False, "", True
+        )
+        assert list(reply) == [-2, res, met], (q, reply, met)
+        q.state = "ended"
+        reply = self.mgr.releaser.run_release(oid, q.token, self.reqs[q.token])
+        assert [int(x) for x in reply] == [0, 0], (q.token, reply)
+        note("acquire: other kind refused")
+        self.settle()
 
     def registered(self, ident: OwnerIdentity, owner: Owner) -> None:
         """An acquire by ``owner`` (not refused as dead) registered it: alive, in its group."""
@@ -618,14 +700,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             o.id for o in self.model.owners.values() if o.cleaned and not o.id.startswith("task:")
         ]
         oid = data.draw(st.sampled_from(cleaned), label="owner")
-        ex = [res for res, m in shape.items() if m == "x"]
-        sh = [res for res, m in shape.items() if m == "s"]
-        req = self.mgr.request(ex, sh)
-        q = Request(f"{oid}|r{self._next()}", oid, dict(zip(req.resources, req.modes)), False)
-        self.model.requests[q.token] = q
-        self.reqs[q.token] = req
+        q = self.make_request(f"{oid}|r{self._next()}", oid, shape)
         ident = OwnerIdentity(owner_id=oid, pid=self.idents[oid].pid)
-        reply = self.mgr.acquirer.attempt(ident, q.token, req, True, False)
+        reply = self.mgr.acquirer.attempt(ident, q.token, self.reqs[q.token], True, False)
         assert int(reply[0]) == -1, f"cleaned owner {oid} registered again: {reply}"
         q.state = "ended"
         self.settle()
@@ -633,7 +710,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     # -- rules: task owners (acquire_for_task, adopt) ---------------------
 
     @precondition(lambda self: len(self.model.owners) < MAX_OWNERS)
-    @rule(shape=shapes)
+    @rule(shape=plain_shapes)
     def task_acquire(self, shape: dict[str, str]) -> None:
         """A producer takes resources for a task id (try once, never queued)."""
         tid = f"t{self._next()}"
@@ -966,7 +1043,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert self.model.alive(q.owner), f"hand-off to {q.token} of a dead owner"
             assert not q.stale, f"hand-off to {q.token}, whose request state expired"
             values = {res: view.lock(res).get(q.token) for res in q.modes}
-            fences = {int(v[1:]) for v in values.values() if v}
+            fences = {fence_of(v) for v in values.values() if v}
             assert all(v and v[0] == q.modes[res] for res, v in values.items()), (q, values)
             assert len(fences) == 1, (q, values)
             assert view.wake(q.token)[:1] == [f"g{fences.pop()}"], (q, view.wake(q.token))
@@ -978,8 +1055,11 @@ class ProtocolMachine(RuleBasedStateMachine):
                     assert res not in h.modes or not conflicts(mode, h.modes[res]), (q, h)
         if batch:
             note(f"hand-off x{len(batch)}")
-        for q in sorted(batch, key=lambda q: int(view.lock(next(iter(q.modes)))[q.token][1:])):
-            self.model.grant(q, int(view.lock(next(iter(q.modes)))[q.token][1:]))
+            slots = sum(1 for q in batch if LIMITED in q.modes)
+            if slots:
+                note(f"hand-off: {slots} slot(s)")
+        for q in sorted(batch, key=lambda q: fence_of(view.lock(next(iter(q.modes)))[q.token])):
+            self.model.grant(q, fence_of(view.lock(next(iter(q.modes)))[q.token]))
             q.handed_off = True
 
     def settle(self) -> None:
@@ -1051,14 +1131,21 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert modes.count("x") == 0 or len(modes) == 1, (
                 f"incompatible holders of {res}: {fields}"
             )
+            # A name is taken in one kind: limited, or exclusive and shared.
+            assert modes.count("l") in (0, len(modes)), f"mixed kinds hold {res}: {fields}"
+            assert modes.count("l") == 0 or res == LIMITED, f"{res} taken limited: {fields}"
+            assert len(modes) <= SLOTS or res != LIMITED, (
+                f"{len(modes)} holders of {res}, limit {SLOTS}: {fields}"
+            )
             for token, value in fields.items():
                 q = model.requests.get(token)
                 assert q is not None and q.state == "granted", f"{res}: {token} is no grant ({q})"
-                assert value == f"{q.modes.get(res)}{q.fence}", (res, token, value, q)
+                assert res in q.modes and value == q.lock_value(res), (res, token, value, q)
                 holds.setdefault(q.owner, set()).add(res)
         for q in model.live_grants():
             for res in q.modes:
                 assert q.token in view.lock(res), f"live grant {q.token} lost {res} in Redis"
+        assert model.holders_of(LIMITED) <= SLOTS, f"{model.holders_of(LIMITED)} live slots"
         held = registry_view(view)
         assert held == holds, f"registry {held} != locks held {holds}"
         # Each registry value is the record of the owner's last grant on the
@@ -1117,7 +1204,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         """Whether a holder or earlier entry that conflicts with ``q`` in
         ``view`` belongs to a dead owner or an expired request."""
         for res, mode in q.modes.items():
-            tokens = [t for t, v in view.lock(res).items() if conflicts(mode, v[0])]
+            tokens = [t for t, v in view.lock(res).items() if conflicts(mode, v[0]) or mode == "l"]
             tokens += [m[1:] for m, _ in view.ahead(q, res)]
             for t in tokens:
                 w = self.model.requests.get(t)
@@ -1131,7 +1218,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         Blocking here: any conflicting holder or earlier conflicting entry
         recorded in Redis, dead or alive (a death pushes nothing: the waiter
         runs again by the dead owner's liveness deadline), ``limit`` earlier
-        live entries, or more dead entries than one scan removes. An earlier
+        live entries, or more dead entries than one scan removes; on a limited
+        resource, its holders and the entries ahead, dead or alive, and the
+        request itself are more than its limit. An earlier
         entry with a plain wake-up carries the wake-up on (wake_front's scan
         stopped by its budget inside a run of shared entries wakes the last
         one it read, whose own script, granting it, serves the rest). A request
@@ -1151,6 +1240,11 @@ class ProtocolMachine(RuleBasedStateMachine):
                 if any(view.wake(m[1:]) for m, _ in ahead):
                     blocked = True  # carried on by that entry's own run
                 if any(t != q.token and conflicts(mode, v[0]) for t, v in view.lock(res).items()):
+                    blocked = True
+                # A limited resource: every holder and entry ahead in Redis
+                # takes a slot, dead or alive.
+                held = sum(1 for t in view.lock(res) if t != q.token)
+                if mode == "l" and held + len(ahead) + 1 > q.limits[res]:
                     blocked = True
             if blocked or view.wake(q.token):
                 continue
