@@ -192,7 +192,11 @@ class Model:
         for res, mode in q.modes.items():
             if mode == "l":
                 cap = q.limits[res]
-                k = slots[res] if slots is not None and res in slots else self.holders_of(res, q.token)
+                k = (
+                    slots[res]
+                    if slots is not None and res in slots
+                    else self.holders_of(res, q.token)
+                )
                 if k + 1 > cap:
                     why.append(f"{res}: {k} holders, limit {cap}")
                     continue
