@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=3, help="threads per worker (default 3)")
     ap.add_argument("--resources", type=int, default=8, help="resource names (default 8)")
     ap.add_argument("--owner-ttl", type=float, default=1.5, help="seconds (default 1.5)")
+    ap.add_argument(
+        "--limited-share",
+        type=float,
+        default=0.25,
+        help="share of requests taking a slot of the limited resource (default 0.25)",
+    )
+    ap.add_argument("--limited-slots", type=int, default=3, help="its limit N (default 3)")
     ap.add_argument("--faults", default="all", help="comma-separated fault kinds, 'all' or 'none'")
     ap.add_argument(
         "--end",
@@ -127,6 +134,8 @@ def engine_run(
         owner_ttl=args.owner_ttl,
         faults=faults,
         long_timeout=(max(5.0, 3.3 * args.owner_ttl), max(8.0, 5.3 * args.owner_ttl)),
+        limited_share=args.limited_share,
+        limited_slots=args.limited_slots,
         out=out,
         end=args.end,
     )

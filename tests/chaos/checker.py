@@ -15,6 +15,12 @@ each is sound); what cannot be proven from the timelines is not reported:
     second was called), both ``check()`` calls of both passed, and both
     leases were released with ``lost == False``: Redis recorded two
     incompatible grants and neither holder ever learned it.
+``over_limit``
+    More sections of a limited resource than the largest limit among them
+    (N + 1 with one limit) overlap at one moment, each measured as for
+    ``overlap`` (first ``check()`` returned to second called), every one
+    with both checks passed and released with ``lost == False``: Redis
+    recorded more slots than the limit and no holder ever learned it.
 ``stale_check``
     A lease's ``check()`` passed although a conflicting lease with a higher
     fence had already been granted and told so (its own first check
@@ -49,6 +55,7 @@ each is sound); what cannot be proven from the timelines is not reported:
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import re
 from collections import Counter, defaultdict
@@ -89,13 +96,16 @@ class Op:
     #: The process's owner id when the acquire began (a lost owner is replaced
     #: during the acquire: ``owner`` is the one granted).
     acq_owner: str | None = None
+    #: Limited resources (one slot each) -> the limit asked for.
+    l: dict[str, int] = field(default_factory=dict)  # noqa: E741
 
     @property
     def resources(self) -> list[str]:
-        return self.x + self.s
+        return self.x + self.s + list(self.l)
 
     def mode(self, res: str) -> str:
-        return "x" if res in self.x else "s"
+        """``x``, ``s`` or ``l`` (one slot of a limited resource)."""
+        return "x" if res in self.x else "l" if res in self.l else "s"
 
     @property
     def clean_section(self) -> bool:
@@ -159,8 +169,10 @@ class Run(_Timed):
     calm_s: float = 0.0
 
     def fmt_op(self, o: Op) -> str:
+        limited = f" l={o.l}" if o.l else ""
         parts = [
-            f"{o.op} [{o.proc}/{o.th}] x={o.x} s={o.s} timeout={o.timeout}: acq {self.rel(o.t_acq)}"
+            f"{o.op} [{o.proc}/{o.th}] x={o.x} s={o.s}{limited} timeout={o.timeout}: "
+            f"acq {self.rel(o.t_acq)}"
         ]
         if o.outcome == "granted":
             parts.append(f"granted {self.rel(o.t_granted)} fence={o.fence} owner={o.owner}")
@@ -211,6 +223,7 @@ def load(folder: Path) -> Run:
             if ev == "acq":
                 ops[e["op"]] = Op(e["op"], e["p"], e["th"], e["x"], e["s"], e["timeout"], e["t"])
                 ops[e["op"]].acq_owner = e.get("owner")
+                ops[e["op"]].l = dict(e.get("l") or {})
                 continue
             if ev in ("reconcile_error",):
                 errors.append((e["t"], e["p"], f"{ev} {e.get('err')}"))
@@ -286,6 +299,71 @@ def check_overlap(run: Run) -> list[Violation]:
                 (a.op, b.op),
             )
         )
+    return out
+
+
+def slot_sections(run: Run) -> dict[str, list[Op]]:
+    """Limited resource -> its clean sections (both checks passed, released
+    not lost), by the time their first check returned."""
+    by_res: dict[str, list[Op]] = defaultdict(list)
+    for o in run.ops:
+        if o.clean_section and o.cb_t is not None and o.ce_tc is not None:
+            for r in o.l:
+                by_res[r].append(o)
+    for secs in by_res.values():
+        secs.sort(key=lambda o: o.cb_t or 0.0)
+    return by_res
+
+
+def most_at_once(secs: list[Op]) -> int:
+    """Most of ``secs`` (sorted by ``cb_t``) inside their sections at one moment."""
+    most = 0
+    ends: list[float] = []  # a heap of the active sections' ends
+    for o in secs:
+        while ends and ends[0] <= (o.cb_t or 0.0):
+            heapq.heappop(ends)
+        heapq.heappush(ends, o.ce_tc or 0.0)
+        most = max(most, len(ends))
+    return most
+
+
+def check_over_limit(run: Run) -> list[Violation]:
+    """More clean sections of a limited resource at once than its limit.
+
+    A section is measured as for ``overlap``: from when its first check()
+    returned to when its second was called, both passed and its release did
+    not find the lease lost. Each episode (a stretch during which the count
+    stays above the limit) is reported once, with the sections of the moment
+    the count first went above it. The limit is the largest any of those
+    sections asked for (two limits for one resource may let the larger one
+    hold: docs/design.md)."""
+    out = []
+    for res, secs in slot_sections(run).items():
+        active: list[Op] = []
+        over = False
+        for o in secs:
+            assert o.cb_t is not None
+            active = [a for a in active if (a.ce_tc or 0.0) > o.cb_t]
+            active.append(o)
+            cap = max(a.l[res] for a in active)
+            if len(active) <= cap:
+                over = False
+                continue
+            if over:
+                continue
+            over = True
+            lo = min(a.t_acq for a in active)
+            hi = max(a.t_rel or 0.0 for a in active)
+            out.append(
+                Violation(
+                    "over_limit",
+                    f"{len(active)} sections held a slot of {res} (limit {cap}) at once from "
+                    f"{run.rel(o.cb_t)} to {run.rel(min(a.ce_tc or 0.0 for a in active))}: "
+                    f"{', '.join(a.op for a in active)}; every check passed, no lease lost",
+                    [*(run.fmt_op(a) for a in active), *run.faults_between(lo - 1, hi + 1)],
+                    tuple(a.op for a in active),
+                )
+            )
     return out
 
 
@@ -512,7 +590,9 @@ def check_leftover(run: Run) -> list[Violation]:
         res = k["key"].split(":", 2)[-1] if ":q:" in k["key"] else None
         members = k.get("members") or []
         for m in members if isinstance(members, list) else list(members):
-            owner = str(m).split("|", 1)[0].lstrip("xs")
+            owner = str(m).split("|", 1)[0]
+            if ":q:" in k["key"]:
+                owner = owner[1:]  # a queue entry: its mode letter, then the token
             owners[owner].add(res or "")
     procs: dict[str, set[str]] = defaultdict(set)  # process -> resources
     for o in run.ops:
@@ -539,6 +619,7 @@ def check_leftover(run: Run) -> list[Violation]:
 
 CHECKS = (
     check_overlap,
+    check_over_limit,
     check_stale_check,
     check_fence_backwards,
     check_store,
@@ -570,6 +651,10 @@ def stats_of(run: Run, violations: list[Violation]) -> dict[str, Any]:
         "timeouts": sum(o.outcome == "timeout" for o in ops),
         "acquire_errors": sum(o.outcome == "error" for o in ops),
         "sections": sum(o.cb_ok is not None for o in ops),
+        "slot_sections": sum(o.cb_ok is not None for o in ops if o.l),
+        "most_slots_at_once": {
+            res: most_at_once(secs) for res, secs in sorted(slot_sections(run).items())
+        },
         "sections_check_lost": sum(o.cb_ok is False or o.ce_ok is False for o in ops),
         "released_lost": sum(bool(o.release and o.lost) for o in ops),
         "release_errors": sum(o.release == "release_error" for o in ops),

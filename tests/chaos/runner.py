@@ -67,6 +67,12 @@ class Config:
     storm: tuple[float, float] = (8.0, 16.0)
     calm: tuple[float, float] = (8.0, 14.0)
     long_timeout: tuple[float, float] = (5.0, 8.0)
+    #: The share of requests that take one slot of the limited resource
+    #: (``limited={limited_name: limited_slots}``), alone or with one
+    #: exclusive resource; 0: none.
+    limited_share: float = 0.25
+    limited_name: str = "lim"
+    limited_slots: int = 3
     namespace: str = "chaos"
     #: How the workers end: "term" (finish the current request, exit) or
     #: "kill" (SIGKILL mid-flight: reconcile must then clear everything).
@@ -177,6 +183,9 @@ class Runner(RunnerBase[Config]):
             "--owner-ttl", str(c.owner_ttl),
             "--long-timeout", *(str(x) for x in c.long_timeout),
             "--quiet-flag", str(self.quiet_flag),
+            "--limited-share", str(c.limited_share),
+            "--limited-name", c.limited_name,
+            "--limited-slots", str(c.limited_slots),
             *extra,
         ]  # fmt: skip
 

@@ -4,7 +4,13 @@ Run by :mod:`chaos.runner` as ``python -m chaos.worker ...``. Each thread
 loops: pick 1-3 of the resources, each exclusive or shared, and a timeout
 (0, short, or long); acquire; ``check()``; fenced read-modify-write of
 every exclusive resource and fenced read of every shared one on the store;
-``check()`` again; release. Every step is appended to this process's
+``check()`` again; release. A share of the requests (``--limited-share``,
+drawn from a random stream of their own, so the others are the same
+sequence as without them) takes one slot of the limited resource
+``--limited-name`` (``limited={name: N}``, N = ``--limited-slots``), alone
+or with one exclusive resource: the same section, the slot itself touching
+nothing on the store (its holders are not exclusive of each other; the
+checker counts them). Every step is appended to this process's
 timeline (JSON lines, ``t`` = ``time.monotonic()``, which is one clock for
 every process of the machine, ``w`` = wall time).
 
@@ -13,7 +19,8 @@ Timeline events (besides ``ev``, ``p`` process label, ``pid``, ``th``,
 
 ==============  ===========================================================
 ``start``       owner_ttl, namespace
-``acq``         op, x (exclusive names), s (shared names), timeout, owner
+``acq``         op, x (exclusive names), s (shared names), l (limited name ->
+                its limit; absent for a request without one), timeout, owner
 ``granted``     op, fence, owner
 ``timeout``     op (LockTimeout)
 ``acq_error``   op, err
@@ -132,12 +139,27 @@ class Worker:
             timeout = round(rng.uniform(*self.args.long_timeout), 3)
         return ex, sh, timeout
 
+    def pick_limited(self, rng: random.Random) -> tuple[list[str], dict[str, int], float]:
+        """A request of one slot of the limited resource, alone or (half of
+        them) with one exclusive resource, and its timeout."""
+        ex = [rng.choices(self.resources, self.weights)[0]] if rng.random() < 0.5 else []
+        roll = rng.random()
+        if roll < 0.2:
+            timeout = 0.0
+        elif roll < 0.7:
+            timeout = round(rng.uniform(0.1, 1.5), 3)
+        else:
+            timeout = round(rng.uniform(*self.args.long_timeout), 3)
+        return ex, {self.args.limited_name: self.args.limited_slots}, timeout
+
     def quiet(self) -> bool:
         """The runner's calm: the file ``--quiet-flag`` exists."""
         return bool(self.args.quiet_flag) and os.path.exists(self.args.quiet_flag)
 
     def loop(self, index: int) -> None:
         rng = random.Random(f"{self.args.seed}:{self.args.label}:{index}")
+        # The limited requests' own stream: the others stay as without them.
+        lrng = random.Random(f"{self.args.seed}:{self.args.label}:{index}:limited")
         n = 0
         while not self.stopping.is_set():
             quiet = self.quiet()
@@ -145,15 +167,24 @@ class Worker:
                 time.sleep(0.1)  # in a calm only thread 0 works, and slowly
                 continue
             n += 1
-            self.operation(rng, f"{self.args.label}.{index}.{n}")
+            if self.args.limited_share and lrng.random() < self.args.limited_share:
+                self.operation(lrng, f"{self.args.label}.{index}.{n}", limited=True)
+            else:
+                self.operation(rng, f"{self.args.label}.{index}.{n}")
             time.sleep(rng.uniform(0.3, 1.5) if quiet else rng.uniform(0.0, 0.06))
 
-    def operation(self, rng: random.Random, op: str) -> None:
+    def operation(self, rng: random.Random, op: str, limited: bool = False) -> None:
         tl = self.tl
-        ex, sh, timeout = self.pick(rng)
-        tl.write("acq", op=op, x=ex, s=sh, timeout=timeout, owner=self.manager.owner_id)
+        lim: dict[str, int] = {}
+        if limited:
+            ex, lim, timeout = self.pick_limited(rng)
+            sh: list[str] = []
+            tl.write("acq", op=op, x=ex, s=sh, l=lim, timeout=timeout, owner=self.manager.owner_id)
+        else:
+            ex, sh, timeout = self.pick(rng)
+            tl.write("acq", op=op, x=ex, s=sh, timeout=timeout, owner=self.manager.owner_id)
         try:
-            lease = self.manager.acquire(ex, sh, timeout=timeout)
+            lease = self.manager.acquire(ex, sh, limited=lim or None, timeout=timeout)
         except LockTimeout:
             tl.write("timeout", op=op)
             return
@@ -186,7 +217,8 @@ class Worker:
                     tl.write(
                         "store", op=op, res=res, kind="read", mode="s", ok=accepted, value=value
                     )
-                time.sleep(hold)
+                # A slot holds a while (the checker counts the holders at once).
+                time.sleep(hold + (rng.uniform(0.0, 0.05) if lim else 0.0))
             tc = time.monotonic()
             tl.write("cs_end", op=op, ok=_check(lease), tc=tc)
         except Exception as exc:
@@ -248,6 +280,9 @@ def main() -> None:
     ap.add_argument("--owner-ttl", type=float, default=1.5)
     ap.add_argument("--long-timeout", type=float, nargs=2, default=(5.0, 8.0))
     ap.add_argument("--quiet-flag", default="", help="file whose presence means: go quiet")
+    ap.add_argument("--limited-share", type=float, default=0.0, help="share of limited requests")
+    ap.add_argument("--limited-name", default="lim")
+    ap.add_argument("--limited-slots", type=int, default=3)
     ap.add_argument("--reconcile-once", action="store_true")
     args = ap.parse_args()
     if args.reconcile_once:
