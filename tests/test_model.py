@@ -15,7 +15,10 @@ acquire.lua.
 
 Rules: new owners (some registered in a worker incarnation's group);
 acquire (exclusive/shared, one to three resources, try-once or queueing,
-nested from an owner that holds a lock), a woken waiter's re-run, a waiter
+nested from an owner that holds a lock; a slot of the limited resource
+``n``, limit 2, alone or with exclusive and shared ones), a request of the
+other kind on a name held or queued for (``{-2, name, mode}``), a woken
+waiter's re-run, a waiter
 that keeps re-running, giving up (release.lua dequeues, or releases a
 hand-off that landed), release, the retry of a granted request's acquire
 (a lost reply), owner death, cleanup_owner (normal and force), reconcile,
@@ -30,9 +33,13 @@ Checked after every step:
 * every reply of acquire.lua is the model's: granted exactly when no live
   holder and (not nested) no earlier live queue entry conflicts, and fewer
   than ``queue_scan_limit`` live entries are ahead (dead entries do not
-  count); ``-1`` for a dead owner; a retried grant returns its own fence;
-* exclusion: no lock hash records incompatible holders; every holder is a
-  grant of the model, with its mode and fence; every live grant is there;
+  count); on the limited resource, when its holders (HLEN below the limit,
+  else the live ones), the live entries ahead (not nested) and the request
+  are at most the limit; ``-1`` for a dead owner; ``{-2, name, mode}`` for
+  the other kind; a retried grant returns its own fence;
+* exclusion: no lock hash records incompatible holders, more slots than
+  the limit or two kinds; every holder is a grant of the model, with its
+  mode and fence (and a slot's limit); every live grant is there;
 * registry truth (``held:<owner>`` is exactly the resources it holds) and
   the active-owners set covers every owner that holds or waits;
 * every queue entry is a queued request of the model (live, or dead and
