@@ -185,8 +185,10 @@ class Model:
 
         A limited resource (docs/design.md, "Limited resources"): with k
         holders and (unless nested) a earlier live entries, granted when
-        k + a + 1 <= its own N. k is the live holders, or ``slots[res]``
-        (the holders as a script counts them) when given.
+        k + 1 <= its own N and k + a + 1 <= N. In the first, k is the live
+        holders, or ``slots[res]`` (the holders as a script counts them) when
+        given; in the second always the live holders (the script reads their
+        liveness once the entries ahead would block).
         """
         why = []
         for res, mode in q.modes.items():
@@ -208,8 +210,13 @@ class Model:
                 continue
             ahead = self.live_ahead(q, res)
             if mode == "l":
-                if k + ahead + 1 > q.limits[res]:
-                    why.append(f"{res}: {k} holders + {ahead} live entries ahead, limit {cap}")
+                # Once the entries ahead would block, the script reads the
+                # holders' liveness: only live holders count with them.
+                live = self.holders_of(res, q.token)
+                if live + ahead + 1 > q.limits[res]:
+                    why.append(
+                        f"{res}: {live} live holders + {ahead} live entries ahead, limit {cap}"
+                    )
             else:
                 for w in self.live_queued(exclude):
                     if (

@@ -472,9 +472,11 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
 end
 
 -- The holders of the limited LOCK, for a request that may take a slot
--- while fewer than CAP (its own limit) hold it. Fewer than CAP hold it (HLEN):
--- not blocked, and one holder (HRANDFIELD) tells their mode. CAP or more
--- hold it: their owners' liveness is read in HSCAN pages of LIMIT, dead
+-- while fewer than CAP (its own limit) hold it. Fewer than CAP hold it (HLEN)
+-- and not CHECK: not blocked, live = HLEN (dead holders not told apart), and
+-- one holder (HRANDFIELD) tells their mode. CAP or more hold it, or CHECK
+-- (the caller needs the live count): their owners' liveness is read in
+-- HSCAN pages of LIMIT, dead
 -- ones are freed as reclaim_holders frees them, until CAP live ones are
 -- seen (blocked), or LIMIT live ones (blocked, conservatively), or the
 -- purge budget runs out (blocked, ms 0: try again at once), or the hash
@@ -487,10 +489,10 @@ end
 -- live holders counted (all of them when not blocked);
 -- other = the holders' mode when they are not limited ('x' or 's': a name
 -- the request may not take limited; nothing freed then).
-local function reclaim_slots(prefix, lock, cap, limit)
+local function reclaim_slots(prefix, lock, cap, limit, check)
   local n = redis.call('HLEN', lock)
   if n == 0 then return nil, 0, nil, 0 end
-  if n < cap then
+  if n < cap and not check then
     local one = redis.call('HRANDFIELD', lock, '1', 'WITHVALUES')
     if one[2] and mode_of(one[2]) ~= 'l' then return nil, 0, nil, n, mode_of(one[2]) end
     return nil, 0, nil, n

@@ -244,11 +244,16 @@ local function entry_dead(t)
 end
 -- A limited resource: the live entries ahead take slots before this
 -- request; it fits while its live holders, the entries ahead and itself are
--- at most its limit. Returns the mode of an entry that is not limited (the
--- name is queued for otherwise), else nil.
+-- at most its limit. Step 4 counted the holders with HLEN when they were
+-- fewer than the limit, dead ones included: once the entries ahead would
+-- block, their liveness is read (reclaim_slots with CHECK, once), dead
+-- ones are freed, and the room is counted again, so a dead holder never
+-- keeps a request out of a slot it may have. Returns the mode of an entry
+-- that is not limited (the name is queued for otherwise), else nil.
 local function scan_slots(i, q, max, budget)
   local room = caps[i] - (live_held[i] or 0) - 1
   if room < 0 then return nil end -- the holders block it (step 4 read them)
+  local checked = (live_held[i] or 0) == 0
   local ahead, purged, cursor = 0, 0, '-inf'
   while true do
     local want = math.min(room + 1, limit) - ahead
@@ -271,6 +276,16 @@ local function scan_slots(i, q, max, budget)
           end
         else
           ahead = ahead + 1
+          if ahead > room and not checked then
+            checked = true
+            local _, freed, _, live = reclaim_slots(prefix, KEYS[i], caps[i], limit, true)
+            if freed > 0 then
+              rewake[i] = true
+              reclaimed = reclaimed + freed
+            end
+            live_held[i] = live
+            room = caps[i] - live - 1
+          end
           if ahead > room or ahead >= limit then
             blocked, why = true, 'queued'
             note_wait(ms)
