@@ -21,7 +21,7 @@ PARTICIPANTS ?= all
 CELERY_MODE = $(if $(filter 0,$(CELERY)),no,$(if $(filter only,$(CELERY)),only,also))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-fast test-redis7 test-redis7-e2e test-redis7-rest test-redis62 test-acl lint format docs docs-shots dist ci demo bench bench-celery bench-server chaos clean
+.PHONY: help venv test test-fast test-redis7 test-redis7-e2e test-redis7-rest test-redis62 test-acl lint format docs docs-shots dist ci demo bench bench-celery bench-server bench-limited chaos clean
 
 help:
 	@echo "make demo       run the example (embedded Redis, no install needed)"
@@ -37,6 +37,7 @@ help:
 	@echo "make bench      benchmarks"
 	@echo "make bench-celery  real prefork workers: lock waits, stalls, exact counts; the cost of @locked (~5 min)"
 	@echo "make bench-server  redis-server's instructions per lock cycle under callgrind, every library (needs valgrind)"
+	@echo "make bench-limited limited resources (at most N holders) against dramatiq's and redis-limiters' semaphores (~2.5 min)"
 	@echo "make chaos      randomized fault injection (DURATION=120 SEED= FAULTS=all END=term|kill CELERY=1|0|only PARTICIPANTS=all), see docs/chaos.md"
 	@echo "make clean      remove the venv and caches"
 
@@ -163,6 +164,16 @@ bench-celery: venv
 # work per cycle"). Needs valgrind.
 bench-server: venv
 	$(BIN)/python -m benchmarks.server_work
+
+# Limited resources: 16 processes on one resource of at most 4 holders,
+# celery-redislock against dramatiq's ConcurrentRateLimiter and
+# redis-limiters' SyncSemaphore: acquisitions/s, waits, fairness, peak
+# holders, recovery after a SIGKILLed holder (docs/benchmarks.md, "Limited
+# resources against peers"). LIMITED_BENCH_ARGS passes options, e.g.
+# LIMITED_BENCH_ARGS="--rounds 5 --duration 4".
+LIMITED_BENCH_ARGS ?=
+bench-limited: venv
+	$(BIN)/python -m benchmarks.limited $(LIMITED_BENCH_ARGS)
 
 # Randomized fault-injection run against real redis-servers; prints the seed
 # (replay with SEED=...) and exits non-zero on any invariant violation.

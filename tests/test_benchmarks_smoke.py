@@ -475,3 +475,43 @@ def test_server_work_counts_each_librarys_instructions_and_commands_per_cycle() 
     assert all(v > 0 for v in upkeep.values())
     text = server_work.markdown(rows)
     assert "| celery-redislock @locked | 1 |" in text and "1.00x" in text
+
+
+def test_limited_benchmark_runs_every_library_and_prints_its_tables(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import limited
+
+    code = limited.main(["--quick", "--procs", "6", "--duration", "0.3", "--window", "1.2"])
+
+    out = capsys.readouterr().out
+    assert code == 0, out  # celery-redislock never had more than N holders
+    assert "| hold ms | library | acquisitions/s |" in out
+    assert "| library | expiry setting | recovery s, per round |" in out
+    for lib in limited.LIBS:
+        assert f"| 0 | {lib} |" in out and f"| 5 | {lib} |" in out
+    targets = out.split("## Targets", 1)[1]
+    assert targets.count("throughput at least each peer's") == 2
+    assert "at most 4 holders at once, every library, every run:" in targets
+    assert "recovery after a SIGKILLed holder within owner_ttl (1 s):" in targets
+
+
+def test_limited_benchmark_names_a_library_that_exceeds_the_limit() -> None:
+    from benchmarks import limited
+
+    s = limited.Settings(holds=(0.0,))
+
+    def run(lib: str, peak: int) -> limited.Run:
+        return limited.Run(
+            lib, 0.0, 2, 1.0, [5, 5], [1.0], peak, round_rates=[10.0], recoveries=[0.5]
+        )
+
+    throughput = [run(limited.OURS, 4), run(limited.DRAMATIQ, 4), run(limited.LIMITERS, 6)]
+    recovery = [run(limited.OURS, 4), run(limited.DRAMATIQ, 4), run(limited.LIMITERS, 4)]
+    recovery[1].recoveries = [None]
+
+    lines = limited.target_lines(throughput, recovery, s)
+
+    assert any("NOT met: exceeded by redis-limiters 6" in line for line in lines)
+    assert lines[-1].startswith("recovery after a SIGKILLed holder")
+    assert "met; 0.50 s" in lines[-1] and "> 8 (not)" in lines[-1]
