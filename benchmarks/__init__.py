@@ -15,6 +15,10 @@ Run them all, against a throw-away redis-server they start themselves::
   each at two sizes, and the nodes one Redis core carries.
 - :mod:`benchmarks.memory` (run alone: ``python -m benchmarks.memory``):
   Redis bytes per held lock, owner and queued waiter, against the peers.
+- :mod:`benchmarks.limited` (run alone: ``make bench-limited``): limited
+  resources (at most N holders) against dramatiq's ``ConcurrentRateLimiter``
+  and redis-limiters' ``SyncSemaphore``: throughput, waits, fairness, peak
+  holders, recovery after a killed holder.
 - :mod:`benchmarks.celery_e2e` (run alone: ``make bench-celery``): real
   prefork workers contending for a few locks (waits, stalls, exact counts)
   and the tasks/s cost of ``@locked``; writes ``benchmarks/results-celery.md``.
