@@ -131,15 +131,23 @@ def _record_withdrawn(app: Any, task_id: str, why: str, message: dict[str, Any])
     """Write the result of a deferred task taken out of line, as a worker does
     for a task that is not parked: its park TTL ran out (``expired``):
     ``FAILURE`` with :class:`LockTimeout`, its ``link_error`` errbacks called
-    and its chain failed; revoked, or its ``expires`` passed: ``REVOKED``
-    (reason ``revoked`` or ``expired``) and the ``task_revoked`` signal."""
+    and its chain failed; a re-attempt refused because a resource is taken
+    in another kind (``refused``, limited or not): ``FAILURE`` with
+    :class:`InvalidResource`, likewise; revoked, or its ``expires`` passed:
+    ``REVOKED`` (reason ``revoked`` or ``expired``) and the ``task_revoked``
+    signal."""
     from celery import signals
 
-    from ..exceptions import LockTimeout
+    from ..exceptions import InvalidResource, LockTimeout
 
     request = _withdrawn_request(app, task_id, message)
-    if why == "expired":
-        exc = LockTimeout(tuple(message.get("resources") or ()), message.get("park_ttl"))
+    if why in ("expired", "refused"):
+        resources = tuple(message.get("resources") or ())
+        exc: Exception = (
+            LockTimeout(resources, message.get("park_ttl"))
+            if why == "expired"
+            else InvalidResource(str(message.get("refused") or "resource refused"), resources)
+        )
         app.backend.mark_as_failure(task_id, exc, request=request)
         return
     expired = why == "expired-message"

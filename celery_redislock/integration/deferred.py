@@ -230,8 +230,9 @@ def transit_hook(
                 park_ttl = min(park_ttl, left)
             if park_ttl <= 0.001:
                 return False
-            # What a park record's message holds (as run_deferred builds it).
-            message["modes"] = req.modes
+            # What a park record's message holds (as run_deferred builds it);
+            # the modes with the limits of limited resources (xl:5).
+            message["modes"] = req.spec
             message["resources"] = list(req.resources)
             message["park_ttl"] = park_ttl
             message["grant_ttl"] = cfg.defer_grant_ttl
@@ -267,7 +268,12 @@ def transit_hook(
 
 
 def drop_redelivered_wait(
-    task: Any, locks: RedisLock, label: str, exclusive: list[str], shared: list[str]
+    task: Any,
+    locks: RedisLock,
+    label: str,
+    exclusive: list[str],
+    shared: list[str],
+    limited: dict[str, int] | None = None,
 ) -> None:
     """A redelivered copy of a waiting task (docs/defer-internals.md, T5): if
     an earlier delivery parked the task in its place behind a grant in
@@ -303,10 +309,10 @@ def drop_redelivered_wait(
         task_id,
         state,
     )
-    req = mgr.request(exclusive, shared)
+    req = mgr.request(exclusive, shared, limited or None)
     message = defer.capture_message(task)
     message.update(
-        modes=req.modes,
+        modes=req.spec,
         resources=list(req.resources),
         park_ttl=locks.config.defer_ttl,
         grant_ttl=locks.config.defer_grant_ttl,
@@ -526,11 +532,14 @@ def run_deferred(
     args: Any,
     kwargs: Any,
     hooks: DeferHooks | None = None,
+    limited: dict[str, int] | None = None,
 ) -> Any:
     """``on_busy="defer"`` (docs/defer.md): adopt a grant, run, or park and free the slot.
 
     ``hooks`` (a Task base's, :class:`DeferHooks`): told when the task
     parks or its copy is dropped (``fun`` already calls ``before_body``).
+    ``limited``: the limited resources (name -> limit): one slot of each,
+    parked for in line with the others; the park record keeps the limits.
     """
     from ..worker import defer
 
@@ -538,7 +547,17 @@ def run_deferred(
     upkeep_if_due(mgr)
     defer.set_done_ttl(mgr, locks.config.defer_ttl)
     call = _DeferredCall(
-        task, locks, label, exclusive_names, shared_names, lost_mode, fun, args, kwargs, hooks
+        task,
+        locks,
+        label,
+        exclusive_names,
+        shared_names,
+        lost_mode,
+        fun,
+        args,
+        kwargs,
+        hooks,
+        limited or {},
     )
     request = call.request
     # A copy parked record-first (below): the life its grant header names
@@ -589,6 +608,7 @@ class _DeferredCall:
         args: Any,
         kwargs: Any,
         hooks: DeferHooks | None,
+        limited: dict[str, int],
     ) -> None:
         self.task = task
         self.locks = locks
@@ -599,7 +619,8 @@ class _DeferredCall:
         self.task_id = str(self.request.id)
         self.exclusive_names = exclusive_names
         self.shared_names = shared_names
-        self.resources = exclusive_names + shared_names
+        self.limited = limited
+        self.resources = exclusive_names + shared_names + list(limited)
         self.body = (fun, args, kwargs)
         self.hooks = hooks
         # Who holds the locks, for operators: the park request, the adopted
@@ -612,7 +633,12 @@ class _DeferredCall:
 
     def acquire(self, timeout: Any) -> Lease:
         with holding(self.mgr, self.run.holder):
-            return self.mgr.acquire(self.exclusive_names, self.shared_names, timeout=timeout)
+            return self.mgr.acquire(
+                self.exclusive_names,
+                self.shared_names,
+                limited=self.limited or None,
+                timeout=timeout,
+            )
 
     def run_body(self, lease: Lease) -> Any:
         fun, args, kwargs = self.body
@@ -802,8 +828,10 @@ class _DeferredCall:
         # Never parked past the task's own expires (then it is revoked as expired).
         park_ttl = defer.park_limit(message, park_ttl)
         message["grant_ttl"] = cfg.defer_grant_ttl
-        req = self.mgr.request(self.exclusive_names, self.shared_names)
-        message["modes"] = req.modes
+        req = self.mgr.request(self.exclusive_names, self.shared_names, self.limited or None)
+        # The modes with the limits of limited resources (xl:5): a
+        # dispatcher's re-attempt and a re-park keep each one's own N.
+        message["modes"] = req.spec
         message["resources"] = list(req.resources)
         result = defer.park(
             self.mgr,

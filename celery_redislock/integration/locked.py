@@ -23,12 +23,13 @@ through :mod:`celery_redislock.body`, and ``on_busy="defer"`` takes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,7 +38,8 @@ from typing import Any, TypeVar
 # templates had modules of their own.
 from .. import _validate as _v
 from ..engine.manager import RequestMoved
-from ..exceptions import ConfigurationError, LockTimeout, ShuttingDown
+from ..exceptions import ConfigurationError, InvalidResource, LockTimeout, ShuttingDown
+from ..protocol.request import MAX_LIMIT
 from .app import RedisLock
 from .body import BodyRun, hand_back, holding, in_locked_body, run_body, upkeep_if_due
 from .body import current_lease as current_lease
@@ -105,12 +107,17 @@ class _Options:
     on_busy: Any
     on_lost: Any
     retry: _Retry
+    #: ``limited=`` as given (checked with the function: :func:`_limited`).
+    limited_given: Any = None
+    #: The limited templates and their limits, once checked.
+    limited: tuple[tuple[str, int], ...] = ()
 
     def spec(self) -> dict[str, Any]:
         """The wrapper's ``__redislock__`` (what ``UniqueTask`` reads)."""
         return {
             "exclusive": self.exclusive,
             "shared": self.shared,
+            "limited": dict(self.limited),
             "on_busy": None if self.on_busy is APP_DEFAULT else self.on_busy,
             "on_lost": None if self.on_lost is APP_DEFAULT else self.on_lost,
         }
@@ -130,10 +137,12 @@ def _number(name: str, value: Any, low: float, what: str) -> None:
         raise ConfigurationError(name, f"must be {what}, not {shown}") from None
 
 
-def _templates(exclusive: tuple[Any, ...], shared: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _templates(
+    exclusive: tuple[Any, ...], shared: Any, limited: Any = None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     ex = check_templates("locked", exclusive)
     sh = template_list("locked(shared=)", shared)
-    if not ex and not sh:
+    if not ex and not sh and not limited:
         raise ConfigurationError("locked", "needs at least one resource template")
     both = sorted(set(ex) & set(sh))
     if both:
@@ -143,6 +152,41 @@ def _templates(exclusive: tuple[Any, ...], shared: Any) -> tuple[tuple[str, ...]
             "already covers reading: drop them from shared=",
         )
     return ex, sh
+
+
+def _limited(opts: _Options, label: str) -> tuple[tuple[str, int], ...]:
+    """``limited=`` of the ``@locked`` of ``label``, checked when it decorates
+    the function: a mapping of templates to an int limit from 1 to
+    :data:`~celery_redislock.protocol.request.MAX_LIMIT`, none of them also
+    an exclusive or shared template."""
+    given = opts.limited_given
+    setting = f"locked(limited=) of {label}"
+    if given is None:
+        return ()
+    if not isinstance(given, Mapping):
+        raise ConfigurationError(
+            setting,
+            "must be a dict of resource template to its limit, e.g. "
+            f"limited={{'api:{{partner}}': 5}}, not {type(given).__name__} {given!r}",
+        )
+    out: list[tuple[str, int]] = []
+    for template, limit in given.items():
+        (template,) = check_templates(setting, [template])
+        if type(limit) is not int or not 1 <= limit <= MAX_LIMIT:
+            raise ConfigurationError(
+                setting,
+                f"the limit of {template!r} must be an int from 1 to {MAX_LIMIT} "
+                f"(how many tasks may hold it at once), not {limit!r}",
+            )
+        if template in opts.exclusive or template in opts.shared:
+            kind = "exclusive" if template in opts.exclusive else "shared"
+            raise ConfigurationError(
+                setting,
+                f"template {template!r} is also {kind}; a resource is taken limited "
+                "or exclusive/shared, never both: drop it from one of them",
+            )
+        out.append((template, limit))
+    return tuple(out)
 
 
 def _mode(option: str, value: Any, modes: tuple[str, ...]) -> None:
@@ -216,13 +260,15 @@ def _options(
     on_busy: Any,
     on_lost: Any,
     retry: dict[str, Any],
+    limited: Any = None,
 ) -> _Options:
-    """Validate ``@locked``'s arguments (when decorating: at import time)."""
-    ex, sh = _templates(exclusive, shared)
+    """Validate ``@locked``'s arguments (when decorating: at import time;
+    ``limited`` is checked with the function, :func:`_limited`)."""
+    ex, sh = _templates(exclusive, shared, limited)
     _mode("on_lost", on_lost, ON_LOST_MODES)
     _mode("on_busy", on_busy, ON_BUSY_MODES)
     timeout = _timeout(timeout, on_busy)
-    return _Options(ex, sh, timeout, on_busy, on_lost, _retry(on_busy, retry))
+    return _Options(ex, sh, timeout, on_busy, on_lost, _retry(on_busy, retry), limited)
 
 
 #: What @locked says when it is given a task instead of the function.
@@ -265,6 +311,7 @@ def _check_target(fun: Any) -> None:
 def locked(
     *exclusive: str,
     shared: str | Iterable[str] = (),
+    limited: Mapping[str, int] | None = None,
     timeout: float | None = APP_DEFAULT,
     on_busy: str = APP_DEFAULT,
     retry_countdown: float = APP_DEFAULT,
@@ -289,6 +336,17 @@ def locked(
             positional fields (``{}``, ``{0}``) are refused.
         shared: templates locked in shared (reader) mode. A name that also
             formats as an exclusive one is locked exclusively only.
+        limited: templates of *limited* resources and their limits, e.g.
+            ``{"api:{partner}": 5}``: the task takes one slot of each, granted
+            only while fewer than that many tasks (on any worker) hold the
+            resource, first come, first served, all at once with the
+            exclusive and shared ones. A limit is an int from 1 to
+            :data:`~celery_redislock.protocol.request.MAX_LIMIT`. A resource
+            is only ever taken limited or exclusive/shared: a name formatted
+            both ways by one call raises :class:`InvalidResource`, and one
+            held or waited for in the other kind by another task too.
+            Every ``on_busy`` mode applies (``"defer"`` parks the task in
+            line for a slot, without a pool slot).
         timeout: seconds ``on_busy="wait"`` waits; default: the app's
             ``redislock_default_timeout`` (None or ``inf`` = until granted).
         on_busy: what to do when the locks are taken:
@@ -332,7 +390,9 @@ def locked(
             (unless it takes ``**kwargs``: then each call checks), or is
             positional.
         ConfigurationError: a malformed or non-str template, no template,
-            one template both exclusive and shared, or a bad option value.
+            one template both exclusive and shared (or limited and either),
+            a ``limited`` limit that is not an int from 1 to ``MAX_LIMIT``,
+            or a bad option value.
 
     At call time, a template naming an argument the call lacks, or a value
     it cannot format, raises :class:`TemplateError` before anything is
@@ -354,6 +414,7 @@ def locked(
             "retry_jitter": retry_jitter,
             "max_retries": max_retries,
         },
+        limited,
     )
 
     def decorate(fun: F) -> F:
@@ -367,7 +428,8 @@ def _decorate(fun: F, opts: _Options) -> F:
     _check_target(fun)
     sig = inspect.signature(fun)
     label = getattr(fun, "__qualname__", repr(fun))
-    check_fields(opts.exclusive + opts.shared, sig, label)
+    opts = dataclasses.replace(opts, limited=_limited(opts, label))
+    check_fields(opts.exclusive + opts.shared + tuple(t for t, _ in opts.limited), sig, label)
     binder = ArgumentBinder(sig, label)
 
     from celery import current_task
@@ -398,10 +460,12 @@ class _Call:
     body: Callable[..., Any]
     args: Any
     kwargs: Any
+    #: The limited resources and their limits.
+    limited: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def resources(self) -> list[str]:
-        return self.exclusive_names + self.shared_names
+        return self.exclusive_names + self.shared_names + list(self.limited)
 
     @property
     def lost_mode(self) -> str:
@@ -425,6 +489,7 @@ def _call(
     # A resource both exclusive and shared (two templates formatting
     # to one name) is locked exclusively: that covers reading too.
     shared_names = [n for n in format_all(opts.shared, mapping, label) if n not in exclusive_names]
+    limited = _limited_names(opts, mapping, label, exclusive_names + shared_names)
     # The task being run (None outside one): one look-up of Celery's task
     # stack (_get_current_object is the documented way to unwrap a Proxy).
     task = current_task._get_current_object()  # noqa: SLF001
@@ -432,7 +497,9 @@ def _call(
     mode = locks.config.default_on_busy if opts.on_busy is APP_DEFAULT else opts.on_busy
     hooks = task_hooks(task)
     body = fun if hooks is None else preceded_by(fun, hooks.before_body)
-    call = _Call(opts, label, task, locks, exclusive_names, shared_names, mode, body, args, kwargs)
+    call = _Call(
+        opts, label, task, locks, exclusive_names, shared_names, mode, body, args, kwargs, limited
+    )
     # The task's own @locked (not one called in a @locked body: that
     # one re-enters the adopted grant) adopts a message's grant
     # whatever on_busy says: a waiting task parked behind a grant in
@@ -451,8 +518,35 @@ def _call(
             args,
             kwargs,
             hooks,
+            limited,
         )
     return _wait_and_run(call, outermost)
+
+
+def _limited_names(opts: _Options, mapping: Any, label: str, others: list[str]) -> dict[str, int]:
+    """The limited resources of one call: name -> limit. A name also
+    formatted as an exclusive or shared resource, or by two limited
+    templates of different limits, raises :class:`InvalidResource`."""
+    if not opts.limited:
+        return {}
+    templates = [t for t, _ in opts.limited]
+    out: dict[str, int] = {}
+    for (template, limit), name in zip(opts.limited, format_all(templates, mapping, label)):
+        if name in others:
+            raise InvalidResource(
+                f"@locked of {label}: limited template {template!r} formats to {name!r}, "
+                "which this call also takes exclusive or shared; a resource is taken "
+                "limited or exclusive/shared, never both",
+                name,
+            )
+        if out.get(name, limit) != limit:
+            raise InvalidResource(
+                f"@locked of {label}: limited templates format to {name!r} with two "
+                f"limits ({out[name]} and {limit}); give one resource one limit",
+                name,
+            )
+        out[name] = limit
+    return out
 
 
 @dataclass
@@ -510,13 +604,20 @@ def _wait_and_run(call: _Call, outermost: bool) -> Any:
         and deferrable(task)
         and getattr(task, "unique_lease", None) is None
     ):
-        drop_redelivered_wait(task, locks, label, call.exclusive_names, call.shared_names)
+        drop_redelivered_wait(
+            task, locks, label, call.exclusive_names, call.shared_names, call.limited
+        )
         take_over = transit_hook(task, locks, label, wait, parked)
     try:
         # The body has not started: this wait may give way to a
         # warm shutdown (ShuttingDown, below).
         with holding(mgr, who.holder), mgr.context.using(haltable=True, take_over=take_over):
-            lease = mgr.acquire(call.exclusive_names, call.shared_names, timeout=wait)
+            lease = mgr.acquire(
+                call.exclusive_names,
+                call.shared_names,
+                limited=call.limited or None,
+                timeout=wait,
+            )
     except RequestMoved as moved:
         return parked_behind_transit(
             task,

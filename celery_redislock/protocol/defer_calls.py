@@ -55,7 +55,7 @@ def park_record_args(
     return [
         task_id,
         str(min_life),
-        req.modes,
+        req.spec,  # the modes with the limits of limited resources (xl:5)
         "\n".join(req.resources),
         message_json,
         ms(grant_ttl),

@@ -32,8 +32,9 @@ from kombu.utils import json as kjson
 from .._threads import real_sleep, start_os_thread
 from ..engine.lease import Lease
 from ..engine.manager import REDIS_DOWN_ERRORS, LockManager
-from ..exceptions import LockError, RedisUnavailable, ReplicationTimeout
+from ..exceptions import InvalidResource, LockError, RedisUnavailable, ReplicationTimeout
 from ..protocol import defer_calls as dc
+from ..protocol.calls import mode_refusal
 from ..protocol.keys import defer_owner_id, holder_record, task_token, text
 from ..protocol.request import Request
 from ..store.connect import clone_client
@@ -204,6 +205,8 @@ def _queue_parked(
             return ParkResult("granted", leases=leases, life=life)
         if code == -1:
             raise LockError(f"deferred task {task_id}: its task owner is tombstoned")
+        if code == -2:  # a resource taken in another kind (limited, or not): withdrawn
+            raise mode_refusal(got)
     except BaseException:
         try:
             withdraw(mgr, task_id)
@@ -280,11 +283,8 @@ def park_again(
     D6, D12). Granted at once, it is dispatched (never adopted here); a
     record that holds the task already makes it a ``duplicate``."""
     names = list(message.get("resources") or ())
-    modes = str(message.get("modes") or "x" * len(names))
-    req = mgr.request(
-        [n for n, m in zip(names, modes) if m == "x"],
-        [n for n, m in zip(names, modes) if m == "s"],
-    )
+    # The modes with the limits of limited resources (``xl:5``).
+    req = mgr.requests.from_spec(names, str(message.get("modes") or "x" * len(names)))
     message = dict(message)
     park_ttl = park_limit(message, float(message.get("park_ttl") or 86400.0))
     return park(
@@ -564,7 +564,10 @@ class Dispatcher:
         publish: ``publish(task_id, message, header or None)`` sends the
             task; the header (``"<life>:<fence>"``) names the grant to adopt.
         on_withdrawn: ``on_withdrawn(task_id, why, message)``, why in
-            ``expired`` (park TTL: fail it), ``revoked``.
+            ``expired`` (park TTL: fail it), ``expired-message``,
+            ``revoked``, ``refused`` (a re-attempt met a resource taken in
+            another kind: fail it with :class:`InvalidResource`, the text
+            in ``message["refused"]``).
         revoked: returns whether a task id was revoked (Celery's revoked set).
         revoked_ids: returns the ids revoked so far (scanned every upkeep).
     """
@@ -775,7 +778,11 @@ class Dispatcher:
         if left is not None and left <= 0:
             self._withdrawn(task_id, "expired-message", kjson.dumps(message))
             return
-        result = park_again(self.manager, task_id, message, life)
+        try:
+            result = park_again(self.manager, task_id, message, life)
+        except InvalidResource as exc:  # withdrawn again by the park
+            self._withdrawn(task_id, "refused", kjson.dumps({**message, "refused": str(exc)}))
+            return
         log.info("defer.reparked id=%s outcome=%s", task_id, result.outcome)
 
     def handle(self, task_id: str) -> None:
@@ -836,15 +843,15 @@ class Dispatcher:
         self, task_id: str, token: str, modes: str, res: str, pttl: int, holder: str = ""
     ) -> None:
         mgr = self.manager
-        names = res.split("\n")
-        req = mgr.request(
-            [n for n, m in zip(names, modes) if m == "x"],
-            [n for n, m in zip(names, modes) if m == "s"],
-        )
+        # ``modes`` as the park record stores them: with the limits of its
+        # limited resources (``xl:5``), so each keeps its own N.
+        req = mgr.requests.from_spec(res.split("\n"), modes)
         ttl = str(pttl if pttl > 0 else 1)
         got = _attempt_as_task(mgr, token, req, liveness_ms=ttl, register="", holder=holder)
         code = int(got[0])
-        if code == 1:
+        if code == -2:
+            self._refused(task_id, mode_refusal(got))
+        elif code == 1:
             mgr.channel.run(dc.defer_granted(mgr.keys, task_id, text(got[1])))
         elif code == 0:
             wait_ms = int(got[1])
@@ -866,6 +873,22 @@ class Dispatcher:
             self._withdraw(task_id, "expired-message")
             return True
         return False
+
+    def _refused(self, task_id: str, exc: InvalidResource) -> None:
+        """A re-attempt was refused (``{-2, name, mode}``): a resource of the
+        task is held or waited for in another kind (limited, or exclusive
+        and shared; a process of a release without limited resources, or a
+        queue read past ``queue_scan_limit``). Trying again would meet the
+        same refusal at every interval: the task is taken out of line and
+        fails with :class:`InvalidResource` (``why`` ``refused``), as it
+        would have had its first try met it."""
+        got = withdraw(self.manager, task_id, client=self._redis())
+        if got[0] not in ("parked", "granted"):
+            return  # withdrawn, granted or adopted meanwhile: its owner reports it
+        message = _loads(got[1]) or {}
+        message["refused"] = str(exc)
+        log.error("defer.mode-refused id=%s error=%s", task_id, exc)
+        self._withdrawn(task_id, "refused", kjson.dumps(message))
 
     def _withdraw(self, task_id: str, why: str) -> None:
         got = withdraw(self.manager, task_id, client=self._redis())
