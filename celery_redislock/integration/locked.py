@@ -630,6 +630,7 @@ def _wait_and_run(call: _Call, outermost: bool) -> Any:
             call.kwargs,
             parked[0],
             moved,
+            call.limited,
         )
     except ShuttingDown as exc:
         hand_back(task, label, exc)
