@@ -533,6 +533,96 @@ def _stop_before_store(self: Backend, task_id: str, *args: Any, **kwargs: Any) -
 Backend.mark_as_done = _stop_before_store  # type: ignore[method-assign]
 
 
+# -- limited resources (@locked(limited=...), tests/e2e/test_limited_e2e.py) ---
+
+#: Counts a body in on ``e2e:lim-in:<partner>`` and keeps the most seen at
+#: once in ``e2e:lim-peak:<partner>``, in one step.
+_ENTER = """
+local n = redis.call('INCR', KEYS[1])
+if n > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], n) end
+return n
+"""
+
+
+def _limited_body(task: Any, partner: str, tag: str, block: bool, pause: float) -> dict[str, Any]:
+    """A body holding one slot of ``api:<partner>``: counted in and out
+    (peak), logged to ``e2e:held-log:<tag>`` (with its lease's limits) and
+    appended to ``e2e:order:<partner>``; a first delivery with ``block``
+    waits for ``e2e:go:<tag>``, else it stays ``pause`` seconds."""
+    r = data()
+    attempt = int(r.incr(f"e2e:attempts:{tag}"))
+    r.eval(_ENTER, 2, f"e2e:lim-in:{partner}", f"e2e:lim-peak:{partner}")
+    try:
+        lease = current_lease()
+        info = _lease_info()
+        info.update(
+            attempt=attempt,
+            tag=tag,
+            task_id=task.request.id,
+            limited=lease.limited if lease is not None else None,
+        )
+        r.rpush(f"e2e:held-log:{tag}", json.dumps(info))
+        r.rpush(f"e2e:order:{partner}", tag)
+        if block and attempt == 1:
+            _wait_go(r, tag)
+        elif pause:
+            time.sleep(pause)
+        return info
+    finally:
+        r.decr(f"e2e:lim-in:{partner}")
+
+
+@app.task(name="e2e.lim_wait", bind=True, acks_late=True)
+@locked(limited={"api:{partner}": 2}, on_busy="wait", timeout=120)
+def lim_wait(
+    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
+) -> dict[str, Any]:
+    """At most 2 at once on ``api:<partner>``, waiting in its pool slot."""
+    return _limited_body(self, partner, tag, block, pause)
+
+
+@app.task(name="e2e.lim_defer", bind=True, acks_late=True)
+@locked(limited={"api:{partner}": 2}, on_busy="defer")
+def lim_defer(
+    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
+) -> dict[str, Any]:
+    """At most 2 at once on ``api:<partner>``, parked (no pool slot) when full."""
+    return _limited_body(self, partner, tag, block, pause)
+
+
+@app.task(name="e2e.lim_raise", bind=True, acks_late=True)
+@locked(limited={"api:{partner}": 2}, on_busy="raise", on_lost="ignore")
+def lim_raise(
+    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
+) -> dict[str, Any]:
+    """At most 2 at once on ``api:<partner>``; LockTimeout when full."""
+    return _limited_body(self, partner, tag, block, pause)
+
+
+@app.task(name="e2e.lim_skip", bind=True, acks_late=True)
+@locked(limited={"api:{partner}": 2}, on_busy="skip", on_lost="terminate")
+def lim_skip(
+    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
+) -> dict[str, Any]:
+    """At most 2 at once on ``api:<partner>``; skipped (None) when full."""
+    return _limited_body(self, partner, tag, block, pause)
+
+
+@app.task(name="e2e.lim_retry", bind=True, acks_late=True, max_retries=None)
+@locked(
+    limited={"api:{partner}": 2},
+    on_busy="retry",
+    retry_countdown=0.2,
+    retry_backoff=1,
+    retry_jitter=False,
+)
+def lim_retry(
+    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
+) -> dict[str, Any]:
+    """At most 2 at once on ``api:<partner>``; retried every 0.2 s when full."""
+    return _limited_body(self, partner, tag, block, pause)
+
+
 # -- the head-of-line benchmark (benchmarks/defer.py) -------------------------
 
 
@@ -555,6 +645,20 @@ def bench_defer(self: Any, res: str, tag: str, seconds: float) -> float:
 def bench_wait(self: Any, res: str, tag: str, seconds: float) -> float:
     """Benchmark task, waiting in its pool slot when busy."""
     return _bench_body(res, tag, seconds)
+
+
+@app.task(name="e2e.bench_limited", bind=True, acks_late=True)
+@locked(limited={"bench:api:{partner}": 3}, on_busy="defer")
+def bench_limited(self: Any, partner: str, tag: str, seconds: float) -> float:
+    """Benchmark task (benchmarks/limited.py): at most 3 at once on a
+    partner, deferred when full."""
+    return _bench_body(partner, tag, seconds)
+
+
+@app.task(name="e2e.bench_plain", bind=True, acks_late=True)
+def bench_plain(self: Any, tag: str, seconds: float) -> float:
+    """Benchmark task (benchmarks/limited.py): no lock."""
+    return _bench_body("-", tag, seconds)
 
 
 @app.task(name="e2e.bench_retry", bind=True, acks_late=True, max_retries=None)
