@@ -177,6 +177,29 @@ def test_defer_benchmark_runs_each_mode_against_a_real_worker(
 
 
 @pytest.mark.e2e
+def test_limited_benchmark_runs_limited_and_unrelated_tasks_against_a_real_worker(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from benchmarks import limited_celery
+
+    runs = limited_celery.run(
+        redis_url,
+        tmp_path,
+        n_limited=5,
+        n_plain=3,
+        limited_s=0.05,
+        plain_s=0.01,
+        concurrency=4,
+    )
+    assert [r.mode for r in runs] == list(limited_celery.MODES)
+    for r in runs:
+        assert sorted(r.tasks) == sorted([f"L{i}" for i in range(5)] + ["P0", "P1", "P2"])
+        assert 1 <= r.peak <= limited_celery.LIMIT  # never more than the limit at once
+    table = limited_celery.markdown(runs)
+    assert all(f"| {mode} |" in table for mode in limited_celery.MODES)
+
+
+@pytest.mark.e2e
 def test_defer_idle_benchmark_runs_mixed_wait_and_defer_tasks_against_a_real_worker(
     redis_url: str, tmp_path: Path
 ) -> None:

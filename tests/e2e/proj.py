@@ -647,18 +647,36 @@ def bench_wait(self: Any, res: str, tag: str, seconds: float) -> float:
     return _bench_body(res, tag, seconds)
 
 
-@app.task(name="e2e.bench_limited", bind=True, acks_late=True)
+def _bench_span(res: str, tag: str, seconds: float) -> float:
+    """A benchmark body that records when it started too (``start``)."""
+    start = time.time()
+    time.sleep(seconds)
+    now = time.time()
+    entry = {"tag": tag, "res": res, "start": start, "at": now}
+    data().rpush("e2e:bench-finish", json.dumps(entry))
+    return now
+
+
+@app.task(name="e2e.bench_limited_defer", bind=True, acks_late=True)
 @locked(limited={"bench:api:{partner}": 3}, on_busy="defer")
-def bench_limited(self: Any, partner: str, tag: str, seconds: float) -> float:
-    """Benchmark task (benchmarks/limited.py): at most 3 at once on a
-    partner, deferred when full."""
-    return _bench_body(partner, tag, seconds)
+def bench_limited_defer(self: Any, partner: str, tag: str, seconds: float) -> float:
+    """Benchmark task (benchmarks/limited_celery.py): at most 3 at once on a
+    partner, parked without a pool slot when full."""
+    return _bench_span(partner, tag, seconds)
+
+
+@app.task(name="e2e.bench_limited_wait", bind=True, acks_late=True)
+@locked(limited={"bench:api:{partner}": 3}, on_busy="wait", timeout=300)
+def bench_limited_wait(self: Any, partner: str, tag: str, seconds: float) -> float:
+    """Benchmark task (benchmarks/limited_celery.py): at most 3 at once on a
+    partner, waiting in its pool slot when full."""
+    return _bench_span(partner, tag, seconds)
 
 
 @app.task(name="e2e.bench_plain", bind=True, acks_late=True)
 def bench_plain(self: Any, tag: str, seconds: float) -> float:
-    """Benchmark task (benchmarks/limited.py): no lock."""
-    return _bench_body("-", tag, seconds)
+    """Benchmark task (benchmarks/limited_celery.py): no lock."""
+    return _bench_span("-", tag, seconds)
 
 
 @app.task(name="e2e.bench_retry", bind=True, acks_late=True, max_retries=None)
