@@ -48,7 +48,7 @@ EXPECTED_NO_RUN = 1
 MIN_EXAMPLES = 6
 
 #: Tasks an example defines that the test runs through a worker: args.
-CALLS: dict[str, tuple[Any, ...]] = {"sync": (1, 7)}
+CALLS: dict[str, tuple[Any, ...]] = {"sync": (1, 7), "fetch_repos": ("github", "acme")}
 
 FENCE_RE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)$")
 NO_RUN_RE = re.compile(r"<!--\s*example:\s*no-run\b")

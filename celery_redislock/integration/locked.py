@@ -157,7 +157,7 @@ def _templates(
 def _limited(opts: _Options, label: str) -> tuple[tuple[str, int], ...]:
     """``limited=`` of the ``@locked`` of ``label``, checked when it decorates
     the function: a mapping of templates to an int limit from 1 to
-    :data:`~celery_redislock.protocol.request.MAX_LIMIT`, none of them also
+    ``MAX_LIMIT``, none of them also
     an exclusive or shared template."""
     given = opts.limited_given
     setting = f"locked(limited=) of {label}"
@@ -341,7 +341,7 @@ def locked(
             only while fewer than that many tasks (on any worker) hold the
             resource, first come, first served, all at once with the
             exclusive and shared ones. A limit is an int from 1 to
-            :data:`~celery_redislock.protocol.request.MAX_LIMIT`. A resource
+            ``MAX_LIMIT`` (10 000). A resource
             is only ever taken limited or exclusive/shared: a name formatted
             both ways by one call raises :class:`InvalidResource`, and one
             held or waited for in the other kind by another task too.
