@@ -278,7 +278,7 @@ class Demo:
         sys.path.insert(0, str(HERE))
         from proj import app
         from proj.producer import send_contention
-        from proj.tasks import build, migrate, reindex, report, sync
+        from proj.tasks import build, fetch, migrate, reindex, report, sync
 
         self.worker = self.start_worker("worker")
         beat_argv = [*CELERY, "-A", "proj", "beat", "-l", "INFO"]
@@ -297,6 +297,7 @@ class Demo:
         self.crash(migrate, sync)
         self.restart(app, migrate, sync, reindex)
         self.deferred(build, report)
+        self.limited(fetch)
         return self.finish()
 
     def contention(self, send_contention: Callable[[], list[Any]]) -> None:
@@ -486,6 +487,28 @@ class Demo:
         self.check(
             bool(rep_end) and len(spans) == n and rep_end[0]["t"] < spans[-1][0],
             "the report did not wait for the builds: their pool slots were free",
+        )
+
+    def limited(self, fetch: Any) -> None:
+        n = CONCURRENCY
+        self.chapter(f"6. At most 2 at a time: {n} calls to one partner on {n} pool slots")
+        self.say(f"producer: fetch-1..{n} each take one of 2 slots of api:github (limited)")
+        calls = [
+            fetch.apply_async(args=("github",), kwargs={"label": f"fetch-{i}"})
+            for i in range(1, n + 1)
+        ]
+        self.wait(lambda: all(r.ready() for r in calls), 60, "the partner calls")
+        self.pump()
+        self.check(all(r.successful() for r in calls), "every partner call succeeded")
+        spans = [
+            (self.by_label(f"fetch-{i}")[0]["t"], self.by_label(f"fetch-{i}", "end")[0]["t"])
+            for i in range(1, n + 1)
+            if self.by_label(f"fetch-{i}") and self.by_label(f"fetch-{i}", "end")
+        ]
+        most = max((sum(1 for s, e in spans if s <= t < e) for t, _ in spans), default=0)
+        self.check(
+            len(spans) == n and most == 2,
+            f"at most 2 calls ran at once, and 2 did ({most} at the busiest moment)",
         )
 
     def finish(self) -> int:

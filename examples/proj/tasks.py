@@ -3,6 +3,7 @@
 ``sync`` holds ``repo:<repo_id>`` alone and ``remote:<remote_id>`` shared: two
 syncs of one repository never overlap, while syncs of different repositories
 from the same remote run side by side. ``report`` only reads the remote.
+``fetch`` takes one of two slots of ``api:<partner>``: at most two at once.
 
 Every task appends what it did to the Redis list ``proj:events`` (JSON), so
 the demo can narrate the timeline; a real project would not need this.
@@ -119,3 +120,14 @@ def build(self: Any, repo_id: int, seconds: float = 0.4, label: str = "") -> str
     time.sleep(seconds)
     _event(self, "end")
     return f"repo {repo_id} built"
+
+
+@app.task(bind=True, acks_late=True)
+@locked(limited={"api:{partner}": 2}, timeout=60)
+def fetch(self: Any, partner: str, seconds: float = 0.4, label: str = "") -> str:
+    """Call a partner's API: at most two calls to one partner at a time,
+    across every worker (a limited resource, one of 2 slots)."""
+    _event(self, "start", resources=[f"api:{partner}"])
+    time.sleep(seconds)
+    _event(self, "end")
+    return f"fetched from {partner}"
