@@ -8,6 +8,7 @@ primitives and sleep with the unpatched ``time.sleep``.
 
 from __future__ import annotations
 
+import _thread
 import sys
 import threading
 import time
@@ -39,17 +40,75 @@ def real_sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def start_os_thread(target: Callable[[], Any], name: str) -> None:
-    """Start ``target`` in a daemon OS thread (a real one under gevent/eventlet)."""
+def os_lock() -> Any:
+    """A lock of the OS threads (``_thread.allocate_lock``), even when
+    ``thread`` is monkey-patched: acquiring it blocks the calling OS thread,
+    never only a greenlet."""
+    if _gevent_patched("thread"):
+        from gevent import monkey
+
+        return monkey.get_original("_thread", "allocate_lock")()
+    if _eventlet_patched("thread"):
+        from eventlet import patcher
+
+        return patcher.original("_thread").allocate_lock()
+    return _thread.allocate_lock()
+
+
+class ThreadHandle:
+    """A thread started by :func:`start_os_thread`: :meth:`join` waits, with a
+    bound, until its target returned."""
+
+    def __init__(self) -> None:
+        self._running = os_lock()
+        self._running.acquire()  # released by the thread when its target returns
+
+    def ended(self) -> None:
+        """Called by the thread as its last step."""
+        self._running.release()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; True once it has.
+
+        Blocks the calling OS thread (the whole hub under gevent or eventlet),
+        so only for short bounded waits, such as a worker's shutdown.
+        """
+        if not self._running.acquire(True, max(0.0, timeout)):
+            return False
+        self._running.release()
+        return True
+
+
+def start_os_thread(target: Callable[[], Any], name: str) -> ThreadHandle:
+    """Start ``target`` in a daemon OS thread (a real one under gevent/eventlet).
+
+    Returns its handle, whose :meth:`ThreadHandle.join` waits for its end.
+    """
+    handle = ThreadHandle()
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            handle.ended()
+
     if _gevent_patched("thread") or _gevent_patched("threading"):
         from gevent import monkey
 
         start_new = monkey.get_original("_thread", "start_new_thread")
-        start_new(target, ())
-        return
+        start_new(run, ())
+        return handle
     if _eventlet_patched("thread"):
         from eventlet import patcher
 
-        patcher.original("_thread").start_new_thread(target, ())
-        return
-    threading.Thread(target=target, name=name, daemon=True).start()
+        patcher.original("_thread").start_new_thread(run, ())
+        return handle
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return handle
+
+
+def green() -> bool:
+    """Whether gevent or eventlet monkey-patched sockets or threads here."""
+    return any(
+        _gevent_patched(m) or _eventlet_patched(m) for m in ("socket", "thread", "threading")
+    )

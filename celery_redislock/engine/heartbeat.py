@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .._threads import real_sleep, start_os_thread
+from .._threads import ThreadHandle, real_sleep, start_os_thread
 from ..exceptions import LockError
 
 logger = logging.getLogger("celery_redislock.heartbeat")
@@ -46,6 +46,7 @@ class Heartbeat:
         self._stopped = False
         self._wake = False
         self._lock = threading.Lock()
+        self._thread: ThreadHandle | None = None
         #: Ticks completed by this process's thread (tests wait on it).
         self.ticks = 0
 
@@ -62,11 +63,20 @@ class Heartbeat:
                 return
             self._pid = os.getpid()
             self.ticks = 0
-            start_os_thread(self._run, self._name)
+            self._thread = start_os_thread(self._run, self._name)
 
     def stop(self) -> None:
-        """Ask the thread to end; it exits within a fraction of a second."""
+        """Ask the thread to end; it exits within a fraction of a second
+        (at the end of the beat in progress, if one is)."""
         self._stopped = True
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for this process's thread to end
+        (after :meth:`stop`); True once none runs here."""
+        handle = self._thread
+        if handle is None or self._pid != os.getpid():
+            return True
+        return handle.join(timeout)
 
     def wake(self) -> None:
         """Beat now (within one sleep slice) rather than at the next interval.
@@ -80,6 +90,7 @@ class Heartbeat:
         """The parent's thread does not exist here; the next use starts one."""
         self._lock = threading.Lock()
         self._pid = None
+        self._thread = None
         self.ticks = 0
 
     def _run(self) -> None:

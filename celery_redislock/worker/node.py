@@ -55,6 +55,9 @@ def new_incarnation() -> str:
 
 #: Seconds between two ``node.heartbeat-error`` lines while ticks keep failing.
 _ERROR_REMINDER_S = 60.0
+#: Longest :meth:`Node.shutdown` waits for the heartbeat thread to end (a beat
+#: in progress: each of its round trips is bounded by the socket timeout).
+HEARTBEAT_JOIN_S = 5.0
 
 
 class IncarnationCell:
@@ -826,8 +829,19 @@ class Node:
         Call only once the pool has drained (warm) or been terminated
         (cold): children still running lose their locks. Deletes the node
         record if it is still ours. Idempotent. Cost: O(owners + their locks).
+
+        The heartbeat thread is stopped and waited for (at most
+        :data:`HEARTBEAT_JOIN_S`) first: no beat of it runs on, on the
+        clients closed here, while the interpreter exits.
         """
         self._heartbeat.stop()
+        if not self._heartbeat.join(HEARTBEAT_JOIN_S):
+            log.warning(
+                "node.heartbeat-stop-timeout node=%s seconds=%.3g: a beat is still in "
+                "progress; shutting down beside it",
+                self.nodename,
+                HEARTBEAT_JOIN_S,
+            )
         with self._tick_lock:
             if self.state == "stopped":
                 return []
