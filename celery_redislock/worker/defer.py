@@ -29,7 +29,7 @@ from typing import Any
 
 from kombu.utils import json as kjson
 
-from .._threads import real_sleep, start_os_thread
+from .._threads import ThreadHandle, green, real_sleep, start_os_thread
 from ..engine.lease import Lease
 from ..engine.manager import REDIS_DOWN_ERRORS, LockManager
 from ..exceptions import InvalidResource, LockError, RedisUnavailable, ReplicationTimeout
@@ -51,6 +51,10 @@ PARKED_AT_HEADER = "redislock_parked_at"
 DEFERRED = "DEFERRED"
 #: Errors that mean Redis is out of reach (the dispatcher retries).
 _DOWN: tuple[type[BaseException], ...] = (RedisUnavailable, *REDIS_DOWN_ERRORS)
+#: Seconds the dispatcher waits after a failed pass before the next.
+RETRY_PAUSE = 1.0
+#: Slices of that pause: a stop is seen within one.
+_PAUSE_SLICE = 0.05
 #: Most due re-attempts one upkeep pass returns.
 DUE_BATCH = 64
 #: Most due deadlines (park and grant TTLs) one upkeep pass looks at; the
@@ -611,6 +615,9 @@ class Dispatcher:
         self.interval = manager.heartbeat_interval
         self._stop = threading.Event()
         self._thread_started = False
+        self._thread: ThreadHandle | None = None
+        #: True while the thread waits in BLMOVE (see :meth:`stop`).
+        self._blocking = False
         self._offset_ms = 0.0
         self._next_upkeep = 0.0
         self.dispatched = 0
@@ -623,14 +630,53 @@ class Dispatcher:
         if self._thread_started:
             return
         self._thread_started = True
-        start_os_thread(self._run, "redislock-dispatch")
+        self._thread = start_os_thread(self._run, "redislock-dispatch")
 
-    def stop(self) -> None:
-        """Ask the thread to stop (it ends within one blocking wait)."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the thread and wait until it ended (its connections closed).
+
+        Waits at most ``timeout`` seconds (default: the longest BLMOVE wait
+        plus one second). A wait in BLMOVE is cut short at once where the
+        thread's sockets are plain ones (not monkey-patched by gevent or
+        eventlet): its connections are disconnected under it; a round trip in
+        progress ends by itself (the socket timeout bounds it). Returns True
+        once the thread has ended (or never ran here); False, with a warning,
+        when it is still running after ``timeout``: it is a daemon thread
+        and does nothing more once it sees the stop.
+        """
         self._stop.set()
+        handle = self._thread
+        if handle is None or os.getpid() != self.pid:
+            return True
+        if timeout is None:
+            timeout = self.manager.options.block_cap + 1.0
+        if self._blocking and not green():
+            pool = getattr(self.manager.client, "connection_pool", None)
+            if pool is not None:  # a Redis Cluster client: its BLMOVE ends by itself
+                try:
+                    pool.disconnect(inuse_connections=True)
+                except Exception as exc:  # never break a shutdown
+                    log.debug("defer.dispatch-stop-error error=%r", exc)
+        if handle.join(timeout):
+            return True
+        log.warning(
+            "defer.dispatch-stop-timeout seconds=%.3g: the dispatcher thread is still in a "
+            "round trip; going on without it",
+            timeout,
+        )
+        return False
 
     def _redis(self) -> Any:
         return self.manager.client
+
+    def _pause(self) -> None:
+        """Wait :data:`RETRY_PAUSE` after a failed pass, or until stopped."""
+        until = time.monotonic() + RETRY_PAUSE
+        while not self._stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            real_sleep(min(_PAUSE_SLICE, left))
 
     def _run(self) -> None:
         outage = False
@@ -641,13 +687,17 @@ class Dispatcher:
                     outage = False
                     log.info("defer.dispatch-resumed")
             except _DOWN as exc:
+                if self._stop.is_set():
+                    break  # stop() cut the wait short
                 if not outage:
                     outage = True
                     log.warning("defer.dispatch-unavailable error=%s: retrying", exc)
-                real_sleep(1.0)
+                self._pause()
             except Exception:
+                if self._stop.is_set():
+                    break
                 log.exception("defer.dispatch-error")
-                real_sleep(1.0)
+                self._pause()
         if os.getpid() == self.pid:
             self.manager.client.close()
 
@@ -673,9 +723,15 @@ class Dispatcher:
             block = max(
                 0.05, min(self.manager.options.block_cap, self._next_upkeep - time.monotonic())
             )
-        got = self._redis().blmove(
-            dispatch_key(self.manager), self.dispatching_key, block, "RIGHT", "LEFT"
-        )
+        self._blocking = True
+        try:
+            if self._stop.is_set():
+                return
+            got = self._redis().blmove(
+                dispatch_key(self.manager), self.dispatching_key, block, "RIGHT", "LEFT"
+            )
+        finally:
+            self._blocking = False
         if got is None:
             return
         task_id = text(got)
