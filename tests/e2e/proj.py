@@ -22,6 +22,8 @@ test (each test gets its own broker queue, lock namespace and TTLs):
 ``E2E_METRICS_PORT``    ``redislock_metrics_port`` (the worker's Prometheus endpoint)
 ``E2E_DEFER_TTL``       ``redislock_defer_ttl``; ``E2E_DEFER_GRANT_TTL``: ``_defer_grant_ttl``
 ``E2E_DEFER_GUARD``     ``redislock_defer_guard_interval`` (seconds)
+``E2E_RECORD_THREADS``  ``1``: at ``worker_shutdown`` the main process records
+                        the threads still alive (:func:`_record_threads`)
 ======================  =========================================================
 
 Every key the tasks write for the test lives under ``e2e:`` (outside the lock
@@ -335,6 +337,19 @@ def _fork_main_helper(sender: Any = None, **_: Any) -> None:
 
 
 signals.worker_ready.connect(_fork_main_helper, weak=False)
+
+
+def _record_threads(sender: Any = None, **_: Any) -> None:
+    """``worker_shutdown`` (main process, after the locks were released), if
+    ``E2E_RECORD_THREADS`` is set: the names of the threads still alive, as a
+    JSON list in ``e2e:threads-at-exit:<node name>``."""
+    if not os.environ.get("E2E_RECORD_THREADS"):
+        return
+    names = sorted(t.name for t in threading.enumerate() if t.is_alive())
+    data().rpush(f"e2e:threads-at-exit:{getattr(sender, 'hostname', '?')}", json.dumps(names))
+
+
+signals.worker_shutdown.connect(_record_threads, weak=False)
 
 unique_hold = unique_tasks.define(app, data)
 unique_defer = unique_tasks.define_deferred(app, data)

@@ -5,18 +5,25 @@
 - Warm shutdown does not wait for a task that only queues for its locks: it
   leaves the queue, its message goes back to the broker, and its body never
   runs in the stopping worker; another worker runs it later.
+- Warm shutdown ends the worker's own threads (the deferred-task
+  dispatcher, the node heartbeat) before the process exits, whether the
+  dispatcher waits in its BLMOVE or pauses after a failed pass (the lock
+  Redis out of reach): none of them runs on while the interpreter exits.
 """
 
 from __future__ import annotations
 
+import json
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from celery_redislock.integration.bootsteps import EX_EVICTED
+from redis_server import RedisServer
+from tcp_proxy import TcpProxy
 
-from .harness import Cluster, wait_for
+from .harness import Cluster, Worker, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -85,3 +92,45 @@ def test_warm_shutdown_hands_a_task_waiting_for_its_lock_back_to_the_broker(
         "no lock or halt keys left",
         on_timeout=c.report,
     )
+
+
+@pytest.fixture
+def proxy(redis_server: RedisServer, redis_url: str) -> Iterator[TcpProxy]:
+    with TcpProxy(redis_server.port) as p:
+        yield p
+
+
+def _threads_at_exit(c: Cluster, w: Worker) -> list[str]:
+    """The threads alive in ``w``'s main process at ``worker_shutdown``."""
+    raw = wait_for(
+        lambda: c.data.lindex(f"e2e:threads-at-exit:{w.nodename}", 0),
+        30,
+        "the worker to record its threads at worker_shutdown",
+        on_timeout=w.tail,
+    )
+    names: list[str] = json.loads(raw)
+    return names
+
+
+@pytest.mark.parametrize("outage", [False, True], ids=["blmove", "outage"])
+def test_warm_shutdown_ends_the_dispatcher_and_node_heartbeat_threads(
+    cluster: Callable[..., Cluster], proxy: TcpProxy, outage: bool
+) -> None:
+    # The default interval: the dispatcher's BLMOVE blocks for seconds.
+    c = cluster(lock_url=proxy.url, record_threads=1)
+    w = c.start_worker("exit", pool="threads", concurrency=1)
+    if outage:
+        proxy.cut()
+        wait_for(
+            lambda: w.log_lines("defer.dispatch-unavailable"),
+            30,
+            "the dispatcher to meet the outage",
+            on_timeout=w.tail,
+        )
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(60) == 0, w.tail()
+    left = [n for n in _threads_at_exit(c, w) if n.startswith("redislock-")]
+    assert left == [], w.tail()
+    if not outage:
+        assert w.log_lines("node.stop"), w.tail()
+    assert not w.log_lines("stop-timeout"), w.tail()
