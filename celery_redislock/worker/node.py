@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from .._threads import os_lock
 from ..engine.heartbeat import Heartbeat
 from ..engine.identity import pid_of_tag, read_proc_stat
 from ..engine.manager import LockManager
@@ -227,14 +228,6 @@ def free_dead_member(manager: LockManager, owner_id: str) -> CleanupReport | Non
     return report
 
 
-def _os_lock() -> Any:
-    """A lock that works across real OS threads, also under gevent."""
-    monkey = sys.modules.get("gevent.monkey")
-    if monkey is not None and monkey.is_module_patched("thread"):
-        return monkey.get_original("_thread", "allocate_lock")()
-    return threading.Lock()
-
-
 @dataclass
 class TickResult:
     """What one node heartbeat did."""
@@ -343,7 +336,7 @@ class Node:
         #: (inc, hb) of the other incarnation's record we watch.
         self._seen: tuple[str, str] | None = None
         self._duplicate_logged: str | None = None
-        self._tick_lock = _os_lock()
+        self._tick_lock = os_lock()
         self._ops_by_thread: dict[int, LockManager] = {}
         self._heartbeat = Heartbeat(manager.heartbeat_interval, self._safe_tick, "redislock-node")
         #: Failed ticks in the current run of failures, and when the last
