@@ -14,3 +14,13 @@ def test_green_threads_are_served_in_arrival_order_without_overlap(redis_url: st
 
 def test_heartbeat_keeps_liveness_while_the_eventlet_hub_is_blocked(redis_url: str) -> None:
     green_helpers.assert_heartbeat_outlived_the_blocked_hub(run(redis_url, "blocked_hub"))
+
+
+def test_green_threads_waiting_for_slots_of_a_limited_resource_never_exceed_it_and_go_in_order(
+    redis_url: str,
+) -> None:
+    out = run(redis_url, "limited")
+    assert 1 <= out["peak"] <= 3
+    assert out["fences_in_arrival_order"] is True
+    assert out["queued_after"] == 0
+    assert out["lock_exists"] == 0

@@ -34,3 +34,13 @@ def test_reentrancy_is_per_greenlet_and_a_kill_inside_the_inner_block_is_safe(
     assert out["g4_held"] == 1
     assert out["g4_after"] == 0
     assert out["g5_after_kill"] == 0
+
+
+def test_greenlets_waiting_for_slots_of_a_limited_resource_never_exceed_it_and_go_in_order(
+    redis_url: str,
+) -> None:
+    out = run(redis_url, "limited")
+    assert 1 <= out["peak"] <= 3
+    assert out["fences_in_arrival_order"] is True
+    assert out["queued_after"] == 0
+    assert out["lock_exists"] == 0

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redislock import InvalidResource, Lease, LockManager
+from celery_redislock import InvalidResource, Lease, LockManager, LockTimeout
 from celery_redislock.protocol.request import MAX_LIMIT
 from engine_helpers import (
     DEADLINE,
@@ -462,3 +462,17 @@ def test_a_slot_costs_the_same_commands_with_3_holders_and_with_500(
     large = _cycle_cost(cost_managers, "many", 500)
     assert small == large, (small, large)
     assert "hscan" not in small and "hgetall" not in small
+
+
+def test_a_waiter_for_a_slot_that_times_out_leaves_nothing_behind(
+    managers: Managers, r: redis.Redis
+) -> None:
+    hold = managers().acquire(limited={"api": 1}, timeout=0)
+    waiter = managers()
+    with pytest.raises(LockTimeout):
+        waiter.acquire(limited={"api": 1}, timeout=0.2)
+    assert _queue_len(r, "api") == 0
+    assert not [k for k in namespace_keys(r) if k.startswith(("{t}:req:", "{t}:wake:"))]
+    assert not r.exists("{t}:waits:" + waiter.liveness.identity.current().owner_id)
+    hold.release()
+    assert not r.exists("{t}:lock:api")

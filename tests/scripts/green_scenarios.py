@@ -87,6 +87,40 @@ def blocked_hub(mgr: LockManager, green: Green) -> dict[str, object]:
     return result
 
 
+def limited(mgr: LockManager, green: Green) -> dict[str, object]:
+    """Green threads wait for slots of one limited resource (N = 3): the
+    most inside at once, and each one's fence by arrival (grant order)."""
+    resource = f"{green.prefix}:lim"
+    fences: dict[int, int] = {}
+    inside, peak = [0], [0]
+
+    def worker(i: int) -> None:
+        with mgr.lock(limited={resource: 3}, timeout=30) as lease:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+            fences[i] = lease.fencing_token
+            green.sleep(0.01)
+            inside[0] -= 1
+
+    held = [mgr.acquire(limited={resource: 3}, timeout=5, nested=False) for _ in range(3)]
+    threads = []
+    for i in range(6):
+        threads.append(green.spawn(worker, i))
+        green.wait(
+            lambda queued=i + 1: mgr.client.zcard(mgr.keys.queue(resource)) >= queued,
+            f"{green.thread_name} never queued",
+        )
+    for lease in held:
+        lease.release()
+    green.join_all(threads)
+    return {
+        "peak": peak[0],
+        "fences_in_arrival_order": [fences[i] for i in range(6)] == sorted(fences.values()),
+        "queued_after": mgr.client.zcard(mgr.keys.queue(resource)),
+        "lock_exists": mgr.client.exists(mgr.keys.lock(resource)),
+    }
+
+
 def main(green: Green, more: dict[str, Scenario] | None = None) -> None:
     """Run scenario ``argv[2]`` against Redis ``argv[1]``; print one JSON line.
 
@@ -97,6 +131,7 @@ def main(green: Green, more: dict[str, Scenario] | None = None) -> None:
     scenarios: dict[str, Scenario] = {
         "contention": lambda m: contention(m, green),
         "blocked_hub": lambda m: blocked_hub(m, green),
+        "limited": lambda m: limited(m, green),
         **(more or {}),
     }
     print(json.dumps(scenarios[scenario](mgr)))
