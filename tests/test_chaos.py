@@ -593,6 +593,26 @@ def test_celery_a_message_lost_by_the_broker_at_a_main_process_kill_is_counted_n
     assert "left_pending" in kinds(ch.check())  # a pool child had it
 
 
+def test_celery_a_retry_message_lost_by_the_broker_at_a_main_process_kill_is_counted_not_reported(
+    ch: CeleryHistory,
+) -> None:
+    # Attempt 0 ran and sent its retry at 10.3; a worker's main process was
+    # SIGKILLed 1 ms later, between its BRPOP of the retry and kombu's
+    # unacked bookkeeping: no pool child ever had attempt 1, the task stays
+    # RETRY (seed 712835664 had such a task).
+    ch.send("a", 10.0, kind="retry", state="RETRY")
+    ch.body("a", 10.05, 10.3, retrying=True)
+    ch.fault("kill_main", 10.301, 11.3, node="cw1@e2e")
+    ch.end = 12.0
+    assert ch.check() == []
+    assert checker.check_celery(ch.folder).stats["broker_lost"] == 1
+    ch.faults[-1]["t0"] = ch.faults[-1]["t1"] = 11.5  # the kill came too late to explain it
+    assert {"left_pending", "never_ran"} <= set(kinds(ch.check()))
+    ch.faults[-1]["t0"], ch.faults[-1]["t1"] = 10.301, 11.3
+    ch.body("a", 10.6, None, attempt=1)  # attempt 1 reached a child, never ended: not lost
+    assert "never_ran" in kinds(ch.check())
+
+
 def test_celery_a_message_sent_while_a_worker_kill_is_under_way_is_counted_as_broker_lost(
     ch: CeleryHistory,
 ) -> None:

@@ -974,15 +974,29 @@ def broker_lost(run: CeleryRun, s: Sent) -> bool:
     worker) was under way at its send (the fault's start is stamped before
     the SIGKILL goes out, its end once the process is reaped) or came
     within BROKER_SLACK after it.
+
+    The same holds for the message of a retry (``self.retry()``): a task left
+    RETRY whose last body ended sending its retry, with no pool child busy
+    with it after that, and such a kill under way at that send or within
+    BROKER_SLACK after it.
     """
+    state = run.final.get("states", {}).get(s.id, "PENDING")
+    if state == "PENDING":
+        lo, hi, since = s.t0, s.t1, None
+    elif state == "RETRY":
+        ends = [b.t1 for b in run.bodies if b.id == s.id and b.retrying and b.t1 is not None]
+        if not ends:
+            return False
+        lo = hi = since = max(ends)
+    else:
+        return False
     return (
-        run.final.get("states", {}).get(s.id, "PENDING") == "PENDING"
-        and not any(u.id == s.id for u in run.slots)
-        and not any(b.id == s.id for b in run.bodies)
+        not any(u.id == s.id and (since is None or u.t0 > since) for u in run.slots)
+        and not any(b.id == s.id and (since is None or b.t0 > since) for b in run.bodies)
         and any(
             f["kind"] in ("kill_main", "kill_worker")
-            and f["t1"] >= s.t0
-            and f["t0"] <= s.t1 + BROKER_SLACK
+            and f["t1"] >= lo
+            and f["t0"] <= hi + BROKER_SLACK
             for f in run.faults
         )
     )
@@ -997,13 +1011,13 @@ def check_exactly_once(run: CeleryRun) -> list[Violation]:
     runs = _runs(run)
     out = []
     for s in run.sent.values():
-        if broker_lost(run, s):
-            continue
-        lock_down = failed_lock_down(run, s)
+        # The attempt that failed with the lock server down, or whose
+        # message the broker lost: it has no run to check (the others do).
+        excused = failed_lock_down(run, s) or broker_lost(run, s)
         for a in _attempts(s):
             rs = runs.get((s.id, a), [])
-            if lock_down and not rs:
-                continue  # the attempt that failed with the lock server down
+            if excused and not rs:
+                continue
             done, unexplained = _extra_runs(rs)
             if not done:
                 what = "never ran" if not rs else f"started {len(rs)} time(s), never ended"
