@@ -642,6 +642,50 @@ local function entry_state(prefix, t)
   return st
 end
 
+-- A read of QUEUE's entries in arrival order, page by page (scan_page,
+-- scan_next): the position after the last entry read, and the dead entries
+-- removed on the way, out of purge_budget(LIMIT).
+local function queue_scan(prefix, queue, limit)
+  return {prefix = prefix, queue = queue, cursor = '-inf', purged = 0,
+    budget = purge_budget(limit), spent = false}
+end
+
+-- Read the next page of scan S: at most WANT entries after its cursor.
+-- Returns whether the queue ends within it (fewer came).
+local function scan_page(s, want)
+  s.page = redis.call('ZRANGEBYSCORE', s.queue, s.cursor, '+inf', 'WITHSCORES', 'LIMIT', '0', int(want))
+  s.j = 1
+  return #s.page < 2 * want
+end
+
+-- The next live entry of scan S's page and its state (entry_state), or nil
+-- at the end of the page; an iterator (for m, st in scan_next, s do). A dead
+-- entry met is removed (drop_entry); when that spends the purge budget,
+-- S.spent is set and nil returned.
+local function scan_next(s)
+  local page = s.page
+  while s.j < #page do
+    local m = page[s.j]
+    s.cursor = '(' .. page[s.j + 1]
+    s.j = s.j + 2
+    local st = entry_state(s.prefix, string.sub(m, 2))
+    if st then return m, st end
+    drop_entry(s.prefix, s.queue, m)
+    s.purged = s.purged + 1
+    if s.purged >= s.budget then
+      s.spent = true
+      return nil
+    end
+  end
+  return nil
+end
+
+-- Wake the first entry of scan S's queue not read yet, if there is one.
+local function scan_wake_next(s, ttl_ms)
+  local nxt = redis.call('ZRANGEBYSCORE', s.queue, s.cursor, '+inf', 'LIMIT', '0', '1')
+  if #nxt > 0 then wake(s.prefix, string.sub(nxt[1], 2), ttl_ms) end
+end
+
 -- Hand queue entry M (state ST) its locks, or wake it to run its own script.
 local function serve(prefix, queue, m, st, limit, ttl_ms, plain)
   local t = string.sub(m, 2)
@@ -673,39 +717,26 @@ end
 -- next entry is woken: its own script carries on (acquire.lua step 6).
 -- Returns the number of entries served.
 local function serve_slots(prefix, queue, n, limit, ttl_ms, plain)
-  local budget = purge_budget(limit)
-  local pos, purged, room = 0, 0, 1
-  local cursor = '-inf'
-  local function wake_next()
-    local nxt = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'LIMIT', '0', '1')
-    if #nxt > 0 then wake(prefix, string.sub(nxt[1], 2), ttl_ms) end
-  end
+  local s = queue_scan(prefix, queue, limit)
+  local pos, room = 0, 1
   while true do
     local want = math.min(limit, room) - pos
     if want <= 0 then break end
-    local page = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'WITHSCORES', 'LIMIT', '0', int(want))
-    for j = 1, #page, 2 do
-      local m = page[j]
-      cursor = '(' .. page[j + 1]
-      local st = entry_state(prefix, string.sub(m, 2))
-      if st == nil then
-        drop_entry(prefix, queue, m)
-        purged = purged + 1
-        if purged >= budget then
-          wake_next()
-          return pos
-        end
-      else
-        local cap = entry_cap(prefix, queue, st)
-        if cap == nil or n + pos + 1 > cap then return pos end
-        serve(prefix, queue, m, st, limit, ttl_ms, plain)
-        pos = pos + 1
-        if cap - n > room then room = cap - n end
-      end
+    local ended = scan_page(s, want)
+    for m, st in scan_next, s do
+      local cap = entry_cap(prefix, queue, st)
+      if cap == nil or n + pos + 1 > cap then return pos end
+      serve(prefix, queue, m, st, limit, ttl_ms, plain)
+      pos = pos + 1
+      if cap - n > room then room = cap - n end
     end
-    if #page < 2 * want then return pos end
+    if s.spent then
+      scan_wake_next(s, ttl_ms)
+      return pos
+    end
+    if ended then return pos end
   end
-  if pos >= limit then wake_next() end
+  if pos >= limit then scan_wake_next(s, ttl_ms) end
   return pos
 end
 
@@ -752,53 +783,42 @@ wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
       return 1
     end
   end
-  local budget = purge_budget(limit)
-  local live, purged, served = 0, 0, 0
+  local s = queue_scan(prefix, queue, limit)
+  local live, served = 0, 0
   local carry, carry_st = nil, nil -- the last single-resource shared entry, not served yet
-  local cursor = '-inf'
   local ended, stop = false, false
   while not stop do
     local want = limit - live
-    local page = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'WITHSCORES', 'LIMIT', '0', int(want))
-    for j = 1, #page, 2 do
-      local m = page[j]
-      cursor = '(' .. page[j + 1]
-      local st = entry_state(prefix, string.sub(m, 2))
-      if st == nil then
-        -- dead entry (Lua 5.1 has no goto: the live cases are the else branches)
-        drop_entry(prefix, queue, m)
-        purged = purged + 1
-        if purged >= budget then
-          stop = true
-          break
-        end
-      elseif string.sub(m, 1, 1) == 'x' then
+    local short = scan_page(s, want)
+    for m, st in scan_next, s do
+      if string.sub(m, 1, 1) == 'x' then
         if n == 0 and served == 0 and carry == nil then
           serve(prefix, queue, m, st, limit, ttl_ms, plain)
           served = 1
         end
         ended, stop = true, true
         break
-      else
-        live = live + 1
-        if st[4] and not string.find(st[4], '\n', 1, true) then
-          if carry then
-            serve(prefix, queue, carry, carry_st, limit, ttl_ms, plain)
-            served = served + 1
-          end
-          carry, carry_st = m, st
-        else
-          serve(prefix, queue, m, st, limit, ttl_ms, plain)
+      end
+      live = live + 1
+      if st[4] and not string.find(st[4], '\n', 1, true) then
+        if carry then
+          serve(prefix, queue, carry, carry_st, limit, ttl_ms, plain)
           served = served + 1
         end
+        carry, carry_st = m, st
+      else
+        serve(prefix, queue, m, st, limit, ttl_ms, plain)
+        served = served + 1
       end
     end
-    if not stop then
-      if #page < 2 * want then
+    if s.spent then
+      stop = true
+    elseif not stop then
+      if short then
         ended, stop = true, true
       elseif live >= limit then
         stop = true
-        ended = #redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'LIMIT', '0', '1') == 0
+        ended = #redis.call('ZRANGEBYSCORE', queue, s.cursor, '+inf', 'LIMIT', '0', '1') == 0
       end
     end
   end
@@ -810,8 +830,7 @@ wake_front = function(prefix, queue, lock, limit, ttl_ms, plain, holders)
     end
     served = served + 1
   elseif not ended then
-    local nxt = redis.call('ZRANGEBYSCORE', queue, cursor, '+inf', 'LIMIT', '0', '1')
-    if #nxt > 0 then wake(prefix, string.sub(nxt[1], 2), ttl_ms) end
+    scan_wake_next(s, ttl_ms)
   end
   return served
 end
