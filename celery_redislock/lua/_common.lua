@@ -407,6 +407,26 @@ local function drop_entry(prefix, queue, m)
   drop_request(prefix, string.sub(m, 2), queue)
 end
 
+-- Free holder T of LOCK, whose owner O is dead: its field, request state,
+-- wake list and holder record go, and O is noted in DEAD (unlist_dead).
+-- Returns 1, or 0 when T no longer held LOCK (nothing done).
+local function free_dead_holder(prefix, lock, t, o, dead)
+  if redis.call('HDEL', lock, t) == 0 then return 0 end
+  redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
+  dead[o] = true
+  return 1
+end
+
+-- LOCK leaves the registry of each owner in DEAD (free_dead_holder) that
+-- holds no other token there.
+local function unlist_dead(prefix, lock, dead)
+  for o, _ in pairs(dead) do
+    if not owner_holds(lock, o) then
+      registry_del(prefix, o, {name_of(prefix, lock)})
+    end
+  end
+end
+
 -- Free the holders of LOCK that conflict with MODE and whose owner is dead,
 -- until a live conflicting holder is met: O(1 + holders freed), not
 -- O(holders). An exclusive holder is always alone, so a shared MODE stops
@@ -451,23 +471,15 @@ local function reclaim_holders(prefix, lock, mode, limit, n)
           ms, by = left, t
           break
         end
-        if redis.call('HDEL', lock, t) == 1 then
-          redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
-          dead_owners[o] = true
-          freed = freed + 1
-          if freed >= budget then
-            ms = 0
-            break
-          end
+        freed = freed + free_dead_holder(prefix, lock, t, o, dead_owners)
+        if freed >= budget then
+          ms = 0
+          break
         end
       end
     end
   until ms ~= nil or cursor == '0'
-  for o, _ in pairs(dead_owners) do
-    if not owner_holds(lock, o) then
-      registry_del(prefix, o, {name_of(prefix, lock)})
-    end
-  end
+  unlist_dead(prefix, lock, dead_owners)
   return ms, freed, by
 end
 
@@ -519,10 +531,8 @@ local function reclaim_slots(prefix, lock, cap, limit, check)
           stop = true
           break
         end
-      elseif redis.call('HDEL', lock, t) == 1 then
-        redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
-        dead_owners[o] = true
-        freed = freed + 1
+      else
+        freed = freed + free_dead_holder(prefix, lock, t, o, dead_owners)
         if freed >= budget then
           ms, stop = 0, true
           break
@@ -530,11 +540,7 @@ local function reclaim_slots(prefix, lock, cap, limit, check)
       end
     end
   until stop or cursor == '0'
-  for o, _ in pairs(dead_owners) do
-    if not owner_holds(lock, o) then
-      registry_del(prefix, o, {name_of(prefix, lock)})
-    end
-  end
+  unlist_dead(prefix, lock, dead_owners)
   if not stop then return nil, freed, nil, live end
   return ms, freed, task_by or by, live
 end
