@@ -115,7 +115,7 @@ def test_a_script_makes_only_the_closures_it_uses() -> None:
     acquire = scripts.source("acquire")
     fast = acquire[: acquire.index("local prefix = ARGV[5]")]
     defined = set(re.findall(r"^local function (\w+)", fast, re.M))
-    assert defined == {"int", "owner_of", "name_of", "next_fence", "reg_bucket", "registry_add"}
+    assert defined == {"int", "owner_of", "name_of", "next_fence", "reg_buckets", "registry_add"}
     assert "wake_front" in acquire  # the rest still has every helper it uses
 
 

@@ -34,7 +34,7 @@
 --                owner holding many locks spills: its client asks for it
 --                (acquire.lua ARGV[13]) once the owner holds 64 grants
 --                (manager.REGISTRY_SPILL_AT), and further names go to bucket hashes
---                {ns}:held:<owner>|<b> (b = reg_bucket(name), '0'..'63';
+--                {ns}:held:<owner>|<b> (b = the name's bucket, '0'..'63', reg_buckets;
 --                owner ids never contain '|'), which the bucket index
 --                {ns}:held:<owner>| (hash: b -> '') lists, so every hash
 --                stays a listpack up to about 8,000 locks. See the registry
@@ -166,11 +166,26 @@ local function next_fence(key)
 end
 
 -- Registry helpers: the only code that knows the registry's layout.
--- The bucket of a resource name, '0'..'63': from its SHA-1, so names that
--- differ only in a digit or two (res-000001, res-000002, ...) still spread
--- evenly and no bucket outgrows the compact encoding before the others.
-local function reg_bucket(name)
-  return int(tonumber(string.sub(redis.sha1hex(name), 1, 2), 16) % 64)
+-- The resource NAMES by their registry bucket. A name's bucket, '0'..'63',
+-- comes from its SHA-1, so names that differ only in a digit or two
+-- (res-000001, res-000002, ...) still spread evenly and no bucket outgrows
+-- the compact encoding before the others. Returns BY (bucket -> its names,
+-- each followed by VALUE unless VALUE is nil) and the buckets, in the order
+-- they were first met.
+local function reg_buckets(names, value)
+  local by, order = {}, {}
+  for _, name in ipairs(names) do
+    local b = int(tonumber(string.sub(redis.sha1hex(name), 1, 2), 16) % 64)
+    local kv = by[b]
+    if not kv then
+      kv = {}
+      by[b] = kv
+      order[#order + 1] = b
+    end
+    kv[#kv + 1] = name
+    if value then kv[#kv + 1] = value end
+  end
+  return by, order
 end
 
 -- Record the resource NAMES in OWNER's registry: one HSET into the main
@@ -196,16 +211,11 @@ local function registry_add(prefix, owner, names, spill, value)
     redis.call('HSET', held, unpack(kv))
     return
   end
-  local by, index = {}, {}
-  for _, name in ipairs(names) do
-    local b = reg_bucket(name)
-    if not by[b] then
-      by[b] = {}
-      index[#index + 1] = b
-      index[#index + 1] = ''
-    end
-    by[b][#by[b] + 1] = name
-    by[b][#by[b] + 1] = value
+  local by, order = reg_buckets(names, value)
+  local index = {}
+  for i, b in ipairs(order) do
+    index[2 * i - 1] = b
+    index[2 * i] = ''
   end
   redis.call('HSET', held .. '|', unpack(index))
   for b, kv in pairs(by) do redis.call('HSET', held .. '|' .. b, unpack(kv)) end
@@ -220,15 +230,7 @@ local function registry_del(prefix, owner, names, spilled)
   local held = prefix .. 'held:' .. owner
   redis.call('HDEL', held, unpack(names))
   if spilled == false then return end
-  local by, order = {}, {}
-  for _, name in ipairs(names) do
-    local b = reg_bucket(name)
-    if not by[b] then
-      by[b] = {}
-      order[#order + 1] = b
-    end
-    by[b][#by[b] + 1] = name
-  end
+  local by, order = reg_buckets(names)
   if spilled == nil then
     local listed = redis.call('HMGET', held .. '|', unpack(order))
     for i, b in ipairs(order) do

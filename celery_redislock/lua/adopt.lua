@@ -152,7 +152,10 @@ end
 local function record_of(name)
   local held = prefix .. 'held:' .. task_owner
   local v = redis.call('HGET', held, name)
-  if not v or v == '' then v = redis.call('HGET', held .. '|' .. reg_bucket(name), name) end
+  if not v or v == '' then
+    local _, bucket = reg_buckets({name})
+    v = redis.call('HGET', held .. '|' .. bucket[1], name)
+  end
   if v == '' then return nil end
   return v
 end

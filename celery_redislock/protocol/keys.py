@@ -261,7 +261,7 @@ def task_id_of_token(token: str) -> str | None:
 
 def registry_bucket(resource: str) -> str:
     """The registry bucket (``'0'`` .. ``'63'``) of a resource name, as
-    ``_common.lua``'s ``reg_bucket`` computes it (from its SHA-1)."""
+    ``_common.lua``'s ``reg_buckets`` computes it (from its SHA-1)."""
     return str(int(hashlib.sha1(resource.encode("utf-8")).hexdigest()[:2], 16) % 64)
 
 
