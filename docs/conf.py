@@ -77,7 +77,12 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
 autodoc_default_options = {"members": True}
-autodoc_type_aliases = {"AnyRedis": "celery_redislock.store.connect.AnyRedis"}
+# The request aliases show as their own names ('~'), linked to api.md's entries.
+autodoc_type_aliases = {
+    "AnyRedis": "celery_redislock.store.connect.AnyRedis",
+    "ResourceNames": "~celery_redislock.protocol.request.ResourceNames",
+    "Limits": "~celery_redislock.protocol.request.Limits",
+}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False

@@ -16,7 +16,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import _validate as _v
@@ -28,7 +28,7 @@ from ..exceptions import (
     ShuttingDown,
 )
 from ..protocol.calls import acquire_reclaimed, acquire_transit, mode_refusal, resend, text
-from ..protocol.request import Request, RequestCache
+from ..protocol.request import Limits, Request, RequestCache, ResourceNames
 from ..store.channel import REDIS_DOWN_ERRORS
 from .context import AcquireContext, ContextStack
 from .identity import OwnerIdentity, new_request_id
@@ -184,11 +184,11 @@ class Acquirer(Part):
 
     def acquire(
         self,
-        exclusive: str | Iterable[str] | None,
-        shared: str | Iterable[str] | None,
+        exclusive: ResourceNames,
+        shared: ResourceNames,
         timeout: float | None,
         nested: bool | None,
-        limited: Mapping[str, int] | None = None,
+        limited: Limits = None,
     ) -> Lease:
         """``LockManager.acquire`` (see its docstring for the contract)."""
         req = self._requests.get(exclusive, shared, limited)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar, overload
 
@@ -50,7 +50,7 @@ from ..protocol.options import (
     EngineOptions,
 )
 from ..protocol.reports import CleanupReport, LockHolder, ReconcileReport
-from ..protocol.request import Request, RequestCache
+from ..protocol.request import Limits, Request, RequestCache, ResourceNames
 from ..store.channel import REDIS_DOWN_ERRORS, Channel, format_verdict, socket_timeout
 from ..store.checks import EvictionCheck
 from ..store.connect import (
@@ -362,10 +362,7 @@ class LockManager:
         self.tasks.hold_in_thread(leases)
 
     def request(
-        self,
-        exclusive: str | Iterable[str] | None,
-        shared: str | Iterable[str] | None,
-        limited: Mapping[str, int] | None = None,
+        self, exclusive: ResourceNames, shared: ResourceNames, limited: Limits = None
     ) -> Request:
         """The validated request for these resources (no I/O; cached)."""
         return self.requests.get(exclusive, shared, limited)
@@ -374,10 +371,10 @@ class LockManager:
 
     def acquire(
         self,
-        exclusive: str | Iterable[str] | None = None,
-        shared: str | Iterable[str] | None = None,
+        exclusive: ResourceNames = None,
+        shared: ResourceNames = None,
         *,
-        limited: Mapping[str, int] | None = None,
+        limited: Limits = None,
         timeout: float | None = None,
         nested: bool | None = None,
     ) -> Lease:
@@ -435,10 +432,10 @@ class LockManager:
     @contextmanager
     def lock(
         self,
-        exclusive: str | Iterable[str] | None = None,
-        shared: str | Iterable[str] | None = None,
+        exclusive: ResourceNames = None,
+        shared: ResourceNames = None,
         *,
-        limited: Mapping[str, int] | None = None,
+        limited: Limits = None,
         timeout: float | None = None,
         nested: bool | None = None,
     ) -> Iterator[Lease]:
@@ -451,10 +448,10 @@ class LockManager:
 
     def try_acquire(
         self,
-        exclusive: str | Iterable[str] | None = None,
-        shared: str | Iterable[str] | None = None,
+        exclusive: ResourceNames = None,
+        shared: ResourceNames = None,
         *,
-        limited: Mapping[str, int] | None = None,
+        limited: Limits = None,
         nested: bool | None = None,
     ) -> Lease | None:
         """Acquire every resource at once if they are free now; else None.
@@ -508,8 +505,8 @@ class LockManager:
     def acquire_for_task(
         self,
         task_id: str,
-        exclusive: str | Iterable[str] | None = None,
-        shared: str | Iterable[str] | None = None,
+        exclusive: ResourceNames = None,
+        shared: ResourceNames = None,
         *,
         ttl: float,
         attempt: int = 0,

@@ -25,7 +25,7 @@ from ..exceptions import LockError, RedisUnavailable, ReplicationTimeout, permis
 from ..protocol.calls import adopted_grants, blocking_holder, text
 from ..protocol.keys import task_id_of_token, task_owner_id, task_token, validate_owner_id
 from ..protocol.reports import CleanupReport
-from ..protocol.request import Request, RequestCache
+from ..protocol.request import Request, RequestCache, ResourceNames
 from ..store.channel import REDIS_DOWN_ERRORS
 from .acquire import Acquirer
 from .cleanup import Cleaner
@@ -134,8 +134,8 @@ class TaskOwners(Part):
     def acquire_for_task(
         self,
         task_id: str,
-        exclusive: str | Iterable[str] | None,
-        shared: str | Iterable[str] | None,
+        exclusive: ResourceNames,
+        shared: ResourceNames,
         *,
         ttl: float,
         attempt: int,

@@ -10,19 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..exceptions import InvalidResource
 from .keys import MAX_RESOURCES, Keyspace, validate_resource
 
 __all__ = [
     "MAX_LIMIT",
+    "Limits",
     "Request",
     "RequestCache",
+    "ResourceNames",
     "limited_resources",
     "mode_spec",
     "resource_names",
 ]
+
+#: What a request's ``exclusive`` and ``shared`` take: one resource name,
+#: an iterable of them, or None (none).
+ResourceNames: TypeAlias = str | Iterable[str] | None
+#: What a request's ``limited`` takes: resource name -> its limit N (an
+#: int from 1 to :data:`MAX_LIMIT`), or None (none).
+Limits: TypeAlias = Mapping[str, int] | None
 
 #: Most validated requests a manager keeps.
 CACHE_SIZE = 1024
@@ -83,7 +92,7 @@ def _cache_key(names: Any) -> Any:
     return _UNCACHED
 
 
-def resource_names(value: str | Iterable[str] | None, kind: str) -> tuple[str, ...]:
+def resource_names(value: ResourceNames, kind: str) -> tuple[str, ...]:
     """``value`` (a name, an iterable of names or None) as validated names,
     without repeats; ``kind`` (``"exclusive"``, ``"shared"``) names it in errors."""
     if value is None:
@@ -113,7 +122,7 @@ def mode_spec(modes: str, limits: Iterable[int]) -> str:
     return modes + ":" + tail if tail else modes
 
 
-def limited_resources(value: Mapping[str, int] | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def limited_resources(value: Limits) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``value`` (a mapping of resource name to its limit, or None) as
     validated names and limits; raises :class:`InvalidResource`."""
     if value is None:
@@ -160,10 +169,7 @@ class RequestCache:
         self._requests: dict[tuple[Any, Any, Any], Request] = {}
 
     def get(
-        self,
-        exclusive: str | Iterable[str] | None,
-        shared: str | Iterable[str] | None,
-        limited: Mapping[str, int] | None = None,
+        self, exclusive: ResourceNames, shared: ResourceNames, limited: Limits = None
     ) -> Request:
         """The request for these names; raises :class:`InvalidResource`."""
         # The usual request names its resources as str, None, or a list or
@@ -183,10 +189,7 @@ class RequestCache:
         return req
 
     def validate(
-        self,
-        exclusive: str | Iterable[str] | None,
-        shared: str | Iterable[str] | None,
-        limited: Mapping[str, int] | None = None,
+        self, exclusive: ResourceNames, shared: ResourceNames, limited: Limits = None
     ) -> Request:
         """A new validated request (not cached)."""
         ex = resource_names(exclusive, "exclusive")
