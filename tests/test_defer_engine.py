@@ -1165,28 +1165,28 @@ def test_a_waiting_request_taken_over_keeps_its_place_and_its_arrival_number(
     req = waiter.request(["a"], ["b"])
     # Not queued (a made-up token): nothing is written.
     assert (
-        defer.take_over(
+        defer.park(
             waiter,
             "w1",
-            f"{waiter.owner_id}|nope",
             req,
             _message("a", "b"),
             park_ttl=600,
             grant_ttl=60,
+            waiting=f"{waiter.owner_id}|nope",
         ).outcome
         == "not-queued"
     )
     assert not rs.exists(f"{P}defer:w1")
 
-    result = defer.take_over(
+    result = defer.park(
         waiter,
         "w1",
-        token,
         req,
         _message("a", "b"),
         park_ttl=600,
         grant_ttl=60,
         holder="t.task\nw1\nnode",
+        waiting=token,
     )
     assert result.outcome == "parked"
     new = "defer:w1|task:w1"
@@ -1204,8 +1204,8 @@ def test_a_waiting_request_taken_over_keeps_its_place_and_its_arrival_number(
     assert rs.hget(f"{P}defer:w1", "state") == "parked"
     # A second take-over (a copy of the message): the record holds the task.
     again, _ = _enqueue(managers(), ("a",), ("b",))
-    dup = defer.take_over(
-        managers(), "w1", again, req, _message("a", "b"), park_ttl=600, grant_ttl=60
+    dup = defer.park(
+        managers(), "w1", req, _message("a", "b"), park_ttl=600, grant_ttl=60, waiting=again
     )
     assert (dup.outcome, dup.state) == ("duplicate", "parked")
 
@@ -1237,7 +1237,9 @@ def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain
         parked: list[Any] = []
 
         def hook(token: str, req: Any) -> bool:
-            result = defer.take_over(m, name, token, req, _message("a"), park_ttl=600, grant_ttl=60)
+            result = defer.park(
+                m, name, req, _message("a"), park_ttl=600, grant_ttl=60, waiting=token
+            )
             parked.append(result)
             return result.outcome in ("parked", "granted")
 

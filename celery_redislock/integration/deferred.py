@@ -208,7 +208,7 @@ def transit_hook(
 
     Called by :meth:`LockManager.acquire` with the queued request's token
     when a grant in transit waits ahead of it: parks the task in the
-    request's place (:func:`defer.take_over`) and returns True, the result
+    request's place (:func:`defer.park` with ``waiting``) and returns True, the result
     appended to ``parked``; returns False to go on waiting (the request is
     no longer queued, a finished record holds the task, the timeout is
     spent, or the arguments do not survive JSON). A copy of a task that is
@@ -236,16 +236,16 @@ def transit_hook(
             message["resources"] = list(req.resources)
             message["park_ttl"] = park_ttl
             message["grant_ttl"] = cfg.defer_grant_ttl
-            result = defer.take_over(
+            result = defer.park(
                 locks.manager,
                 task_id,
-                token,
                 req,
                 message,
                 park_ttl=park_ttl,
                 grant_ttl=cfg.defer_grant_ttl,
                 label=f"{task.name} {task_id}",
                 holder=holder_info(task, label, locks.nodename),
+                waiting=token,
             )
         except (TypeError, ValueError) as exc:
             log.info(

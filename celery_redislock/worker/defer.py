@@ -234,7 +234,7 @@ def park(
     adopt_now: bool = True,
     min_life: int = 0,
     holder: str | None = None,
-    take_over: list[str] | None = None,
+    waiting: str | None = None,
 ) -> ParkResult:
     """Queue ``req`` for a task owner of ``task_id`` and store its message.
 
@@ -252,18 +252,30 @@ def park(
     it first parked, unless the message has it already), from which the
     adopted grant's wait is measured (metrics). A task parked by a pool
     child (``adopt_now``) counts as one park for the metrics hook.
-    ``take_over``: ARGV 12-14 of ``defer_park.lua``, a waiting request
-    the task owner takes over (:func:`take_over`); then the result is
-    ``not-queued`` when that request is no longer queued.
+    ``waiting``: the token of a queued request of ``req`` that the task
+    owner takes over, parking a waiting task in its place (docs/defer.md,
+    "Waiting tasks behind a grant in transit", T3): ``defer_park.lua``
+    moves the request (same arrival number in every queue) with the
+    record, and the result is ``not-queued`` (nothing changed, the caller
+    goes on waiting) when that request is no longer queued.
     """
-    task_owner(task_id)  # validates the id before anything is written
+    owner = task_owner(task_id)  # validates the id before anything is written
     if holder is None:
         holder = str(message.get("holder") or "")
     message = _park_fields(message, holder)
     record = _record_args(
         mgr, task_id, min_life, req, message, park_ttl=park_ttl, grant_ttl=grant_ttl
     )
-    reply = mgr.channel.run(dc.defer_park(mgr.keys, task_id, record, take_over))
+    moves = None
+    if waiting is not None:
+        # ARGV 12-14; the holder record names the request id, the same in
+        # every life (the script names the life it picked).
+        moves = [
+            waiting,
+            f"task {label}",
+            holder_record(task_token(owner, task_id), holder) if holder else "",
+        ]
+    reply = mgr.channel.run(dc.defer_park(mgr.keys, task_id, record, moves))
     return _queue_parked(
         mgr,
         task_id,
@@ -301,54 +313,6 @@ def park_again(
         label=f"{message.get('name', '?')} {task_id}",
         adopt_now=False,
         min_life=min_life,
-    )
-
-
-def take_over(
-    mgr: LockManager,
-    task_id: str,
-    waiting: str,
-    req: Request,
-    message: dict[str, Any],
-    *,
-    park_ttl: float,
-    grant_ttl: float,
-    label: str = "",
-    holder: str = "",
-) -> ParkResult:
-    """Park a waiting task in its place: its queued request ``waiting`` (a
-    token) becomes the task owner's (docs/defer.md, "Waiting tasks behind a
-    grant in transit", T3).
-
-    Two round trips, as :func:`park`: ``defer_park.lua`` writes the record
-    and moves the request (same arrival number in every queue), then
-    ``acquire.lua`` runs as the task owner; granted, the grant is adopted
-    here. Returns ``parked``, ``granted`` (with the leases), ``duplicate``
-    (a record holds the task: ``state`` says which) or ``not-queued`` (the
-    request is no longer queued: nothing changed, the caller goes on
-    waiting). TypeError when the message does not encode as JSON (nothing
-    written); on any error after the record was written the task is
-    withdrawn again and the error raised.
-    """
-    # Validates the id before anything is written; life 0: the script names
-    # the life it picked.
-    owner = task_owner(task_id)
-    moves = [
-        waiting,
-        f"task {label}",
-        # The holder record names the request id, the same in every life.
-        holder_record(task_token(owner, task_id), holder) if holder else "",
-    ]
-    return park(
-        mgr,
-        task_id,
-        req,
-        message,
-        park_ttl=park_ttl,
-        grant_ttl=grant_ttl,
-        label=label,
-        holder=holder,
-        take_over=moves,
     )
 
 
@@ -1011,7 +975,6 @@ __all__ = [
     "mark_done",
     "park",
     "park_again",
-    "take_over",
     "task_owner",
     "withdraw",
 ]
