@@ -28,6 +28,7 @@ from ..exceptions import (
     ShuttingDown,
 )
 from ..protocol.calls import acquire_reclaimed, acquire_transit, mode_refusal, resend, text
+from ..protocol.options import MIN_BLOCK
 from ..protocol.request import Limits, Request, RequestCache, ResourceNames
 from ..store.channel import REDIS_DOWN_ERRORS
 from .context import AcquireContext, ContextStack
@@ -50,11 +51,6 @@ log = logging.getLogger("celery_redislock.acquire")
 #: pool slot ahead of this request (docs/defer.md, "Waiting tasks behind a
 #: grant in transit").
 TRANSIT_WAKE = -2
-#: The shortest wait :meth:`Acquirer.block` sends (seconds). BLPOP's timeout
-#: 0 waits for ever, and Redis 6.2 truncates 0.001 s to 0 ms, so a wait that
-#: computes to a millisecond or less (a deadline about to pass) would block
-#: until a push: every server ends a 10 ms wait.
-MIN_BLOCK = 0.01
 
 
 class RequestMoved(Exception):
@@ -376,16 +372,12 @@ class Acquirer(Part):
                 raise RequestMoved(req.resources, transit)
             t.take_over = None  # not taken over: wait as before
         t.told_transit = False
-        wait_ms = int(t.reply[1])
-        owner_ttl = self._options.owner_ttl
-        block = min(remaining, self._options.block_cap, owner_ttl)
-        if wait_ms >= 0:
-            block = min(block, wait_ms / 1000.0 + 0.01)
-        # Re-run the script (a liveness refresh) while a third of owner_ttl is
-        # still left before the local deadline: a lease handed off during the
-        # wait is not born close to its deadline (a pool child's watcher
-        # confirms within owner_ttl / 4).
-        block = min(block, t.ident.valid_until - time.monotonic() - owner_ttl / 3)
+        # The blocking owner's PTTL, the caps, and a third of owner_ttl kept
+        # before the local deadline (a pool child's watcher confirms within
+        # owner_ttl / 4): EngineOptions.wait_bound.
+        block = self._options.wait_bound(
+            remaining, int(t.reply[1]), t.ident.valid_until - time.monotonic()
+        )
         # A release that finds us at the head hands us the locks and pushes
         # 'g<fence>': granted without another round trip. Anything else (a
         # plain wake, a timeout) re-runs the script, which re-checks the state

@@ -14,14 +14,24 @@ that reuses the pid cannot match (docs/worker.md, race R6).
 from __future__ import annotations
 
 import functools
-import itertools
 import os
-import secrets
-import socket
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from ..protocol.keys import new_owner_id, new_request_id, owner_description
+
+__all__ = [
+    "IdentitySource",
+    "OwnerIdentity",
+    "new_owner_id",
+    "new_request_id",
+    "parse_proc_stat",
+    "pid_of_tag",
+    "process_tag",
+    "read_proc_stat",
+]
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,36 +98,6 @@ def pid_of_tag(tag: str | bytes) -> int:
     return int(text.split(".", 1)[0])
 
 
-def new_owner_id() -> str:
-    """A fresh owner id: ``<pid>-<11 characters>``; never contains ``|``.
-
-    The tail is 64 random bits in URL-safe base 64 (letters, digits, ``-``,
-    ``_``): as unique as 16 hex digits, in 5 fewer bytes of every key and
-    holder token that names the owner.
-    """
-    return f"{os.getpid()}-{secrets.token_urlsafe(8)}"
-
-
-#: Request ids of this process: one counter for every owner and thread
-#: (``next()`` on an ``itertools.count`` is atomic under the GIL). A fork
-#: copies it, which is harmless: the child's owner id is fresh, and a token
-#: is only unique together with its owner id.
-_request_ids = itertools.count(1)
-
-
-def new_request_id() -> str:
-    """A request id unique within this process: a counter, in hex.
-
-    A holder token is ``<owner id>|<request id>``; owner ids are never
-    reused, so a per-process counter keeps tokens unique (a token made
-    under one identity and re-issued under a new one keeps its number,
-    which the new identity's counter never hands out again). A few hex
-    digits instead of a 32-digit UUID keep a held lock's Redis memory
-    small: the token is stored in the lock hash.
-    """
-    return format(next(_request_ids), "x")
-
-
 @dataclass
 class OwnerIdentity:
     """One owner: its id, the pid it belongs to, and whether Redis knows it."""
@@ -145,8 +125,7 @@ class OwnerIdentity:
 
     def describe(self, name: str | None) -> str:
         """Value of the liveness key: who this owner is, for operators."""
-        label = f" name={name}" if name else ""
-        return f"pid={self.pid} host={socket.gethostname()}{label}"
+        return owner_description(self.pid, name)
 
 
 _sources: weakref.WeakSet[IdentitySource] = weakref.WeakSet()

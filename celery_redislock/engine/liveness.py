@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.calls import text
-from ..protocol.causes import KEY_GONE, cause_text, explain
+from ..protocol.causes import KEY_GONE, cause_text, explain, loss_code
 from ..store.connect import AnyRedis, clone_client
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity
@@ -163,13 +163,12 @@ class Liveness(Part):
         except Exception as exc:  # the cause is a courtesy: never fail the loss on it
             log.debug("heartbeat.lost-reason-error owner=%s error=%r", owner_id, exc)
             return "expired"
-        if tomb is not None:
-            return "operator" if text(tomb) == "operator" else "declared-dead"
-        if not int(counter):
-            return "redis-lost"
-        if fence is not None and born is not None and int(born) > fence:
-            return "redis-lost"
-        return "expired"
+        return loss_code(
+            None if tomb is None else text(tomb),
+            int(counter),
+            None if born is None else int(born),
+            fence,
+        )
 
     def owner_lost(self, ident: OwnerIdentity, where: str, cause: str | None = None) -> None:
         """Retire ``ident`` and mark its leases lost; logs once per identity.

@@ -17,7 +17,7 @@ from ..exceptions import (
     LOST_CAUSES,
 )
 
-__all__ = ["CLEANUP_REASONS", "cause_text", "explain", "metric_label"]
+__all__ = ["CLEANUP_REASONS", "cause_text", "explain", "loss_code", "metric_label"]
 
 #: The ``cause`` label of the lost-lease metric for each cause (and
 #: ``unknown`` when none is known).
@@ -94,3 +94,24 @@ def explain(cause: str | None, where: str) -> str:
 def metric_label(cause: str | None) -> str:
     """The ``cause`` label of ``redislock_leases_lost_total`` for a cause."""
     return LOST_CAUSE_LABELS.get(cause or "", "unknown")
+
+
+def loss_code(tomb: str | None, counter: int, born: int | None, fence: int | None) -> str:
+    """Why an owner's liveness key is gone, from what Redis still holds.
+
+    ``tomb``: the owner's tombstone ``{ns}:dead:<owner>`` (None: none);
+    ``counter``: whether the fencing counter ``{ns}:fence`` exists (EXISTS);
+    ``born``: ``{ns}:born``, when the data set began (None: not recorded);
+    ``fence``: the owner's latest grant (None: it holds none). The tombstone
+    names the cleanup that declared the owner dead; without one, Redis lost
+    its data when the counter (never deleted once written) is missing, or
+    when the data set began after the owner's latest grant; otherwise the
+    liveness expired.
+    """
+    if tomb is not None:
+        return "operator" if tomb == "operator" else "declared-dead"
+    if not counter:
+        return "redis-lost"
+    if fence is not None and born is not None and born > fence:
+        return "redis-lost"
+    return "expired"

@@ -56,7 +56,11 @@ key                            type    holds
 from __future__ import annotations
 
 import hashlib
+import itertools
+import os
 import re
+import secrets
+import socket
 
 from ..exceptions import ConfigurationError, InvalidResource
 
@@ -283,6 +287,42 @@ def holder_info_of(record: str, token: str) -> str | None:
     if not sep or rid != token.partition("|")[2]:
         return None
     return info
+
+
+def new_owner_id() -> str:
+    """A fresh owner id: ``<pid>-<11 characters>``; never contains ``|``.
+
+    The tail is 64 random bits in URL-safe base 64 (letters, digits, ``-``,
+    ``_``): as unique as 16 hex digits, in 5 fewer bytes of every key and
+    holder token that names the owner.
+    """
+    return f"{os.getpid()}-{secrets.token_urlsafe(8)}"
+
+
+#: Request ids of this process: one counter for every owner and thread
+#: (``next()`` on an ``itertools.count`` is atomic under the GIL). A fork
+#: copies it, which is harmless: the child's owner id is fresh, and a token
+#: is only unique together with its owner id.
+_request_ids = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A request id unique within this process: a counter, in hex.
+
+    A holder token is ``<owner id>|<request id>``; owner ids are never
+    reused, so a per-process counter keeps tokens unique (a token made
+    under one identity and re-issued under a new one keeps its number,
+    which the new identity's counter never hands out again). A few hex
+    digits instead of a 32-digit UUID keep a held lock's Redis memory
+    small: the token is stored in the lock hash.
+    """
+    return format(next(_request_ids), "x")
+
+
+def owner_description(pid: int, name: str | None) -> str:
+    """Value of an owner's liveness key: who the owner is, for operators."""
+    label = f" name={name}" if name else ""
+    return f"pid={pid} host={socket.gethostname()}{label}"
 
 
 def validate_node_name(name: object, setting: str = "nodename") -> str:

@@ -46,6 +46,11 @@ LIVENESS_MARGIN_MAX = 2.0
 #: however many locks one process holds. Costs one more command per acquire
 #: and release of such an owner.
 REGISTRY_SPILL_AT = 64
+#: The shortest wait a waiter sends (seconds). BLPOP's timeout 0 waits for
+#: ever, and Redis 6.2 truncates 0.001 s to 0 ms, so a wait that computes to
+#: a millisecond or less (a deadline about to pass) would block until a
+#: push: every server ends a 10 ms wait.
+MIN_BLOCK = 0.01
 
 
 def block_cap(socket_timeout: float | None) -> float:
@@ -105,6 +110,27 @@ class EngineOptions:
         put(self, "req_ttl_arg", str(self.req_ttl_ms).encode())
         put(self, "limit_arg", str(self.queue_scan_limit).encode())
         put(self, "wait_ms", max(1, round(self.wait_timeout * 1000)))
+
+    def wait_bound(self, remaining: float, wait_ms: int, liveness_left: float) -> float:
+        """Seconds a queued request blocks on its wake list before it runs its
+        acquire script again (docs/design.md, "acquire.lua").
+
+        ``remaining``: seconds until the caller's deadline (``inf``: none);
+        ``wait_ms``: the acquire reply's PTTL of the blocking owner's
+        liveness (negative: unknown); ``liveness_left``: seconds until this
+        owner's local liveness deadline. The wait ends by then: the only
+        event Redis cannot push is a blocking owner's liveness running out,
+        and the script is re-run (a liveness refresh) while a third of
+        ``owner_ttl`` is still left before the local deadline, so that a
+        lease handed off during the wait is not born close to its deadline.
+        Never more than :attr:`block_cap` or ``owner_ttl``. A waiter sends at
+        least :data:`MIN_BLOCK`.
+        """
+        owner_ttl = self.owner_ttl
+        block = min(remaining, self.block_cap, owner_ttl)
+        if wait_ms >= 0:
+            block = min(block, wait_ms / 1000.0 + 0.01)
+        return min(block, liveness_left - owner_ttl / 3)
 
     @classmethod
     def build(

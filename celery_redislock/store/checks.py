@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
@@ -66,6 +67,16 @@ def check_eviction(client: AnyRedis, *, strict: bool = False) -> EvictionCheck:
                 raise
             return EvictionCheck(None, True, "denied")
         return EvictionCheck(None, True)
+    return eviction_verdict(infos)
+
+
+def eviction_verdict(infos: list[Any]) -> EvictionCheck:
+    """The :class:`EvictionCheck` of ``INFO memory`` replies (one per primary).
+
+    No I/O: :func:`check_eviction` and the asyncio front-end read INFO
+    their own way and judge it here. The first unsafe (or unreadable)
+    policy wins.
+    """
     found: EvictionCheck | None = None
     for info in infos:
         policy = info.get("maxmemory_policy") if isinstance(info, dict) else None

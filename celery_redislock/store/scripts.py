@@ -10,7 +10,9 @@ so a call that returns early makes none of them.
 SCRIPT FLUSH), loads the script and retries, so callers never see a missing
 script. :meth:`Scripts.run_and_wait` sends EVALSHA and ``WAIT`` in one
 pipeline (one round trip; ``WAIT`` cannot run inside Lua), with the same
-NOSCRIPT handling. (It calls ``evalsha`` itself rather than through redis-py's
+NOSCRIPT handling; :meth:`Scripts.run_async` is :meth:`Scripts.run` for a
+``redis.asyncio`` client (the asyncio front-end), with the same scripts,
+SHAs and NOSCRIPT handling. (It calls ``evalsha`` itself rather than through redis-py's
 ``Script`` object: the release sits on the hand-off's critical path, and
 that wrapper copies every key and argument once more on each call.)
 """
@@ -147,7 +149,7 @@ def source(name: str) -> str:
 class Scripts:
     """The scripts of one client; call ``scripts.run(name, keys, args)``."""
 
-    def __init__(self, client: AnyRedis, names: tuple[str, ...] = SCRIPT_NAMES) -> None:
+    def __init__(self, client: AnyRedis | Any, names: tuple[str, ...] = SCRIPT_NAMES) -> None:
         self._client = client
         self._source = {name: source(name) for name in names}
         self._sha = {
@@ -174,6 +176,19 @@ class Scripts:
         except NoScriptError:
             client.script_load(self._source[name])
             return send(True)
+
+    async def run_async(self, client: Any, name: str, keys: list[Any], args: list[Any]) -> Any:
+        """:meth:`run` on a ``redis.asyncio`` client (the asyncio front-end).
+
+        The same EVALSHA by the same SHA and, on NOSCRIPT, the same answer as
+        :meth:`_loading`: load script ``name`` with that client, send again.
+        """
+        sha = self._sha[name]
+        try:
+            return await client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self._source[name])
+            return await client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
 
     def run(self, name: str, keys: list[Any], args: list[Any], client: Any = None) -> Any:
         """Run script ``name`` (EVALSHA, loading it on NOSCRIPT); one round trip.
