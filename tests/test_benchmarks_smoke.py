@@ -538,3 +538,25 @@ def test_limited_benchmark_names_a_library_that_exceeds_the_limit() -> None:
     assert any("NOT met: exceeded by redis-limiters 6" in line for line in lines)
     assert lines[-1].startswith("recovery after a SIGKILLed holder")
     assert "met; 0.50 s" in lines[-1] and "> 8 (not)" in lines[-1]
+
+
+def test_asyncio_benchmark_runs_and_celery_redislock_serves_in_arrival_order(
+    redis_url: str,
+) -> None:
+    import asyncio
+
+    from benchmarks import asyncio_bench
+
+    cycles, fifos, tputs = asyncio.run(
+        asyncio_bench.run_all(redis_url, cycles=20, coros=8, duration=0.3)
+    )
+
+    assert [c.lib for c in cycles] == list(asyncio_bench.LIBS)
+    assert all(c.p50_us > 0 for c in cycles)
+    ours = fifos[0]
+    assert ours.lib == "celery-redislock"
+    assert ours.inversions == 0 and ours.order == list(range(8))
+    assert all(t.grants > 0 for t in tputs)
+    assert tputs[0].errors == 0
+    table = asyncio_bench.markdown(cycles, fifos, tputs)
+    assert "redis.asyncio Lock" in table
