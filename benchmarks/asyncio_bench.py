@@ -65,10 +65,14 @@ Locker = tuple[Callable[[float], Awaitable[Any]], Callable[[Any], Awaitable[None
 class _Lib:
     """One library's acquire and release on a shared loop and server."""
 
-    def __init__(self, lib: str, url: str) -> None:
+    def __init__(self, lib: str, url: str, connections: int = 250) -> None:
         self.lib = lib
         self.url = url
-        self.client = redis.asyncio.Redis.from_url(url, socket_timeout=None)
+        # Every waiting coroutine holds a connection (celery-redislock's
+        # BLPOP; redis-py's polls): above redis.asyncio's default pool of 100.
+        self.client = redis.asyncio.Redis.from_url(
+            url, socket_timeout=None, max_connections=connections
+        )
         self.mgr: Any = None
         if lib == "celery-redislock":
             from celery_redislock.asyncio import AsyncLockManager
@@ -177,7 +181,7 @@ async def run_cycle(url: str, lib: str, cycles: int, warmup: int = 200) -> Cycle
 
 async def run_fifo(url: str, lib: str, waiters: int, hold: float = 0.001) -> FifoResult:
     """Sequential arrivals behind a holder; how far the grants leave arrival order."""
-    side = _Lib(lib, url)
+    side = _Lib(lib, url, 2 * waiters + 20)
     try:
         hold_acquire, hold_release = side.locker("fifo")
         holder = await hold_acquire(5.0)
@@ -218,7 +222,7 @@ async def run_fifo(url: str, lib: str, waiters: int, hold: float = 0.001) -> Fif
 
 async def run_throughput(url: str, lib: str, coros: int, duration: float) -> ThroughputResult:
     """``coros`` coroutines contending for one lock for ``duration`` seconds."""
-    side = _Lib(lib, url)
+    side = _Lib(lib, url, 2 * coros + 20)
     counts = [0] * coros
     waits: list[float] = []
     errors = 0

@@ -55,6 +55,10 @@ nitpick_ignore = [
     ("py:class", "redis.client.Redis"),
     # Not in the vendored Python inventory's py:class entries.
     ("py:class", "contextlib.AbstractContextManager"),
+    ("py:class", "collections.abc.AsyncIterator"),
+    # redis-py's inventory (vendored) has no redis.asyncio entries.
+    ("py:class", "redis.asyncio.Redis"),
+    ("py:class", "redis.asyncio.client.Redis"),
     # prometheus_client has no inventory among the vendored ones (the
     # prometheus extra's types, in docs/api.md's metrics section).
     ("py:class", "CollectorRegistry"),

@@ -164,6 +164,8 @@ PATHS = [
     "celery_redislock.app:RedisLock",
     "celery_redislock.task:locked",
     "celery_redislock.unique:UniqueTask",
+    "celery_redislock.asyncio:AsyncLockManager",
+    "celery_redislock.asyncio:AsyncLease",
 ]
 
 

@@ -4,8 +4,8 @@ The asyncio twin of :class:`celery_redislock.store.channel.Channel`: it
 sends each :class:`~celery_redislock.protocol.calls.ScriptCall` on a
 ``redis.asyncio`` client with the scripts, SHAs and NOSCRIPT handling of
 :class:`~celery_redislock.store.scripts.Scripts`, maps redis-py's errors the
-same way (Redis down -> :class:`RedisUnavailable`, refused by the ACL ->
-:class:`PermissionDenied`), and runs the same two gates before the first
+same way (Redis down -> :class:`~celery_redislock.RedisUnavailable`, refused by the ACL ->
+:class:`~celery_redislock.PermissionDenied`), and runs the same two gates before the first
 script call: the eviction-policy check and the data-format check
 (``format.lua``, again after Redis may have lost its data).
 
@@ -131,7 +131,7 @@ class AsyncChannel:
 
     async def check_format(self) -> int:
         """Check (or record) the namespace's data format: ``format.lua``,
-        one round trip; :class:`FormatMismatch` when it is not ours."""
+        one round trip; :class:`~celery_redislock.FormatMismatch` when it is not ours."""
         call = self.protocol.format()
         try:
             reply = await self.scripts.run_async(self.client, call.name, call.keys, call.args)

@@ -48,7 +48,7 @@ class AsyncLease:
     heartbeat found the owner's liveness gone (a Redis restart, FLUSHALL, a
     forced release), or once its local deadline passed (no confirmed
     refresh for ``owner_ttl`` less a margin: the event loop was blocked, or
-    Redis out of reach), as for the threaded manager's :class:`Lease`.
+    Redis out of reach), as for the threaded manager's :class:`~celery_redislock.Lease`.
     """
 
     def __init__(
@@ -82,7 +82,7 @@ class AsyncLease:
 
     @property
     def resources(self) -> tuple[str, ...]:
-        """Every resource held: exclusive, then shared, then limited."""
+        """Every resource held, the exclusive ones first, then shared, then limited."""
         return self.exclusive + self.shared + tuple(self.limited)
 
     @property
@@ -118,7 +118,7 @@ class AsyncLease:
         return not self._lost and not self._released
 
     def check(self) -> None:
-        """Raise :class:`LockLost` if the lease is lost; no Redis round trip."""
+        """Raise :class:`~celery_redislock.LockLost` if the lease is lost; no Redis round trip."""
         if self.lost:
             raise LockLost(self.resources, self.owner_id, self.fencing_token, self.lost_cause)
 

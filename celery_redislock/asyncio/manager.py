@@ -124,19 +124,22 @@ class AsyncLockManager:
             (``valkey://`` / ``valkeys://`` too), or a ready
             :class:`redis.asyncio.Redis` client, used as it is (and left
             open by :meth:`close`). Sentinel and Cluster URLs are not
-            supported yet (:class:`ConfigurationError`); a
+            supported yet (:class:`~celery_redislock.ConfigurationError`); a
             ``redis.asyncio`` client of a Sentinel master may be passed.
-        namespace, owner_ttl, heartbeat_interval, queue_scan_limit, name,
-        eviction_check: as for :class:`~celery_redislock.LockManager`,
-            validated by the same rules.
+        namespace: keys live under the hash tag ``{namespace}``: a
+            :class:`~celery_redislock.LockManager`, a worker and the CLI
+            with the same namespace share the same locks.
+        owner_ttl: as for :class:`~celery_redislock.LockManager` (and the
+            same for ``heartbeat_interval``, ``queue_scan_limit``, ``name``
+            and ``eviction_check``), validated by the same rules.
 
     The manager is bound to the event loop it is first used on: its
     client's connections and its heartbeat task belong to that loop, and
     its owner (one per manager) is alive while that task runs. Use one
     manager per event loop; ``async with AsyncLockManager(...) as mgr:``
     closes it on exit. Every acquire validates its names like the threaded
-    manager and raises the same exceptions (:class:`LockTimeout`,
-    :class:`InvalidResource`, :class:`RedisUnavailable`, ...).
+    manager and raises the same exceptions (:class:`~celery_redislock.LockTimeout`,
+    :class:`~celery_redislock.InvalidResource`, :class:`~celery_redislock.RedisUnavailable`, ...).
 
     Cancellation (``task.cancel()``, ``asyncio.timeout``) is safe at every
     await: the request leaves the queue, and a grant that landed (even one
@@ -419,9 +422,9 @@ class AsyncLockManager:
         (``timeout=None`` waits as long as it takes, ``0`` tries once).
         Waiting is ``BLPOP`` on the request's wake list: a release that
         finds the request first in line hands it the locks by push.
-        Raises :class:`LockTimeout`, :class:`InvalidResource`,
-        :class:`RedisUnavailable` (Redis out of reach for longer than the
-        outage bound), :class:`LockError` (closed, or another event loop).
+        Raises :class:`~celery_redislock.LockTimeout`, :class:`~celery_redislock.InvalidResource`,
+        :class:`~celery_redislock.RedisUnavailable` (Redis out of reach for longer than the
+        outage bound), :class:`~celery_redislock.LockError` (closed, or another event loop).
         """
         req = self.requests.get(exclusive, shared, limited)
         self._check()
@@ -704,7 +707,7 @@ class AsyncLockManager:
         cannot be reached, the rest are marked lost), stops the heartbeat
         task, retires the owner (its liveness key deleted, one
         ``cleanup_owner`` round trip) and closes the client it made from a
-        URL. Later calls raise :class:`LockError`. Idempotent.
+        URL. Later calls raise :class:`~celery_redislock.LockError`. Idempotent.
         """
         if self._closed:
             return
