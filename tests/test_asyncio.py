@@ -406,7 +406,10 @@ def test_a_redis_restart_marks_the_async_lease_lost(
         async with AsyncLockManager(redis_url, NS, owner_ttl=3, heartbeat_interval=0.2) as mgr:
             lease = await mgr.acquire("a")
             owner = lease.owner_id
-            await asyncio.to_thread(redis_server.restart)
+            # From this thread, not a worker thread: the server is spawned with
+            # PR_SET_PDEATHSIG, so it would die when asyncio.run's executor
+            # thread exits, under the next test.
+            redis_server.restart()
             await until(lambda: lease.lost, "the lease lost after the restart", timeout=15)
             with pytest.raises(LockLost) as info:
                 lease.check()
