@@ -280,6 +280,9 @@ def _exercise(url: str, admin: redis.Redis, outcomes: list[Any]) -> None:
         hw.start()
         wait_until(lambda: insp.waiters("h"), what="a waiter of the worker")
         node.halt_waiters()  # refused, it only logs node.halt-error: see commandstats
+        # The halted waiter leaves its queue; only then is "h" freed (a grant
+        # pushed before the waiter reached its BLPOP would be taken first).
+        wait_until(lambda: not insp.waiters("h"), what="the halted waiter left its queue")
         blocker.release()
         hw.join(30)
         if halted and not isinstance(halted[0], BaseException):
