@@ -23,7 +23,7 @@ import redis.asyncio
 
 from ..exceptions import ConfigurationError, RedisUnavailable, permission_denied
 from ..protocol.calls import Protocol, ScriptCall, text
-from ..store.channel import REDIS_DOWN_ERRORS, format_verdict
+from ..store.channel import REDIS_DOWN_ERRORS, format_verdict, mapped_errors
 from ..store.checks import EvictionCheck, eviction_verdict
 from ..store.scripts import Scripts
 
@@ -58,7 +58,7 @@ class AsyncChannel:
         """Run one script (EVALSHA, loading it on NOSCRIPT): one round trip."""
         if self._eviction_pending or self._eviction_refusal is not None or self.format_pending:
             await self.gates()
-        try:
+        with mapped_errors(self.url, f"EVALSHA {call.name}"):
             try:
                 return await self.scripts.run_async(self.client, call.name, call.keys, call.args)
             except redis.ConnectionError:
@@ -66,29 +66,15 @@ class AsyncChannel:
                 # KILL, an idle timeout): every script sent here is idempotent
                 # on its token, so it goes once more, on a new connection.
                 return await self.scripts.run_async(self.client, call.name, call.keys, call.args)
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.url, exc) from exc
-        except redis.ResponseError as exc:
-            denied = permission_denied(exc, self.url, f"EVALSHA {call.name}")
-            if denied is None:
-                raise
-            raise denied from exc
 
     async def command(self, name: str, *args: Any) -> Any:
         """One plain command (errors mapped; sent once more after a
         connection error, like :meth:`run`: only reads and BLPOP go here)."""
-        try:
+        with mapped_errors(self.url, name):
             try:
                 return await self.client.execute_command(name, *args)
             except redis.ConnectionError:
                 return await self.client.execute_command(name, *args)
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.url, exc) from exc
-        except redis.ResponseError as exc:
-            denied = permission_denied(exc, self.url, name)
-            if denied is None:
-                raise
-            raise denied from exc
 
     async def blpop(self, keys: list[str], seconds: float) -> Any:
         """``BLPOP keys seconds`` (errors mapped)."""
@@ -133,15 +119,8 @@ class AsyncChannel:
         """Check (or record) the namespace's data format: ``format.lua``,
         one round trip; :class:`~celery_redislock.FormatMismatch` when it is not ours."""
         call = self.protocol.format()
-        try:
+        with mapped_errors(self.url, "EVALSHA format"):
             reply = await self.scripts.run_async(self.client, call.name, call.keys, call.args)
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.url, exc) from exc
-        except redis.ResponseError as exc:
-            denied = permission_denied(exc, self.url, "EVALSHA format")
-            if denied is None:
-                raise
-            raise denied from exc
         found = format_verdict(self.keys.namespace, self.url, text(reply[0]), text(reply[1]))
         assert found is not None
         self.format_pending = False

@@ -24,7 +24,7 @@ import select
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import redis
@@ -123,6 +123,22 @@ def socket_timeout(client: AnyRedis) -> float | None:
                     value = param.default
                 break
     return float(value) if value else None
+
+
+@contextmanager
+def mapped_errors(url: str, sent: str) -> Iterator[None]:
+    """Map redis-py's errors of the block (sync or async): Redis down ->
+    :class:`RedisUnavailable`; refused by the ACL -> :class:`PermissionDenied`
+    naming ``sent``; any other error as it is."""
+    try:
+        yield
+    except REDIS_DOWN_ERRORS as exc:
+        raise RedisUnavailable(url, exc) from exc
+    except redis.ResponseError as exc:
+        denied = permission_denied(exc, url, sent)
+        if denied is None:
+            raise
+        raise denied from exc
 
 
 def format_verdict(namespace: str, url: str, found: str | None, how: str) -> int | None:
@@ -271,20 +287,9 @@ class Channel:
         """The command sent on this thread's :meth:`conn` client completed."""
         self._conn_local.busy = False
 
-    @contextmanager
-    def errors(self, sent: str) -> Iterator[None]:
-        """Map redis-py's errors of the block: Redis down ->
-        :class:`RedisUnavailable`; refused by the ACL ->
-        :class:`PermissionDenied` naming ``sent``; any other error as it is."""
-        try:
-            yield
-        except REDIS_DOWN_ERRORS as exc:
-            raise RedisUnavailable(self.url, exc) from exc
-        except redis.ResponseError as exc:
-            denied = permission_denied(exc, self.url, sent)
-            if denied is None:
-                raise
-            raise denied from exc
+    def errors(self, sent: str) -> AbstractContextManager[None]:
+        """:func:`mapped_errors` for this channel's URL."""
+        return mapped_errors(self.url, sent)
 
     # -- round trips ------------------------------------------------------
 
