@@ -11,8 +11,8 @@ from ..exceptions import LockLost
 from ..protocol.causes import cause_text
 
 if TYPE_CHECKING:
+    from ..protocol.owner import Owner
     from ..protocol.request import Request
-    from .manager import Owner
 
 __all__ = ["AsyncLease"]
 

@@ -26,7 +26,6 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -40,7 +39,6 @@ from ..protocol.calls import Protocol, mode_refusal, text
 from ..protocol.causes import KEY_GONE, cause_text, explain, loss_code
 from ..protocol.keys import (
     Keyspace,
-    new_owner_id,
     new_request_id,
     owner_description,
     validate_resource,
@@ -54,6 +52,7 @@ from ..protocol.options import (
     EngineOptions,
 )
 from ..protocol.outage import Outage
+from ..protocol.owner import Owner, confirmed_until
 from ..protocol.request import Request, RequestCache
 from ..redact import redact_url
 from ..store.connect import is_cluster_url, is_sentinel_url, validate_url
@@ -66,21 +65,6 @@ __all__ = ["AsyncLockManager", "Owner"]
 log = logging.getLogger("celery_redislock.acquire")
 log_hb = logging.getLogger("celery_redislock.heartbeat")
 log_release = logging.getLogger("celery_redislock.release")
-
-
-@dataclass
-class Owner:
-    """One owner of an asyncio manager: its id, its pid, what Redis knows of it."""
-
-    owner_id: str = field(default_factory=new_owner_id)
-    pid: int = field(default_factory=os.getpid)
-    #: An acquire registered its liveness key.
-    registered: bool = False
-    #: Monotonic time until which its liveness is known to hold (0.0: never
-    #: confirmed); past it, every lease of the owner is lost.
-    valid_until: float = 0.0
-    #: A script added it to ``{ns}:owners`` (later acquires skip the SADD).
-    listed: bool = False
 
 
 class _Try:
@@ -358,9 +342,9 @@ class AsyncLockManager:
         (the deadline had passed: the owner is lost)."""
         if self._lapsed(owner, started):
             return False
-        floor = owner.valid_until if started <= owner.valid_until else 0.0
-        ttl = self.options.owner_ttl
-        owner.valid_until = max(floor, started + ttl - self.options.liveness_margin)
+        owner.valid_until = confirmed_until(
+            owner.valid_until, started, self.options.owner_ttl, self.options.liveness_margin
+        )
         return True
 
     def deadline_passed(self, owner: Owner) -> None:

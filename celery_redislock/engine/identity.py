@@ -18,9 +18,9 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ..protocol.keys import new_owner_id, new_request_id, owner_description
+from ..protocol.owner import Owner
 
 __all__ = [
     "IdentitySource",
@@ -98,25 +98,9 @@ def pid_of_tag(tag: str | bytes) -> int:
     return int(text.split(".", 1)[0])
 
 
-@dataclass
-class OwnerIdentity:
-    """One owner: its id, the pid it belongs to, and whether Redis knows it."""
-
-    owner_id: str = field(default_factory=new_owner_id)
-    pid: int = field(default_factory=os.getpid)
-    #: True once an acquire registered the liveness key (SET NX).
-    registered: bool = False
-    #: Monotonic time until which this owner's liveness is known to hold:
-    #: start of the last confirmed refresh + the TTL it left, less a margin
-    #: (``LockManager._confirm``); 0.0 until the first confirmation. Past it,
-    #: every lease of the owner is lost, whatever Redis says later.
-    valid_until: float = 0.0
-    #: True once a script added this owner to ``{ns}:owners`` (its first
-    #: grant or queued request): later acquires skip the SADD. Nothing takes
-    #: a live owner out of the set, only the cleanup that retires it; a
-    #: release that finds a grant gone (data lost in a failover, say) resets
-    #: it, so the next grant lists the owner again.
-    listed: bool = False
+class OwnerIdentity(Owner):
+    """One owner of this process (:class:`~celery_redislock.protocol.owner.Owner`),
+    with its process tag."""
 
     @functools.cached_property
     def tag(self) -> str:

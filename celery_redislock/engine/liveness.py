@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..protocol.calls import text
 from ..protocol.causes import KEY_GONE, cause_text, explain, loss_code
+from ..protocol.owner import confirmed_until
 from ..store.connect import AnyRedis, clone_client
 from .heartbeat import Heartbeat
 from .identity import IdentitySource, OwnerIdentity
@@ -120,8 +121,9 @@ class Liveness(Part):
         with self._state.lock:
             if self._lapsed_locked(ident, started):
                 return False
-            floor = ident.valid_until if started <= ident.valid_until else 0.0
-            ident.valid_until = max(floor, started + ttl - self._options.liveness_margin)
+            ident.valid_until = confirmed_until(
+                ident.valid_until, started, ttl, self._options.liveness_margin
+            )
             return True
 
     def lapsed(self, ident: OwnerIdentity, now: float) -> bool:
