@@ -52,7 +52,6 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import queue
 import signal
 import sys
 import time
@@ -70,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks.machine import cpu_model, load_average  # noqa: E402
-from benchmarks.peers import jain_index, make_client, percentile  # noqa: E402
+from benchmarks.peers import collect_reports, jain_index, make_client, percentile  # noqa: E402
 from celery_redislock.protocol.keys import Keyspace  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
@@ -109,8 +108,6 @@ BACKOFF_MIN = 0.001
 BACKOFF_MAX = 0.008
 #: Seconds after a run's deadline a bounded wait may still wait.
 GRACE = 5.0
-#: Seconds after a run's end before the parent kills a silent process.
-KILL_GRACE = 20.0
 #: Seconds the victim holds its slot before it is killed (steady state).
 SETTLE = 0.5
 
@@ -387,17 +384,7 @@ def run_once(
         res.liveness_left.append(left)
         # The run's length is the time until the stop (rates are not reported).
         res.duration = time.monotonic() - started
-    reports: dict[int, tuple[Any, ...]] = {}
-    expected = procs - 1 if recovery else procs
-    give_up_at = time.monotonic() + 60 + duration + KILL_GRACE
-    while len(reports) < expected and time.monotonic() < give_up_at:
-        try:
-            rep = out.get(timeout=0.5)
-        except queue.Empty:
-            if all(not w.is_alive() for w in workers) and out.empty():
-                break
-            continue
-        reports[rep[0]] = rep
+    reports = collect_reports(out, workers, procs - 1 if recovery else procs, duration)
     for w in workers:
         w.join(timeout=2)
         if w.is_alive():

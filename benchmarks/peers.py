@@ -69,6 +69,24 @@ PEER_GRACE = 5.0
 KILL_GRACE = 20.0
 
 
+def collect_reports(
+    out: Any, workers: list[Any], expected: int, duration: float
+) -> dict[int, tuple[Any, ...]]:
+    """The workers' reports from ``out`` (``(index, ...)`` tuples), until
+    ``expected`` came, every worker ended, or the run is long overdue."""
+    reports: dict[int, tuple[Any, ...]] = {}
+    give_up_at = time.monotonic() + 60 + duration + KILL_GRACE
+    while len(reports) < expected and time.monotonic() < give_up_at:
+        try:
+            rep = out.get(timeout=0.5)
+        except queue.Empty:
+            if all(not w.is_alive() for w in workers) and out.empty():
+                break
+            continue
+        reports[rep[0]] = rep
+    return reports
+
+
 class _SendCounter(redis.Connection):
     """Counts what this process sends (one send = one round trip; a
     pipeline is one send). Costs every library the same one addition."""
@@ -404,16 +422,7 @@ def run_contention(
     ]
     for w in workers:
         w.start()
-    reports: dict[int, tuple[Any, ...]] = {}
-    give_up_at = time.monotonic() + 60 + duration + KILL_GRACE
-    while len(reports) < procs and time.monotonic() < give_up_at:
-        try:
-            rep = out.get(timeout=0.5)
-        except queue.Empty:
-            if all(not w.is_alive() for w in workers) and out.empty():
-                break
-            continue
-        reports[rep[0]] = rep
+    reports = collect_reports(out, workers, procs, duration)
     killed = 0
     for w in workers:
         w.join(timeout=2)
