@@ -380,7 +380,6 @@ def parked_behind_transit(
     kwargs: Any,
     parked: tuple[Any, dict[str, Any]],
     moved: RequestMoved,
-    limited: dict[str, int] | None = None,
 ) -> Any:
     """The wait was parked in its place (:func:`transit_hook`): run the
     body with the grant adopted at once, or free the pool slot, as a parked
@@ -407,7 +406,7 @@ def parked_behind_transit(
 
         if guarded:  # a guard that later finds no record must not recover a started task
             guard.mark_adopted(locks.app, task_id, result.life, _attempt(task))
-        return _run_adopted(leases, resources, run, fun, args, kwargs, mark, limited)
+        return _run_adopted(leases, resources, run, fun, args, kwargs, mark)
     _store_deferred(task, task_id, resources)
     _send_guard(locks, task_id, message, result.life, guarded)
     from .parked import Parked  # imports Celery: only where a task parks
@@ -423,18 +422,11 @@ def _run_adopted(
     args: Any,
     kwargs: Any,
     after: Callable[[], None],
-    limited: dict[str, int] | None = None,
 ) -> Any:
     """Run the body with adopted grants: the one for ``resources`` is the
     task's lease (``current_lease()``); any other grant of the task owner is
     released with it. The grants count as held by this thread, so the body's
-    nested acquires of their resources re-enter them. An adoption names a
-    grant's modes, not the limits of its limited resources: ``limited`` (the
-    task's) gives them back to :attr:`Lease.limited`."""
-    for lease in leases:
-        for name in lease.limited:
-            if limited and name in limited:
-                lease.limited[name] = limited[name]
+    nested acquires of their resources re-enter them."""
     main = next((x for x in leases if set(x.resources) == set(resources)), leases[0])
     rest = [x for x in leases if x is not main]
     run.mgr.hold_in_thread(leases)
@@ -662,7 +654,7 @@ class _DeferredCall:
             _mark_done_after_store(self.task, self.mgr, self.task_id, leases[0].owner_id)
 
         fun, args, kwargs = self.body
-        return _run_adopted(leases, self.resources, self.run, fun, args, kwargs, mark, self.limited)
+        return _run_adopted(leases, self.resources, self.run, fun, args, kwargs, mark)
 
     def replication_short(self, exc: ReplicationTimeout) -> None:
         # Adopted, then released again (too few replicas have it): the task

@@ -630,7 +630,6 @@ def _wait_and_run(call: _Call, outermost: bool) -> Any:
             call.kwargs,
             parked[0],
             moved,
-            call.limited,
         )
     except ShuttingDown as exc:
         hand_back(task, label, exc)

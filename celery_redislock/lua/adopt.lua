@@ -76,7 +76,9 @@
 --
 -- Reply:
 --   {1, {token, fence, modes, res 1, ...}, ...}  adopted (or adopted earlier
---                by this owner): one entry per grant, fence a decimal string
+--                by this owner): one entry per grant, fence a decimal string,
+--                modes one char per resource, then the limits of its slots
+--                as acquire.lua takes them ('xl:5')
 --   {0, why, by} nothing adopted: why = 'expired' | 'tombstoned' |
 --                'adopted' | 'superseded' (by = the owner that adopted
 --                it, else '')
@@ -189,12 +191,15 @@ for _, lock in ipairs(registry_locks()) do
         redis.call('DEL', prefix .. 'req:' .. t, prefix .. 'wake:' .. t, prefix .. 'holder:' .. t)
         local g = grants[new]
         if not g then
-          g = {fence_of(v), {}, {}}
+          g = {fence_of(v), {}, {}, {}}
           grants[new] = g
           order[#order + 1] = new
         end
         g[2][#g[2] + 1] = mode_of(v)
         g[3][#g[3] + 1] = name
+        -- a slot's value carries its limit (_common.lua Encodings)
+        local cap = string.match(v, ':(%d+)$')
+        if cap then g[4][#g[4] + 1] = cap end
       end
     end
     registry_add(prefix, owner, {name}, false, record)
@@ -217,6 +222,7 @@ redis.call('HSET', KEYS[6], 'by', owner)
 for _, new in ipairs(order) do
   local g = grants[new]
   local modes = table.concat(g[2])
+  if #g[4] > 0 then modes = modes .. ':' .. table.concat(g[4], ',') end
   redis.call('HSET', KEYS[6], new, modes .. '\n' .. table.concat(g[3], '\n'))
   local entry = {new, g[1], modes}
   for i = 1, #g[3] do entry[#entry + 1] = g[3][i] end

@@ -45,7 +45,7 @@ class ScriptCall(NamedTuple):
 
 class AdoptedGrant(NamedTuple):
     """One grant adopt.lua moved: its new token, fence, resources and their
-    modes (one character each: :meth:`.RequestCache.from_spec`)."""
+    modes with the limits of its slots (:meth:`.RequestCache.from_spec`)."""
 
     token: str
     fence: int

@@ -57,8 +57,8 @@ class Request:
     wire_locks: tuple[bytes, ...] = ()
     #: The limited resources, after the shared ones.
     limited: tuple[str, ...] = ()
-    #: The limit of each limited resource, same order; 0 where it is not
-    #: known (a grant moved to another owner, which is only released).
+    #: The limit of each limited resource, same order; 0 where a stored
+    #: spec did not name it.
     limits: tuple[int, ...] = ()
 
     @property
@@ -211,9 +211,9 @@ class RequestCache:
 
     def from_spec(self, names: Iterable[str], spec: str) -> Request:
         """The request of resource ``names`` whose modes a script or a park
-        record stored as ``spec`` (:attr:`Request.spec`; modes only, without
-        limits, for a grant moved to another owner: limits 0). The names
-        were validated when the request was first made."""
+        record stored as ``spec`` (:attr:`Request.spec`; a limit it does
+        not name is 0). The names were validated when the request was first
+        made."""
         modes, _, tail = spec.partition(":")
         numbers = iter(int(n) for n in tail.split(",") if n)
         ex: list[str] = []
