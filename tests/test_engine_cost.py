@@ -376,7 +376,7 @@ def upkeep_with_due_deadlines(
     wait_until(
         lambda: (
             r.zcount(deadlines, "-inf", now_ms()) == due
-            and not any(r.exists(f"{{t}}:alive:task:d{i}") for i in range(due))
+            and not any(r.exists(f"{{t}}:alive:defer:d{i}") for i in range(due))
         ),
         what="the deadlines passed",
     )
