@@ -29,6 +29,7 @@ from ..exceptions import (
 )
 from ..protocol.calls import acquire_reclaimed, acquire_transit, mode_refusal, resend, text
 from ..protocol.options import MIN_BLOCK
+from ..protocol.reentry import check_nested
 from ..protocol.request import Limits, Request, RequestCache, ResourceNames
 from ..store.channel import REDIS_DOWN_ERRORS
 from .context import AcquireContext, ContextStack
@@ -201,11 +202,7 @@ class Acquirer(Part):
                 return self._reenter(depth, req, reentry, timeout, nested)
         if nested is None:
             nested = depth.count > 0
-        if nested and timeout is None:
-            raise ValueError(
-                "a nested acquire (made while this thread holds a lock) needs a finite "
-                "timeout: it skips the wait queue and could otherwise wait for ever"
-            )
+        check_nested(nested, timeout)
         ctx = self._context.current()
         # A @locked task's own wait may turn into a park in its place when a
         # grant in transit waits ahead of it (docs/defer.md, T3): the hook

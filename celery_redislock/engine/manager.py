@@ -34,7 +34,7 @@ from redis.cluster import RedisCluster
 from ..exceptions import ConfigurationError, LockTimeout
 from ..protocol.calls import Protocol
 from ..protocol.causes import CLEANUP_REASONS, cause_text
-from ..protocol.keys import Keyspace, text, validate_resource
+from ..protocol.keys import Keyspace, validate_resource
 from ..protocol.options import (
     DEFAULT_OWNER_TTL,
     DEFAULT_SCAN_LIMIT,
@@ -49,7 +49,7 @@ from ..protocol.options import (
     WAIT_POLICIES,
     EngineOptions,
 )
-from ..protocol.reports import CleanupReport, LockHolder, ReconcileReport
+from ..protocol.reports import CleanupReport, LockHolder, ReconcileReport, lock_holders
 from ..protocol.request import Limits, Request, RequestCache, ResourceNames
 from ..store.channel import REDIS_DOWN_ERRORS, Channel, format_verdict, socket_timeout
 from ..store.checks import EvictionCheck
@@ -480,13 +480,7 @@ class LockManager:
         key = self.keys.lock(validate_resource(resource))
         if self.channel.format_pending:
             self.channel.check_format_once(None)
-        raw = self.channel.command("HGETALL", key)
-        if not isinstance(raw, dict):
-            # RESP2 answers a flat list of field, value, ...
-            items = list(raw or ())
-            raw = dict(zip(items[0::2], items[1::2]))
-        out = [LockHolder.from_grant(resource, text(t), text(v)) for t, v in raw.items()]
-        return sorted(out, key=lambda h: (h.mode != "exclusive", h.owner_id))
+        return lock_holders(resource, self.channel.command("HGETALL", key))
 
     def is_locked(self, resource: str) -> bool:
         """Whether Redis records any grant on ``resource`` (one round trip).

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _validate as _v
 from ..exceptions import RedisUnavailable
-from ..protocol.calls import text
+from ..protocol.calls import contention
 from ..protocol.causes import metric_label
 from .shared import Part, Shared
 from .state import ReleaseRetry
@@ -98,8 +98,7 @@ class Releaser(Part):
             # from the ids read with the count: no signal in between is lost.
             # A signal may be stale (a request that only tried, or has given
             # up since): the loop counts again, and waits on while nobody does.
-            block = min(remaining, self._options.block_cap, self._options.owner_ttl)
-            block_ms = max(1, int(block * 1000))
+            block_ms = self._options.contender_block_ms(remaining)
             with self._channel.errors("XREAD"):
                 self._channel.conn().xread(streams, block=block_ms)  # type: ignore[arg-type]
                 self._channel.done()
@@ -283,5 +282,4 @@ class Releaser(Part):
         req = lease.request
         streams = [self.keys.contended(r) for r in req.resources]
         call = self._channel.protocol.contenders(lease.token, req, streams, watch=watch)
-        reply = self._channel.run(call)
-        return int(reply[0]), dict(zip(streams, (text(x) for x in reply[1:])))
+        return contention(streams, self._channel.run(call))

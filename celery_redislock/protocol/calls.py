@@ -239,6 +239,12 @@ def acquire_reclaimed(reply: Any) -> int:
     return int(reply[at])
 
 
+def contention(streams: list[str], reply: Any) -> tuple[int, dict[str, str]]:
+    """A contenders.lua reply: how many requests wait, and each contended
+    stream's last entry id (what a holder that waits for one reads from)."""
+    return int(reply[0]), dict(zip(streams, (text(x) for x in reply[1:])))
+
+
 def acquire_transit(reply: Any) -> str:
     """The task id of a grant in transit an acquire reply (queued) names, or ''."""
     return text(reply[4]) if len(reply) > 4 else ""

@@ -132,6 +132,14 @@ class EngineOptions:
             block = min(block, wait_ms / 1000.0 + 0.01)
         return min(block, liveness_left - owner_ttl / 3)
 
+    def contender_block_ms(self, remaining: float) -> int:
+        """Milliseconds a holder waiting for a contender blocks on the
+        contended streams before it counts again (``XREAD BLOCK``): at most
+        :attr:`block_cap` and ``owner_ttl`` (a watched stream lives
+        3 x ``owner_ttl``, renewed by every count); at least 1."""
+        block = min(remaining, self.block_cap, self.owner_ttl)
+        return max(1, int(block * 1000))
+
     @classmethod
     def build(
         cls,

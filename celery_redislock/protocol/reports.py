@@ -47,6 +47,16 @@ class LockHolder:
         )
 
 
+def lock_holders(resource: str, raw: Any) -> list[LockHolder]:
+    """The holders of ``resource`` from its lock hash (``HGETALL``): exclusive
+    first, then by owner. ``raw``: a dict, or RESP2's flat list."""
+    if not isinstance(raw, dict):
+        items = list(raw or ())
+        raw = dict(zip(items[0::2], items[1::2]))
+    out = [LockHolder.from_grant(resource, text(t), text(v)) for t, v in raw.items()]
+    return sorted(out, key=lambda h: (h.mode != "exclusive", h.owner_id))
+
+
 @dataclass(frozen=True)
 class CleanupReport:
     """Outcome of freeing one owner's locks.
