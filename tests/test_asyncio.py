@@ -15,12 +15,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import redis
 
+from async_helpers import run, until
 from celery_redislock import (
     ConfigurationError,
     InvalidResource,
@@ -36,35 +36,6 @@ from redis_server import RedisServer
 
 NS = "t"
 KEYS = Keyspace(NS)
-_T = TypeVar("_T")
-
-
-def run(coro: Coroutine[Any, Any, _T], timeout: float = 60.0) -> _T:
-    """Run ``coro`` on a new event loop, failing after ``timeout`` seconds."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    """Yield to the loop until ``cond()`` is truthy (a condition, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {what}")
-        await asyncio.sleep(0.002)
-
-
-async def until_async(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {what}")
-        await asyncio.sleep(0.002)
 
 
 def queued(r: redis.Redis, resource: str) -> int:
@@ -99,9 +70,11 @@ def test_acquire_release_lock_and_queries(redis_url: str, r: redis.Redis) -> Non
             lease.check()
             assert not lease.lost and lease.lost_cause is None
             assert lease.deadline > time.monotonic()
-            assert await mgr.try_acquire("a") is None
+            # another task is another holder (this one would re-enter)
+            assert await asyncio.create_task(mgr.try_acquire("a")) is None
             with pytest.raises(LockTimeout):
-                await mgr.acquire("a", timeout=0.05)
+                await asyncio.create_task(mgr.acquire("a", timeout=0.05))
+            assert await mgr.try_acquire("a", nested=False) is None
             assert await lease.release() is True
             assert await lease.release() is False
             assert lease.released and not await mgr.is_locked("a")
@@ -288,7 +261,11 @@ def test_limited_resources_across_both_worlds(redis_url: str, r: redis.Redis) ->
             one = await amgr.acquire(limited={"pool": 2})
             two = sync.acquire(limited={"pool": 2}, timeout=1)
             assert one.limited == {"pool": 2}
-            assert await amgr.try_acquire(limited={"pool": 2}) is None
+            # the holding task re-enters its slot; another task finds none free
+            again = await amgr.try_acquire(limited={"pool": 2})
+            assert again is not None and again.reentrant
+            assert await again.release() and int(r.hlen(KEYS.lock("pool"))) == 2
+            assert await asyncio.create_task(amgr.try_acquire(limited={"pool": 2})) is None
             third = asyncio.create_task(amgr.acquire(limited={"pool": 2}, timeout=20))
             await until(lambda: queued(r, "pool") == 1, "the third queued")
             assert not third.done()
@@ -366,7 +343,7 @@ def test_cancelled_at_every_await_point_leaves_nothing_in_redis(
                 outcomes["handoff"].add("won" if lease else "cancelled")
                 if lease is not None:
                     await lease.release()
-                await until(lambda: not mgr._pending, "shielded releases done")
+                await until(lambda: not mgr.state.pending, "shielded releases done")
                 assert request_keys(r) == [], ("handoff", steps)
 
     run(main(), timeout=120)

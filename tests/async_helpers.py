@@ -1,0 +1,43 @@
+"""Helpers of the asyncio front-end's tests: run a coroutine, wait on a condition.
+
+Plain ``asyncio.run`` (no plugin). The waits poll a condition, never sleep
+for a fixed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+
+def run(coro: Coroutine[Any, Any, _T], timeout: float = 60.0) -> _T:
+    """Run ``coro`` on a new event loop, failing after ``timeout`` seconds."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    """Yield to the loop until ``cond()`` is truthy (a condition, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {what}")
+        await asyncio.sleep(0.002)
+
+
+async def until_async(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 10.0) -> Any:
+    """:func:`until` for a condition that is a coroutine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {what}")
+        await asyncio.sleep(0.002)
