@@ -19,6 +19,7 @@ relies on:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -548,3 +549,75 @@ def test_a_deferred_grant_too_few_replicas_acknowledge_counts_as_an_error(
     assert sample("redislock_acquire_wait_seconds_count", outcome="error") == 1
     assert sample("redislock_acquire_wait_seconds_sum", outcome="error") >= 100  # type: ignore[operator]
     assert sample("redislock_grants_total") == 0
+
+
+# -- the asyncio front-end -----------------------------------------------------
+
+
+def test_async_grant_is_on_the_replica_when_acquire_returns_script_and_hand_off(
+    fresh: Pair, managers: Managers
+) -> None:
+    from async_helpers import run, until
+    from celery_redislock.asyncio import AsyncLockManager
+
+    holder = managers()
+
+    async def main() -> None:
+        async with AsyncLockManager(
+            fresh.master.url, NS, owner_ttl=5, wait_replicas=1, wait_timeout=2.0
+        ) as mgr:
+            before = commandstats(fresh.m)
+            lease = await mgr.acquire("res", timeout=5)
+            # read straight from the replica, with no wait: WAIT confirmed it
+            assert lease.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
+            assert command_delta(before, commandstats(fresh.m)).get("wait") == 1
+            await lease.release()
+            held = holder.acquire("res")
+            task = asyncio.create_task(mgr.acquire("res", timeout=20))
+            await until(lambda: fresh.m.zcard("{t}:q:res") == 1, "the coroutine to queue")
+            await asyncio.to_thread(held.release)  # handed over by push, then one WAIT
+            lease = await task
+            assert lease.token in {k.decode() for k in fresh.r.hgetall(LOCK)}
+            await lease.release()
+
+    run(main())
+    assert_nothing_held(fresh)
+
+
+@pytest.mark.parametrize("policy", ["fail", "retry"])
+def test_async_paused_replica_fails_the_acquire_and_leaves_nothing_held(
+    fresh: Pair, managers: Managers, policy: str
+) -> None:
+    from async_helpers import run
+    from celery_redislock.asyncio import AsyncLockManager
+
+    async def main() -> None:
+        async with AsyncLockManager(
+            fresh.master.url,
+            NS,
+            owner_ttl=5,
+            wait_replicas=1,
+            wait_timeout=0.1,
+            wait_policy=policy,
+        ) as mgr:
+            fresh.pause_replica()
+            before = commandstats(fresh.m)
+            with pytest.raises(ReplicationTimeout) as err:
+                await mgr.acquire("res", timeout=0.5)
+            assert err.value.wanted == 1 and err.value.acknowledged == 0
+            waits = command_delta(before, commandstats(fresh.m)).get("wait", 0)
+            # "retry": granted, released and asked again until the timeout
+            assert waits >= 2 if policy == "retry" else waits == 1
+            assert_nothing_held(fresh)
+
+    run(main())
+    managers().acquire("res", timeout=0).release()
+
+
+def test_async_manager_refuses_bad_wait_options() -> None:
+    from celery_redislock.asyncio import AsyncLockManager
+
+    with pytest.raises(ConfigurationError, match="wait_replicas"):
+        AsyncLockManager("redis://127.0.0.1:1/0", NS, wait_replicas=-1)
+    with pytest.raises(ConfigurationError, match="wait_policy"):
+        AsyncLockManager("redis://127.0.0.1:1/0", NS, wait_policy="sometimes")

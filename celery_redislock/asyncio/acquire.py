@@ -20,11 +20,12 @@ from typing import Any
 from .. import _validate as _v
 from ..exceptions import LockError, LockTimeout, RedisUnavailable
 from ..protocol import reentry
-from ..protocol.calls import Protocol, mode_refusal, text
+from ..protocol.calls import Protocol, ScriptCall, mode_refusal, text
 from ..protocol.keys import new_request_id, owner_description
 from ..protocol.options import MIN_BLOCK
 from ..protocol.outage import Outage
 from ..protocol.owner import Owner
+from ..protocol.replicas import replication_short
 from ..protocol.request import Limits, Request, RequestCache, ResourceNames
 from .channel import AsyncChannel
 from .lease import AsyncLease
@@ -186,6 +187,8 @@ class AsyncAcquirer:
             code = int(t.reply[0])
             if code == 1:
                 t.owner.registered = True
+                if self.options.wait_replicas and not await self._replicated(t):
+                    continue  # released, asking again (or a ridden-out failure)
                 if state.owner is t.owner:
                     lease = AsyncLease(
                         self.releaser,
@@ -194,7 +197,7 @@ class AsyncAcquirer:
                         t.token,
                         int(t.reply[1]),
                         t.depth,
-                        clean=len(t.reply) > 2,
+                        clean=len(t.reply) > 2 and not self.options.wait_replicas,
                     )
                     state.leases[t.token] = lease
                     lease.count_in()
@@ -235,13 +238,43 @@ class AsyncAcquirer:
             listed=owner.listed,
             spill=self.state.spill(owner),
         )
-        t.inflight = asyncio.ensure_future(self.channel.run(call))
+        t.inflight = asyncio.ensure_future(self._send(call))
         reply = await asyncio.shield(t.inflight)
         t.inflight = None
         code = int(reply[0])
         if code == 1 or (code == 0 and t.timeout != 0):
             owner.listed = True
         return reply
+
+    async def _send(self, call: ScriptCall) -> Any:
+        """The acquire call; with ``wait_replicas``, ``WAIT`` in the same
+        pipeline, a grant's reply gaining the count (``[1, fence, acked]``)."""
+        replicas = self.options.wait_replicas
+        if not replicas:
+            return await self.channel.run(call)
+        reply, acked = await self.channel.run_and_wait(call, replicas)
+        return [reply[0], reply[1], acked] if int(reply[0]) == 1 else reply
+
+    async def _replicated(self, t: _Try) -> bool:
+        """Whether enough replicas acknowledged the grant ``t.reply`` names.
+
+        False: ``t.reply`` is None and the loop asks again (a failure ridden
+        out, or the grant released under ``wait_policy="retry"``); raises
+        :class:`~celery_redislock.ReplicationTimeout` as the policy says.
+        """
+        if len(t.reply) > 2:  # counted in the script's round trip
+            acked = int(t.reply[2])
+        else:  # handed over while waiting: WAIT now
+            acked = await self._riding_out(t, self.channel.wait_now(self.options.wait_replicas))
+            if acked is None:
+                t.reply = None
+                return False
+        if acked >= self.options.wait_replicas:
+            return True
+        replication_short(self.options, t.token, t.req, t.timeout, t.deadline, acked)
+        await self.releaser.end_request(None, t.token, t.req)
+        t.renew(t.owner)
+        return False
 
     async def _wait(self, t: _Try) -> None:
         """Queued: block until handed the locks (``t.reply`` set) or told to look again."""

@@ -67,6 +67,26 @@ class AsyncChannel:
                 # on its token, so it goes once more, on a new connection.
                 return await self.scripts.run_async(self.client, call.name, call.keys, call.args)
 
+    async def run_and_wait(self, call: ScriptCall, replicas: int) -> tuple[Any, int]:
+        """Run one script, then ``WAIT replicas`` in the same pipeline: one round
+        trip; ``(script reply, replicas that acknowledged)``."""
+        if self._eviction_pending or self._eviction_refusal is not None or self.format_pending:
+            await self.gates()
+        wait_ms = self.protocol.options.wait_ms
+        with mapped_errors(self.url, f"EVALSHA {call.name} + WAIT"):
+            return await self.scripts.run_and_wait_async(
+                self.client, call.name, call.keys, call.args, replicas, wait_ms
+            )
+
+    async def wait_now(self, replicas: int) -> int:
+        """``PING`` then ``WAIT replicas`` in one pipeline (a grant another client
+        made: the PING moves the connection's offset to now); one round trip."""
+        with mapped_errors(self.url, "WAIT"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.ping()
+            pipe.execute_command("WAIT", replicas, self.protocol.options.wait_ms)
+            return int((await pipe.execute())[1])
+
     async def command(self, name: str, *args: Any) -> Any:
         """One plain command (errors mapped; sent once more after a
         connection error, like :meth:`run`: only reads and BLPOP go here)."""

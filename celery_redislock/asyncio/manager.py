@@ -79,8 +79,14 @@ class AsyncLockManager:
             :class:`~celery_redislock.LockManager`, a worker and the CLI
             with the same namespace share the same locks.
         owner_ttl: as for :class:`~celery_redislock.LockManager` (and the
-            same for ``heartbeat_interval``, ``queue_scan_limit``, ``name``
-            and ``eviction_check``), validated by the same rules.
+            same for ``heartbeat_interval``, ``queue_scan_limit``, ``name``,
+            ``wait_replicas``, ``wait_timeout``, ``wait_policy`` and
+            ``eviction_check``), validated by the same rules. With
+            ``wait_replicas``, ``WAIT`` goes in the acquire script's
+            pipeline (a grant handed over while waiting costs one more
+            round trip), and a grant too few replicas acknowledged is
+            released, then :class:`~celery_redislock.ReplicationTimeout`
+            (``"fail"``) or asked again (``"retry"``).
 
     The manager is bound to the event loop it is first used on: its
     client's connections and its heartbeat task belong to that loop, and
@@ -105,6 +111,9 @@ class AsyncLockManager:
         heartbeat_interval: float | None = None,
         queue_scan_limit: int = DEFAULT_SCAN_LIMIT,
         name: str | None = None,
+        wait_replicas: int = 0,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+        wait_policy: str = "fail",
         eviction_check: str = "warn",
     ) -> None:
         made: list[tuple[redis.asyncio.Redis, str, bool]] = []
@@ -123,9 +132,9 @@ class AsyncLockManager:
             heartbeat=True,
             hold_connection=False,
             group=None,
-            wait_replicas=0,
-            wait_timeout=DEFAULT_WAIT_TIMEOUT,
-            wait_policy="fail",
+            wait_replicas=wait_replicas,
+            wait_timeout=wait_timeout,
+            wait_policy=wait_policy,
             eviction_check=eviction_check,
             client_facts=client_facts,
         )

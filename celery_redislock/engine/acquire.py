@@ -24,12 +24,12 @@ from ..exceptions import (
     LockError,
     LockTimeout,
     RedisUnavailable,
-    ReplicationTimeout,
     ShuttingDown,
 )
 from ..protocol.calls import acquire_reclaimed, acquire_transit, mode_refusal, resend, text
 from ..protocol.options import MIN_BLOCK
 from ..protocol.reentry import check_nested
+from ..protocol.replicas import replication_short
 from ..protocol.request import Limits, Request, RequestCache, ResourceNames
 from ..store.channel import REDIS_DOWN_ERRORS
 from .context import AcquireContext, ContextStack
@@ -588,24 +588,6 @@ class Acquirer(Part):
         (the acquire's exit path releases the grant); ``"retry"`` releases it
         here and returns a new request id to ask again with.
         """
-        opts = self._options
-        retry = opts.wait_policy == "retry" and (
-            t.deadline is None or t.deadline - time.monotonic() > 0
-        )
-        log.warning(
-            "acquire.replication-short token=%s resources=%s wanted=%d acknowledged=%d "
-            "wait_timeout=%.3gs policy=%s: grant released%s",
-            t.token,
-            ",".join(t.req.resources),
-            opts.wait_replicas,
-            acked,
-            opts.wait_timeout,
-            opts.wait_policy,
-            "; asking again" if retry else "",
-        )
-        if not retry:
-            raise ReplicationTimeout(
-                t.req.resources, t.timeout, opts.wait_replicas, acked, opts.wait_timeout
-            )
+        replication_short(self._options, t.token, t.req, t.timeout, t.deadline, acked)
         self._releaser.end_request(t.ident.owner_id, t.token, t.req)
         return new_request_id()

@@ -190,6 +190,34 @@ class Scripts:
             await client.script_load(self._source[name])
             return await client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
 
+    async def run_and_wait_async(
+        self,
+        client: Any,
+        name: str,
+        keys: list[Any],
+        args: list[Any],
+        replicas: int,
+        timeout_ms: int,
+    ) -> tuple[Any, int]:
+        """:meth:`run_and_wait` on a ``redis.asyncio`` client: the script and
+        ``WAIT`` in one pipeline, loaded and sent again on NOSCRIPT."""
+
+        async def send() -> tuple[Any, int]:
+            pipe = client.pipeline(transaction=False)
+            pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            reply, acked = await pipe.execute(raise_on_error=False)
+            for item in (reply, acked):
+                if isinstance(item, Exception):
+                    raise item
+            return reply, int(acked)
+
+        try:
+            return await send()
+        except NoScriptError:
+            await client.script_load(self._source[name])
+            return await send()
+
     def run(self, name: str, keys: list[Any], args: list[Any], client: Any = None) -> Any:
         """Run script ``name`` (EVALSHA, loading it on NOSCRIPT); one round trip.
 
