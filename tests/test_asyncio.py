@@ -115,10 +115,14 @@ def test_the_same_validation_and_exceptions_as_the_threaded_manager(redis_url: s
     run(main())
     with pytest.raises(ConfigurationError, match="owner_ttl"):
         AsyncLockManager(redis_url, NS, owner_ttl=0)
-    with pytest.raises(ConfigurationError, match="not supported by AsyncLockManager yet"):
-        AsyncLockManager("sentinel://127.0.0.1:26379/mymaster", NS)
-    with pytest.raises(ConfigurationError, match="not supported by AsyncLockManager yet"):
-        AsyncLockManager("redis+cluster://127.0.0.1:7000/", NS)
+    # the threaded manager's URL rules (no connection is made here)
+    with pytest.raises(ConfigurationError, match="redis_url"):
+        AsyncLockManager("sentinel://127.0.0.1:26379/", NS)  # no service name
+    with pytest.raises(ConfigurationError, match="redis_url"):
+        AsyncLockManager("redis+cluster://127.0.0.1:7000/?bogus=1", NS)
+    assert AsyncLockManager("sentinel://127.0.0.1:26379/mymaster", NS).url == (
+        "sentinel://127.0.0.1:26379/mymaster/0"
+    )
     sync_client = redis.Redis.from_url(redis_url)
     with pytest.raises(ConfigurationError, match="synchronous"):
         AsyncLockManager(sync_client, NS)  # type: ignore[arg-type]

@@ -868,3 +868,50 @@ def test_a_child_forked_while_a_parent_thread_holds_the_slot_map_lock_can_lock(
 def _child_locks(mgr: LockManager) -> None:
     with mgr.lock("in-child", timeout=5):
         pass
+
+
+# -- the asyncio front-end on a cluster URL -----------------------------------
+
+
+def test_an_async_manager_on_a_cluster_url_locks_waits_and_hands_off(
+    cluster_user: str, cluster: Callable[..., RedisCluster]
+) -> None:
+    import asyncio
+
+    import redis.asyncio
+
+    from async_helpers import run, until
+    from celery_redislock.asyncio import AsyncLockManager
+
+    namespace = "ac" + uuid.uuid4().hex[:6]
+    sync = LockManager(cluster(), namespace, owner_ttl=2.0)
+
+    async def main() -> None:
+        async with AsyncLockManager(
+            cluster_user, namespace, owner_ttl=2.0, heartbeat_interval=0.2
+        ) as mgr:
+            assert isinstance(mgr.client, redis.asyncio.RedisCluster)
+            assert CLUSTER_PW not in mgr.url
+            assert mgr.url.startswith(f"redis+cluster://{CLUSTER_USER}:***@127.0.0.1:")
+            lease = await mgr.acquire("r", shared="s", timeout=5)
+            assert [h.token for h in await mgr.holders("r")] == [lease.token]
+            assert [h.token for h in await asyncio.to_thread(sync.holders, "r")] == [lease.token]
+            waiter = asyncio.create_task(asyncio.to_thread(sync.acquire, "r", timeout=20))
+            assert await lease.wait_for_contender(20)
+            await lease.release()  # handed to the thread by push
+            held = await waiter
+            assert held.fencing_token > lease.fencing_token
+            coro = asyncio.create_task(mgr.acquire("r", timeout=20))
+            queue = f"{{{namespace}}}:q:r"
+            await until(lambda: sync.client.zcard(queue) == 1, "the coroutine queued")
+            await asyncio.to_thread(held.release)
+            got = await coro
+            assert got.fencing_token > held.fencing_token
+            await got.release()
+            with pytest.raises(ConfigurationError, match="wait_replicas"):
+                AsyncLockManager(cluster_user, namespace, wait_replicas=1)
+
+    try:
+        run(main())
+    finally:
+        sync.close()

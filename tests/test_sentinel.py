@@ -346,3 +346,40 @@ def test_cli_rejects_a_malformed_sentinel_url_without_the_password(
     result = cli_invoke("--url", f"sentinel://:{SECRET}@h1:26379", "status")
     assert result.exit_code == 2
     assert "names no Sentinel service" in result.output and SECRET not in result.output
+
+
+# -- the asyncio front-end over Sentinel ---------------------------------------
+
+
+def test_an_async_manager_over_sentinel_shares_the_locks_of_a_direct_manager(
+    managers: Callable[..., LockManager], sentinel_url: str, redis_url: str
+) -> None:
+    import asyncio
+
+    from async_helpers import run, until
+    from celery_redislock.asyncio import AsyncLockManager
+
+    direct = managers(redis_url)
+
+    async def main() -> None:
+        async with AsyncLockManager(
+            sentinel_url + "?socket_timeout=0.4", NS, owner_ttl=2.0, heartbeat_interval=0.2
+        ) as mgr:
+            assert mgr.url == sentinel_url + "?socket_timeout=0.4"
+            lease = await mgr.acquire(exclusive=["repo:1"], shared=["remote:7"], timeout=5)
+            holders = await asyncio.to_thread(Inspector(direct).holders, "repo:1")
+            assert [(h.token, h.mode) for h in holders] == [(lease.token, "exclusive")]
+            with pytest.raises(LockTimeout):
+                await asyncio.to_thread(direct.acquire, exclusive=["repo:1"], timeout=0)
+            await lease.release()
+            # a coroutine waits (past the socket timeout) for a direct holder
+            held = await asyncio.to_thread(direct.acquire, exclusive=["repo:1"], timeout=5)
+            waiter = asyncio.create_task(mgr.acquire("repo:1", timeout=20))
+            queue = f"{{{NS}}}:q:repo:1"
+            await until(lambda: direct.client.zcard(queue) == 1, "the coroutine queued")
+            await asyncio.to_thread(held.release)
+            got = await waiter
+            assert got.fencing_token > held.fencing_token and not got.lost
+            await got.release()
+
+    run(main())

@@ -24,7 +24,7 @@ import redis.asyncio
 from ..exceptions import ConfigurationError, RedisUnavailable, permission_denied
 from ..protocol.calls import Protocol, ScriptCall, text
 from ..store.channel import REDIS_DOWN_ERRORS, format_verdict, mapped_errors
-from ..store.checks import EvictionCheck, eviction_verdict
+from ..store.checks import EvictionCheck, eviction_verdict, primaries_infos
 from ..store.scripts import Scripts
 
 __all__ = ["AsyncChannel"]
@@ -35,7 +35,9 @@ log = logging.getLogger("celery_redislock.heartbeat")
 class AsyncChannel:
     """The round trips of one asyncio manager (see the module docstring)."""
 
-    def __init__(self, client: redis.asyncio.Redis, url: str, protocol: Protocol) -> None:
+    def __init__(
+        self, client: redis.asyncio.Redis | redis.asyncio.RedisCluster, url: str, protocol: Protocol
+    ) -> None:
         self.client = client
         self.url = url
         self.protocol = protocol
@@ -149,13 +151,17 @@ class AsyncChannel:
     async def check_eviction(self) -> EvictionCheck:
         """Whether Redis may evict keys (``maxmemory_policy`` from INFO memory)."""
         try:
-            info = await self.client.info("memory")
+            if isinstance(self.client, redis.asyncio.RedisCluster):
+                primaries = redis.asyncio.RedisCluster.PRIMARIES
+                infos = primaries_infos(await self.client.info("memory", target_nodes=primaries))
+            else:
+                infos = [await self.client.info("memory")]
         except REDIS_DOWN_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
         except redis.ResponseError as exc:
             denied = permission_denied(exc, self.url, "INFO")
             return EvictionCheck(None, True, "denied" if denied is not None else None)
-        return eviction_verdict([info])
+        return eviction_verdict(infos)
 
     async def _check_eviction_once(self) -> None:
         check = await self.check_eviction()

@@ -1,47 +1,113 @@
 """The ``redis.asyncio`` client of an :class:`~celery_redislock.asyncio.AsyncLockManager`.
 
-URLs are validated by :mod:`celery_redislock.store.connect`, the threaded
-manager's rules; this module builds the asyncio client of one.
+URLs are validated and parsed by :mod:`celery_redislock.store.connect`, the
+threaded manager's rules (the same forms, options and errors); this module
+builds the asyncio client of each: standalone and TLS, Sentinel (the master
+a Sentinel names, asked again after a failover), Redis Cluster.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import redis
 import redis.asyncio
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.cluster import RedisCluster
 
 from ..exceptions import ConfigurationError
 from ..redact import redact_url
-from ..store.connect import is_cluster_url, is_sentinel_url, validate_url
+from ..store.connect import (
+    demoted_master,
+    is_cluster_url,
+    is_sentinel_url,
+    parse_cluster_url,
+    parse_sentinel_url,
+    validate_url,
+)
 from ..store.valkey_client import as_redis_url
 
-__all__ = ["client_of", "describe"]
+__all__ = ["Made", "client_of", "describe"]
+
+#: A client an asyncio manager talks to.
+AsyncRedis = redis.asyncio.Redis | redis.asyncio.RedisCluster
 
 
-def client_of(redis_url: Any) -> tuple[redis.asyncio.Redis, str, bool]:
-    """The client of ``redis_url``, its URL for display, and whether it was made here."""
+class Made(NamedTuple):
+    """The client of a manager and what it was made from."""
+
+    client: AsyncRedis
+    #: Where it connects, for display (no password).
+    url: str
+    #: Made here from a URL (closed by the manager's close).
+    own: bool
+    #: The client's socket timeout (seconds), None for none.
+    socket_timeout: float | None
+    #: Makes a new client with the same settings (a forked child).
+    remake: Callable[[], AsyncRedis]
+
+
+def client_of(redis_url: Any) -> Made:
+    """The client of ``redis_url`` (a URL or a ready ``redis.asyncio.Redis``)."""
     if isinstance(redis_url, str):
         validate_url(redis_url, setting="redis_url")
-        if is_cluster_url(redis_url) or is_sentinel_url(redis_url):
-            kind = "Redis Cluster" if is_cluster_url(redis_url) else "Sentinel"
-            raise ConfigurationError(
-                "redis_url",
-                f"{kind} URLs are not supported by AsyncLockManager yet "
-                f"({redact_url(redis_url)}): use a redis://, rediss:// or unix:// URL, "
-                "pass a ready redis.asyncio.Redis client, or use LockManager",
-            )
+        shown = redact_url(redis_url)
+        if is_cluster_url(redis_url):
+            spec = parse_cluster_url(redis_url)
+            kwargs = spec.client_kwargs()
+
+            def cluster() -> AsyncRedis:
+                return redis.asyncio.RedisCluster(
+                    startup_nodes=[ClusterNode(host, port) for host, port in spec.nodes],
+                    decode_responses=True,
+                    **kwargs,
+                )
+
+            return Made(cluster(), shown, True, kwargs.get("socket_timeout"), cluster)
+        if is_sentinel_url(redis_url):
+            sentinel_spec = parse_sentinel_url(redis_url)
+            master_kwargs, sentinel_kwargs = sentinel_spec.connection_kwargs()
+            ssl = master_kwargs.pop("ssl", False)
+
+            def master() -> AsyncRedis:
+                manager = Sentinel(list(sentinel_spec.sentinels), sentinel_kwargs=sentinel_kwargs)
+                client: redis.asyncio.Redis = manager.master_for(
+                    sentinel_spec.service_name,
+                    decode_responses=True,
+                    connection_class=_MasterSSLConnection if ssl else _MasterConnection,
+                    **master_kwargs,
+                )
+                return client
+
+            # displayed in canonical form, as LockManager shows it
+            shown = sentinel_spec.to_url(redacted=True)
+            return Made(master(), shown, True, master_kwargs.get("socket_timeout"), master)
+        url = as_redis_url(redis_url)
         try:
-            client = redis.asyncio.Redis.from_url(as_redis_url(redis_url), decode_responses=True)
+            client = redis.asyncio.Redis.from_url(url, decode_responses=True)
         except ValueError as exc:
-            raise ConfigurationError("redis_url", f"{exc} ({redact_url(redis_url)})") from exc
-        return client, redact_url(redis_url), True
+            raise ConfigurationError("redis_url", f"{exc} ({shown})") from exc
+        return Made(
+            client,
+            shown,
+            True,
+            _timeout(client),
+            lambda: redis.asyncio.Redis.from_url(url, decode_responses=True),
+        )
     if isinstance(redis_url, redis.asyncio.Redis):
-        return redis_url, describe(redis_url), False
+        return Made(redis_url, describe(redis_url), False, _timeout(redis_url), _copier(redis_url))
     if isinstance(redis_url, redis.asyncio.RedisCluster):
         raise ConfigurationError(
-            "redis_url", "redis.asyncio.RedisCluster is not supported by AsyncLockManager yet"
+            "redis_url",
+            "a ready redis.asyncio.RedisCluster is not supported by AsyncLockManager: "
+            "pass its redis+cluster:// URL",
         )
     if isinstance(redis_url, (redis.Redis, RedisCluster)):
         raise ConfigurationError(
@@ -55,11 +121,63 @@ def client_of(redis_url: Any) -> tuple[redis.asyncio.Redis, str, bool]:
     )
 
 
+def _timeout(client: redis.asyncio.Redis) -> float | None:
+    timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+    return float(timeout) if timeout else None
+
+
+def _copier(client: redis.asyncio.Redis) -> Callable[[], AsyncRedis]:
+    """A maker of clients on a new pool with ``client``'s settings."""
+    pool = client.connection_pool
+
+    def copy() -> AsyncRedis:
+        new: Any
+        if isinstance(pool, SentinelConnectionPool):
+            new = SentinelConnectionPool(
+                pool.service_name,
+                pool.sentinel_manager,
+                connection_class=pool.connection_class,
+                **pool.connection_kwargs,
+            )
+        else:
+            new = type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs)
+        return redis.asyncio.Redis(connection_pool=new)
+
+    return copy
+
+
 def describe(client: redis.asyncio.Redis) -> str:
     """A URL-like description of where ``client`` connects (no password)."""
     pool = client.connection_pool
     kw = pool.connection_kwargs
+    if isinstance(pool, SentinelConnectionPool):
+        return f"sentinel://?/{pool.service_name}/{kw.get('db', 0)}"
     if "path" in kw:
         return f"unix://{kw['path']}?db={kw.get('db', 0)}"
     ssl = issubclass(pool.connection_class, redis.asyncio.SSLConnection)
     return f"{'rediss' if ssl else 'redis'}://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+class _DemotedMasterAware:
+    """Redis 6.2's script-wrapped READONLY read as the failover it is (see
+    :func:`celery_redislock.store.connect.demoted_master`): the connection is
+    dropped, the Sentinels asked again, and the caller rides it out."""
+
+    connection_pool: Any
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError as exc:
+            if demoted_master(self.connection_pool, exc):
+                await self.disconnect()  # type: ignore[attr-defined]
+                raise redis.ConnectionError("The previous master is now a replica") from exc
+            raise
+
+
+class _MasterConnection(_DemotedMasterAware, SentinelManagedConnection):
+    pass
+
+
+class _MasterSSLConnection(_DemotedMasterAware, SentinelManagedSSLConnection):
+    pass

@@ -44,7 +44,7 @@ from ..protocol.reports import LockHolder, lock_holders
 from ..protocol.request import Limits, RequestCache, ResourceNames
 from .acquire import AsyncAcquirer
 from .channel import AsyncChannel
-from .connect import client_of
+from .connect import Made, client_of
 from .lease import AsyncLease
 from .liveness import AsyncLiveness
 from .release import AsyncReleaser
@@ -69,12 +69,14 @@ class AsyncLockManager:
     first served, and their fencing tokens come from one counter.
 
     Args:
-        redis_url: a ``redis://``, ``rediss://`` or ``unix://`` URL
-            (``valkey://`` / ``valkeys://`` too), or a ready
-            :class:`redis.asyncio.Redis` client, used as it is (and left
-            open by :meth:`close`). Sentinel and Cluster URLs are not
-            supported yet (:class:`~celery_redislock.ConfigurationError`); a
-            ``redis.asyncio`` client of a Sentinel master may be passed.
+        redis_url: every URL :class:`~celery_redislock.LockManager` takes
+            (``redis://``, ``rediss://``, ``unix://``, ``valkey://``,
+            ``sentinel://``, ``redis+cluster://`` and their TLS forms, the
+            same options), made into a ``redis.asyncio`` client (Sentinel:
+            the master the Sentinels name, asked again after a failover;
+            Cluster: ``redis.asyncio.RedisCluster``), or a ready
+            :class:`redis.asyncio.Redis` client (a Sentinel master's too),
+            used as it is and left open by :meth:`close`.
         namespace: keys live under the hash tag ``{namespace}``: a
             :class:`~celery_redislock.LockManager`, a worker and the CLI
             with the same namespace share the same locks.
@@ -116,13 +118,11 @@ class AsyncLockManager:
         wait_policy: str = "fail",
         eviction_check: str = "warn",
     ) -> None:
-        made: list[tuple[redis.asyncio.Redis, str, bool]] = []
+        made: list[Made] = []
 
         def client_facts() -> tuple[float | None, bool]:
             made.append(client_of(redis_url))
-            kwargs = made[0][0].connection_pool.connection_kwargs
-            timeout = kwargs.get("socket_timeout")
-            return (float(timeout) if timeout else None), False
+            return made[0].socket_timeout, isinstance(made[0].client, redis.asyncio.RedisCluster)
 
         self.options = EngineOptions.build(
             owner_ttl=owner_ttl,
@@ -140,7 +140,8 @@ class AsyncLockManager:
         )
         self.keys = Keyspace(namespace)
         self.namespace = namespace
-        self.client, self.url, self._own_client = made[0]
+        self.client, self.url, self._own_client = made[0].client, made[0].url, made[0].own
+        self._remake = made[0].remake
         self.protocol = Protocol(self.keys, self.options)
         self.requests = RequestCache(self.keys)
         self.state = AsyncState()
@@ -162,17 +163,12 @@ class AsyncLockManager:
         for lease in state.leases.values():
             lease.mark_lost("declared-dead")
             lease.forget()
-        pool = self.client.connection_pool
-        # A new pool with the same settings. The parent's client is kept,
+        # A new client with the same settings. The parent's client is kept,
         # never closed nor collected here: its transports' clean-up would
         # unregister the parent's sockets from the epoll instance the two
         # processes share, and the parent would never see a reply again.
         _inherited.extend([self.client, state.loop, state.beat_task, *state.pending])
-        self.client = redis.asyncio.Redis(
-            connection_pool=type(pool)(
-                connection_class=pool.connection_class, **pool.connection_kwargs
-            )
-        )
+        self.client = self._remake()
         self._own_client = True
         state.reset()
         self._build_parts()

@@ -57,8 +57,7 @@ def check_eviction(client: AnyRedis, *, strict: bool = False) -> EvictionCheck:
     """
     try:
         if isinstance(client, RedisCluster):
-            replies = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-            infos = list(replies.values()) if "maxmemory_policy" not in replies else [replies]
+            infos = primaries_infos(client.info("memory", target_nodes=RedisCluster.PRIMARIES))
         else:
             infos = [client.info("memory")]
     except redis.ResponseError as exc:
@@ -68,6 +67,12 @@ def check_eviction(client: AnyRedis, *, strict: bool = False) -> EvictionCheck:
             return EvictionCheck(None, True, "denied")
         return EvictionCheck(None, True)
     return eviction_verdict(infos)
+
+
+def primaries_infos(replies: Any) -> list[Any]:
+    """The ``INFO`` replies of a cluster client's ``info(target_nodes=PRIMARIES)``
+    (node -> reply; one reply as it is when a single node answered)."""
+    return list(replies.values()) if "maxmemory_policy" not in replies else [replies]
 
 
 def eviction_verdict(infos: list[Any]) -> EvictionCheck:

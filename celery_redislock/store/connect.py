@@ -613,10 +613,17 @@ class _DemotedMasterAware:
         try:
             return super().read_response(*args, **kwargs)  # type: ignore[misc]
         except redis.ResponseError as exc:
-            if self.connection_pool.is_master and "-READONLY " in str(exc):
+            if demoted_master(self.connection_pool, exc):
                 self.disconnect()  # type: ignore[attr-defined]
                 raise redis.ConnectionError("The previous master is now a replica") from exc
             raise
+
+
+def demoted_master(pool: Any, exc: redis.ResponseError) -> bool:
+    """Whether ``exc``, read on a Sentinel-managed ``pool``'s connection, is
+    Redis 6.2's script-wrapped READONLY from a master demoted to a replica
+    (the sync and the asyncio Sentinel connections then reconnect)."""
+    return bool(pool.is_master) and "-READONLY " in str(exc)
 
 
 class _MasterConnection(_DemotedMasterAware, SentinelManagedConnection):
