@@ -13,6 +13,7 @@ Each test runs its own redis-server (the tests stop and kill it).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -94,6 +95,12 @@ def stopped(server: RedisServer) -> Iterator[None]:
         os.kill(server.process.pid, signal.SIGCONT)
 
 
+def stall(server: RedisServer, seconds: float) -> None:
+    """Stall the server for ``seconds`` (the stimulus, not a synchronisation)."""
+    with stopped(server):
+        time.sleep(seconds)
+
+
 def short_timeout_url(server: RedisServer) -> str:
     # A 1 s socket timeout: a 2.5 s stall times out every call the waiter
     # makes (its BLPOP blocks 0.5 s at most), whenever the stall starts.
@@ -116,8 +123,7 @@ def test_waiter_without_timeout_is_granted_after_a_stalled_server_resumes(
     waiter = Waiter(waiter_mgr, "R", timeout=None)
     wait_until(lambda: queued(r, "R") == 1, what="the waiter to queue")
     wait_until(lambda: blocked_clients(r), what="the waiter to block on its wake list")
-    with stopped(server):
-        time.sleep(2.5)  # the stall itself (the stimulus), not a synchronisation
+    stall(server, 2.5)
     assert not waiter.done.is_set()
     lease.release()
     got = waiter.outcome()
@@ -254,3 +260,43 @@ def test_a_wait_shorter_than_a_millisecond_still_ends(managers: Managers) -> Non
         t.join(10)
         assert not t.is_alive(), f"a {seconds} s wait did not end"
     assert done == [None, None, None]
+
+
+def test_async_waiters_are_granted_in_order_after_a_stalled_server_resumes(
+    server: RedisServer, r: redis.Redis, managers: Managers, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The asyncio front-end rides out the same stall: three coroutines wait
+    # (timeout=None) through a 3 s SIGSTOP with a 1 s socket timeout, then
+    # are served first come, first served.
+    import asyncio
+
+    from async_helpers import run, until
+    from celery_redislock.asyncio import AsyncLease, AsyncLockManager
+
+    holder = managers()
+    lease = holder.acquire("R", timeout=5)
+
+    async def main() -> None:
+        async with AsyncLockManager(short_timeout_url(server), NS) as mgr:
+            waiters: list[asyncio.Task[AsyncLease]] = []
+            for n in range(3):
+                waiters.append(asyncio.create_task(mgr.acquire("R", timeout=None)))
+                await until(lambda n=n: queued(r, "R") == n + 1, f"waiter {n} to queue")
+            tokens = [x.decode()[1:] for x in r.zrange(f"{PREFIX}q:R", 0, -1)]
+            await until(lambda: len(blocked_clients(r)) == 3, "the waiters to block")
+            with caplog.at_level(logging.WARNING, logger="celery_redislock.acquire"):
+                await asyncio.to_thread(stall, server, 3.0)
+                assert not any(w.done() for w in waiters)
+                await until(
+                    lambda: any("acquire.redis-retry" in m for m in caplog.messages),
+                    "the stall to reach the waiters",
+                )
+            await asyncio.to_thread(lease.release)
+            for n, w in enumerate(waiters):
+                got = await w
+                assert got.token == tokens[n]
+                assert [x.decode() for x in r.hkeys(f"{PREFIX}lock:R")] == [got.token]
+                await got.release()
+        assert_registry_truth(r, NS)
+
+    run(main())
