@@ -166,6 +166,7 @@ PATHS = [
     "celery_redislock.unique:UniqueTask",
     "celery_redislock.asyncio:AsyncLockManager",
     "celery_redislock.asyncio:AsyncLease",
+    "celery_redislock.asyncio:cancel_on_disconnect",
 ]
 
 
