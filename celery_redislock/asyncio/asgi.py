@@ -47,7 +47,15 @@ async def cancel_on_disconnect(receive: Receive) -> AsyncIterator[None]:
                 return
 
     watcher = asyncio.ensure_future(watch())
+    watcher.add_done_callback(_retrieved)
     try:
         yield
     finally:
         watcher.cancel()
+
+
+def _retrieved(watcher: asyncio.Future[None]) -> None:
+    """Read the watcher's outcome: a ``receive()`` that failed (the server
+    closing) ends the watch, never as an unretrieved task exception."""
+    if not watcher.cancelled():
+        watcher.exception()

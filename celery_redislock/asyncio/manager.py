@@ -243,7 +243,7 @@ class AsyncLockManager:
         :class:`~celery_redislock.RedisUnavailable` (Redis out of reach for longer than the
         outage bound), :class:`~celery_redislock.LockError` (closed, or another event loop).
         """
-        self.requests.get(exclusive, shared, limited)  # names checked before the loop's
+        self.requests.get(exclusive, shared, limited)  # bad names refused before anything else
         self._check()
         return await self.acquirer.acquire(exclusive, shared, limited, timeout, nested)
 
