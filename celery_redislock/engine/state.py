@@ -62,6 +62,9 @@ class ProcessState:
         deferred: token -> request, releases that failed on an exit path
             and are retried by the heartbeat.
         retries: token -> backoff of each deferred release.
+        again: tokens among ``deferred`` released once already, kept for a
+            second release because their acquire script was cut short in
+            flight (it may reach Redis after the first release).
         waiting: tokens of this process's requests blocked in a wait now.
         doomed: owners retired by their local deadline whose liveness key
             may still exist: the heartbeat force-cleans them.
@@ -80,6 +83,7 @@ class ProcessState:
         self.leases: dict[str, Lease] = {}
         self.deferred: dict[str, Request] = {}
         self.retries: dict[str, ReleaseRetry] = {}
+        self.again: set[str] = set()
         self.waiting: set[str] = set()
         self.doomed: set[str] = set()
         self.spilled: set[str] = set()
