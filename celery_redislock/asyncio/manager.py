@@ -479,6 +479,7 @@ class AsyncLockManager:
                 t.renew(self._current())
                 continue
             if code == -2:
+                t.owner.registered = True  # the script's step 1 ran: registered
                 raise mode_refusal(t.reply)
             if code == -1:
                 await self._owner_lost(t.owner, "acquire")

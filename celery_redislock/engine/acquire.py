@@ -281,6 +281,7 @@ class Acquirer(Part):
                 self._re_request(t)
                 continue
             if code == -2:
+                t.ident.registered = True  # the script's step 1 ran: registered
                 raise mode_refusal(t.reply)
             if code == -1:
                 self._liveness.owner_lost(t.ident, "acquire")
