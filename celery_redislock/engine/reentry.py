@@ -41,6 +41,8 @@ def plan(state: ProcessState, depth: Depth, req: Request) -> Reentry | None:
     """
     pid = os.getpid()
     with state.lock:
+        if not depth.may_hold(req.resources):
+            return None  # none of its names is held by this thread: O(request)
         leases = [x for x in depth.leases if not x.grant_released and x.pid == pid]
     # A lost lease holds nothing any more (its identity is retired): the
     # request is a fresh one for those resources, not a reentry.

@@ -26,14 +26,42 @@ class Depth:
 
     ``count``: leases held (reentrant ones included); ``leases``: the leases
     with a grant of their own, which a nested acquire of the same thread or
-    greenlet may re-enter.
+    greenlet may re-enter, in the order they were taken; ``names``: how many
+    of them name each resource, so that a request naming none of them is
+    known not to re-enter anything without a look at every lease (a thread
+    holding thousands of locks acquires another at the same cost).
     """
 
-    __slots__ = ("count", "leases")
+    __slots__ = ("count", "leases", "names")
 
     def __init__(self) -> None:
         self.count = 0
-        self.leases: list[Lease] = []
+        self.leases: dict[Lease, None] = {}
+        self.names: dict[str, int] = {}
+
+    def add(self, lease: Lease) -> None:
+        """Count ``lease`` among the thread's leases."""
+        self.leases[lease] = None
+        names = self.names
+        for name in lease.request.resources:
+            names[name] = names.get(name, 0) + 1
+
+    def discard(self, lease: Lease) -> None:
+        """Stop counting ``lease`` (if it was counted)."""
+        if self.leases.pop(lease, 0) is not None:
+            return
+        names = self.names
+        for name in lease.request.resources:
+            left = names.get(name, 0) - 1
+            if left > 0:
+                names[name] = left
+            else:
+                names.pop(name, None)
+
+    def may_hold(self, names: tuple[str, ...]) -> bool:
+        """Whether some lease of the thread names one of ``names``."""
+        held = self.names
+        return any(name in held for name in names)
 
 
 class ReleaseRetry:
