@@ -5,7 +5,12 @@ every connection to ``127.0.0.1:<upstream_port>`` (one thread per
 connection, ``select`` on both sockets). ``cut()`` closes every open
 connection and the listening socket, so new connections are refused, as
 when Redis or a network path goes away; ``restore()`` listens again on the
-same port. Point a client at ``proxy.url`` to put the proxy in its path.
+same port. ``trap(marker)`` holds back the next bytes a client sends that
+contain ``marker`` (and whatever that connection sends after them), also
+after the client closes the connection, until ``let_go()`` delivers them:
+a command that reaches Redis after later commands sent on other
+connections, as a proxy or a multi-threaded server may deliver them. Point
+a client at ``proxy.url`` to put the proxy in its path.
 
 Imports neither celery nor celery_redislock.
 """
@@ -31,7 +36,29 @@ class TcpProxy:
         self._conns: set[socket.socket] = set()
         #: Connections accepted so far (tests may wait for a reconnect).
         self.accepted = 0
+        self._marker: bytes | None = None
+        #: Set when :meth:`trap`'s marker was caught (its bytes held back).
+        self.caught = threading.Event()
+        #: Set when :meth:`let_go` delivered them and Redis replied.
+        self.delivered = threading.Event()
+        #: Redis's reply to the trapped bytes (what nobody else reads).
+        self.reply = b""
+        self._let_go = threading.Event()
         self.restore()
+
+    def trap(self, marker: bytes) -> None:
+        """Hold back the next client bytes that contain ``marker`` (once)."""
+        with self._lock:
+            self._marker = marker
+        self.caught.clear()
+        self.delivered.clear()
+        self._let_go.clear()
+
+    def let_go(self, timeout: float = 30.0) -> None:
+        """Deliver the trapped bytes to Redis and wait for its reply."""
+        self._let_go.set()
+        if not self.delivered.wait(timeout):
+            raise TimeoutError("the trapped bytes were not delivered")
 
     @property
     def url(self) -> str:
@@ -99,6 +126,9 @@ class TcpProxy:
                     data = sock.recv(65536)
                     if not data:
                         return
+                    if sock is a and self._caught(data):
+                        self._hold(a, b, [data])
+                        return
                     peers[sock].sendall(data)
                 with self._lock:
                     if a not in self._conns:
@@ -111,6 +141,33 @@ class TcpProxy:
                 self._conns.discard(b)
             _close(a)
             _close(b)
+
+    def _caught(self, data: bytes) -> bool:
+        with self._lock:
+            if self._marker is None or self._marker not in data:
+                return False
+            self._marker = None
+        self.caught.set()
+        return True
+
+    def _hold(self, client: socket.socket, upstream: socket.socket, held: list[bytes]) -> None:
+        """Keep what the client sends (until it closes) until let go, then
+        deliver it and read Redis's reply (nobody is left to read it)."""
+        open_ = True
+        while not self._let_go.wait(0.02):
+            if not open_:
+                continue
+            readable, _, _ = select.select([client], [], [], 0)
+            if readable:
+                data = client.recv(65536)
+                if data:
+                    held.append(data)
+                else:
+                    open_ = False
+        upstream.sendall(b"".join(held))
+        upstream.settimeout(10)
+        self.reply = upstream.recv(65536)
+        self.delivered.set()
 
 
 def _close(sock: socket.socket) -> None:

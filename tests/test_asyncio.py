@@ -287,6 +287,28 @@ def test_limited_resources_across_both_worlds(redis_url: str, r: redis.Redis) ->
     assert request_keys(r) == []
 
 
+def test_an_owner_refused_for_the_other_kind_is_registered_as_after_any_reply(
+    redis_url: str, r: redis.Redis
+) -> None:
+    """The refused call registered the owner: its next cycle is a registered
+    owner's (no second registration: no tombstone EXISTS, no SET NX)."""
+    from engine_helpers import command_delta, commandstats
+
+    async def main() -> dict[str, int]:
+        async with AsyncLockManager(redis_url, NS, owner_ttl=5) as amgr:
+            hold = await amgr.acquire(exclusive="db")
+            async with AsyncLockManager(redis_url, NS, owner_ttl=5) as other:
+                with pytest.raises(InvalidResource):
+                    await other.acquire(limited={"db": 3}, timeout=5)
+                await hold.release()
+                before = commandstats(r)
+                await (await other.acquire(exclusive="else", timeout=0)).release()
+                return command_delta(before, commandstats(r))
+
+    delta = run(main())
+    assert (delta.get("exists"), delta.get("set")) == (2, 1), delta
+
+
 # -- cancellation --------------------------------------------------------------
 
 

@@ -410,12 +410,14 @@ def test_short_seeded_chaos_run_finds_no_violation(tmp_path: Path) -> None:
         owner_ttl=1.0,
         faults=faults,
         long_timeout=(5.0, 7.0),
+        asyncio_every=3,  # w2 (and any third worker started) is an asyncio service
         out=str(tmp_path / "run"),
     )
     outcome = Runner(cfg).run()
     stats = outcome.stats
     assert stats["sections"] > 50, stats  # the run did lock things
     assert stats["slot_sections"] > 10, stats  # and took slots of the limited resource
+    assert stats["asyncio_sections"] > 10, stats  # and the asyncio service took part
     assert sum(stats["faults"].values()) >= 5 or not faults, stats
     assert outcome.ok, (
         f"seed={SHORT_SEED} faults={','.join(faults)}; replay: make chaos SEED={SHORT_SEED} "

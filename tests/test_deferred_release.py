@@ -139,3 +139,56 @@ def test_a_request_redis_never_answered_is_cleaned_up_without_a_warning(
         assert any(m.startswith("release.deferred ") for m in caplog.messages)
         proxy.restore()
         wait_until(lambda: not mgr.state.deferred, what="the orphaned request to be retried away")
+
+
+class _Cut(Exception):
+    """Raised in the main thread by a signal: an interrupt mid-call."""
+
+
+def test_a_cut_short_acquire_whose_script_reaches_redis_after_its_release_leaves_no_grant(
+    redis_url: str, r: redis.Redis, managers: Managers
+) -> None:
+    """An interrupt (SoftTimeLimitExceeded, a signal handler raising) while
+    an acquire's reply is awaited: the request is released on a new
+    connection, but the script sent on the dropped one may reach Redis after
+    that release (through a proxy, or a server that runs connections on
+    threads) and grant the lock to a live owner that will never release it.
+    The heartbeat releases such a request once more: the late grant goes."""
+    import signal
+    import threading
+
+    from tcp_proxy import TcpProxy
+
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    lock_key = f"{PREFIX}lock:late"
+    with TcpProxy(port) as proxy:
+        mgr = managers(proxy.url, heartbeat_interval=0.1)
+        mgr.acquire("warm", timeout=5).release()  # registered, scripts loaded
+        proxy.trap(b"lock:late")  # the acquire's EVALSHA names its lock key
+
+        def cut(signum: int, frame: Any) -> None:
+            raise _Cut()
+
+        main = threading.main_thread().ident
+        assert main is not None
+        old = signal.signal(signal.SIGALRM, cut)
+        try:
+
+            def interrupt() -> None:
+                if proxy.caught.wait(30):  # the script is sent, its reply awaited
+                    signal.pthread_kill(main, signal.SIGALRM)
+
+            threading.Thread(target=interrupt, daemon=True).start()
+            with pytest.raises(_Cut):
+                mgr.acquire("late", timeout=30)
+        finally:
+            signal.signal(signal.SIGALRM, old)
+        # The release went out (on a new connection) before the script: the
+        # script arrives now, finds the lock free and grants it.
+        proxy.let_go()
+        assert proxy.reply.startswith(b"*3\r\n:1\r\n"), proxy.reply  # {1, fence, 0}
+        wait_until(lambda: not r.exists(lock_key), what="the late grant to be released")
+        other = managers()
+        other.acquire("late", timeout=5).release()
+        wait_until(lambda: not mgr.state.deferred, what="the second release to be forgotten")
+        assert_registry_truth(r, NS)

@@ -476,3 +476,23 @@ def test_a_waiter_for_a_slot_that_times_out_leaves_nothing_behind(
     assert not r.exists("{t}:waits:" + waiter.liveness.identity.current().owner_id)
     hold.release()
     assert not r.exists("{t}:lock:api")
+
+
+def test_an_owner_refused_for_the_other_kind_is_registered_and_its_next_cycle_costs_as_usual(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """The refused call registered the owner (its liveness step runs first):
+    the next acquire is a registered owner's, not a second registration."""
+    from engine_helpers import command_delta, commandstats
+
+    hold = managers().acquire(exclusive="db", timeout=0)
+    mgr = managers()
+    with pytest.raises(InvalidResource):
+        mgr.acquire(limited={"db": 3}, timeout=DEADLINE)
+    hold.release()
+    before = commandstats(r)
+    mgr.acquire(exclusive="other", timeout=0).release()
+    delta = command_delta(before, commandstats(r))
+    # A registered owner's cycle: the acquire's and the release's probes and
+    # the fence's SET; a registration adds the tombstone's EXISTS and SET NX.
+    assert (delta.get("exists"), delta.get("set")) == (2, 1), delta

@@ -13,7 +13,10 @@ deleted, as if it had expired. A waiter is simulated by its script runs:
 its grant; anything else (a plain wake, or nothing: its deadline) re-runs
 acquire.lua.
 
-Rules: new owners (some registered in a worker incarnation's group);
+Rules: new owners (some registered in a worker incarnation's group, some
+asyncio owners: their acquires go out as ``AsyncLockManager`` sends them,
+through its channel on a ``redis.asyncio`` client: never flag 'f', no
+group, no holder record);
 acquire (exclusive/shared, one to three resources, try-once or queueing,
 nested from an owner that holds a lock; a slot of the limited resource
 ``n``, limit 2, alone or with exclusive and shared ones), a request of the
@@ -80,6 +83,7 @@ Environment:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from collections import Counter
@@ -100,6 +104,7 @@ from hypothesis.stateful import (
 )
 
 from celery_redislock import FORMAT_VERSION, LockManager
+from celery_redislock.asyncio.channel import AsyncChannel
 from celery_redislock.engine.identity import OwnerIdentity
 from celery_redislock.protocol.keys import holder_record
 from celery_redislock.worker.node import group_key, node_key, tomb_key
@@ -260,6 +265,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
         self.model = Model(limit=LIMIT)
         self.node = NodeModel()
+        #: Owners whose acquires go out as the asyncio front-end sends them.
+        self.async_owners: set[str] = set()
+        self.aloop: asyncio.AbstractEventLoop | None = None
+        self.achannel: AsyncChannel | None = None
         self.idents: dict[str, OwnerIdentity] = {}
         #: Task owner -> the owner that adopted its grants (adopt.lua's record).
         self.adopted: dict[str, str] = {}
@@ -272,6 +281,38 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.mgr.close()
+        if self.aloop is not None:
+            assert self.achannel is not None
+            self.aloop.run_until_complete(self.achannel.client.aclose())
+            self.aloop.close()
+
+    def async_attempt(self, ident: OwnerIdentity, q: Request, queue: bool) -> Any:
+        """acquire.lua for ``q`` as ``AsyncLockManager`` sends it, through its
+        channel (the same protocol core): never 'f' (an asyncio resend must
+        look), no group, no holder record."""
+        assert _server is not None
+        if self.aloop is None:
+            import redis.asyncio
+
+            self.aloop = asyncio.new_event_loop()
+            client = redis.asyncio.Redis.from_url(_server.url, decode_responses=True)
+            self.achannel = AsyncChannel(client, _server.url, self.mgr.channel.protocol)
+        assert self.achannel is not None
+        call = self.mgr.channel.protocol.acquire(
+            q.token,
+            self.reqs[q.token],
+            queue=queue,
+            nested=q.nested,
+            liveness_ms=self.mgr.options.ttl_arg,
+            register="" if ident.registered else f"{ident.pid}@model asyncio",
+            listed=ident.listed,
+            spill=self.mgr.state.spill(ident.owner_id),
+        )
+        reply = self.aloop.run_until_complete(self.achannel.run(call))
+        code = int(reply[0])
+        if code == 1 or (code == 0 and queue):
+            ident.listed = True
+        return reply
 
     # -- helpers ---------------------------------------------------------
 
@@ -386,9 +427,12 @@ class ProtocolMachine(RuleBasedStateMachine):
         # A request's first run is sent as the client sends it: flag 'f' (its
         # token was never sent, nothing to look for); every later run looks.
         first = q.state == "fresh"
-        reply = self.mgr.acquirer.attempt(
-            ident, q.token, self.reqs[q.token], queue, q.nested, q.holder, first
-        )
+        if q.owner in self.async_owners:
+            reply = self.async_attempt(ident, q, queue)
+        else:
+            reply = self.mgr.acquirer.attempt(
+                ident, q.token, self.reqs[q.token], queue, q.nested, q.holder, first
+            )
         code = int(reply[0])
         q.deadline_due = False
         kind = " limited" if "l" in q.modes.values() else ""
@@ -466,14 +510,20 @@ class ProtocolMachine(RuleBasedStateMachine):
             and len(self.model.owners) < MAX_OWNERS
         )
     )
-    @rule(grouped=st.booleans())
-    def new_owner(self, grouped: bool) -> None:
+    @rule(grouped=st.booleans(), front=st.booleans())
+    def new_owner(self, grouped: bool, front: bool = False) -> None:
+        """A new owner: in a worker incarnation's group (``grouped``), or,
+        with ``front``, an asyncio owner (never in a group: a worker's
+        processes are sync)."""
         k = self._next()
         oid = f"o{k}"
         live_incs = [i for i in self.node.incarnations if i not in self.node.tombs]
         group = live_incs[-1] if grouped and live_incs else None
         self.model.owners[oid] = Owner(oid, group=group, pid=PID_BASE + k)
         self.idents[oid] = OwnerIdentity(owner_id=oid, pid=PID_BASE + k)
+        if front and group is None:
+            self.async_owners.add(oid)
+            note("asyncio owner")
         self.settle()
 
     @precondition(lambda self: self.owners("alive"))
@@ -517,7 +567,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         # Nested: made while the same thread holds a lock (the owner has a lease).
         nested = nested and any(self.model.requests[t].owner == oid for t in self.leases())
         q = self.make_request(f"{oid}|r{self._next()}", oid, shape, nested)
-        if task:  # as @locked asks: its grant records who holds it
+        if task and oid not in self.async_owners:  # as @locked asks: its grant records who holds it
             q.holder = f"t.run\n{q.token}\nnode"
         # As an owner holding many locks: its registry spills into buckets
         # (drawn per acquire, so one owner's names end up in both places).

@@ -168,3 +168,33 @@ def test_inner_lease_reflects_the_outer_lease_being_lost(
     fresh.release()
     inner.release()
     outer.release()
+
+
+def test_a_thread_holding_many_leases_plans_an_unrelated_acquire_without_looking_at_them(
+    managers: Managers,
+) -> None:
+    """Whether a request re-enters a held lease is decided from its own
+    names (an index of the names the thread holds), so a thread holding
+    thousands of locks acquires another without a pass over its leases."""
+    from celery_redislock.engine.reentry import plan
+
+    mgr = managers()
+    leases = [mgr.acquire(f"many-{i}", timeout=0) for i in range(50)]
+    depth = mgr.state.depth()
+    looked: list[str] = []
+
+    class Watched(type(depth.leases)):  # type: ignore[misc]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            looked.append("leases")
+            return super().__iter__()
+
+    depth.leases = Watched(depth.leases)
+    unrelated = mgr.requests.get(["other"], None, None)
+    assert plan(mgr.state, depth, unrelated) is None
+    assert looked == []
+    related = mgr.requests.get(["many-7"], None, None)
+    got = plan(mgr.state, depth, related)
+    assert got is not None and got.parents == (leases[7],) and looked == ["leases"]
+    for lease in leases:
+        lease.release()
+    assert depth.names == {} and not depth.leases

@@ -210,6 +210,7 @@ class AsyncAcquirer:
                 t.renew(self.liveness.current())
                 continue
             if code == -2:
+                t.owner.registered = True  # the script's step 1 ran: registered
                 raise mode_refusal(t.reply)
             if code == -1:
                 await self.liveness.owner_lost(t.owner, "acquire")

@@ -79,6 +79,7 @@ class _Try:
         "depth",
         "first",
         "ident",
+        "in_flight",
         "nested",
         "outage",
         "reply",
@@ -121,6 +122,9 @@ class _Try:
         # request is at most possibly there (a script sent as the connection
         # broke), and its clean-up after a failure is not worth a warning.
         self.answered = False
+        # A script call of this request was sent and its reply never read
+        # (cut short by an interrupt): it may still reach Redis later.
+        self.in_flight = False
         self.reply: Any = None
 
     def renew(self, ident: OwnerIdentity, request_id: str | None = None) -> None:
@@ -236,6 +240,7 @@ class Acquirer(Part):
                 raise self.closed_error(closed_now=True)
             if t.reply is None:
                 started = time.monotonic()
+                t.in_flight = True
                 t.reply = riding_out(
                     t.outage,
                     t.token,
@@ -249,6 +254,7 @@ class Acquirer(Part):
                     t.first,
                 )
                 t.first = False
+                t.in_flight = False
                 if t.reply is None:  # Redis failed; backed off: run the attempt again
                     continue
                 t.answered = True
@@ -272,6 +278,7 @@ class Acquirer(Part):
                 self._re_request(t)
                 continue
             if code == -2:
+                t.ident.registered = True  # the script's step 1 ran: registered
                 raise mode_refusal(t.reply)
             if code == -1:
                 self._liveness.owner_lost(t.ident, "acquire")
@@ -396,7 +403,12 @@ class Acquirer(Part):
             if gone is not None:  # interrupted at the return
                 t.depth.count = max(0, t.depth.count - 1)
                 gone.uncount()
+        # Read before the release below sends on this thread's connection.
+        cut_short = t.in_flight and self._channel.cut_short()
         self._releaser.end_request(t.ident.owner_id, t.token, t.req, quiet=not t.answered)
+        if cut_short:
+            # The cut-short script may reach Redis after that release.
+            self._releaser.release_again(t.token, t.req)
         hook = self._telemetry.hook
         if hook is not None and isinstance(exc, Exception):
             outcome = "timeout" if isinstance(exc, LockTimeout) else "error"

@@ -281,7 +281,7 @@ class Lease:
     def count_in(self, depth: Depth) -> None:
         """Count the lease as held by the thread whose ``depth`` this is."""
         self._depth = depth
-        depth.leases.append(self)
+        depth.add(self)
         depth.count += 1
 
     def close_handle(self, *, uncount: bool = True) -> bool:
@@ -314,8 +314,7 @@ class Lease:
 
     def uncount(self) -> None:
         """Stop counting the lease as one its thread may re-enter."""
-        if self in self._depth.leases:
-            self._depth.leases.remove(self)
+        self._depth.discard(self)
 
     def __enter__(self) -> Lease:
         return self

@@ -39,6 +39,8 @@ def plan(state: ProcessState, depth: Depth, req: Request) -> Reentry | None:
     """
     pid = os.getpid()
     with state.lock:
+        if not depth.may_hold(req.resources):
+            return None  # none of its names is held by this thread: O(request)
         leases = [x for x in depth.leases if not x.grant_released and x.pid == pid]
     found = reentry.plan(leases, req)
     if found is None:

@@ -164,6 +164,24 @@ class Releaser(Part):
         """Keep the release of ``token`` for the heartbeat to retry."""
         with self._state.lock:
             self._state.deferred[token] = req
+            self._state.again.discard(token)
+
+    def release_again(self, token: str, req: Request) -> None:
+        """Release ``token`` once more at the next heartbeat.
+
+        For a request whose acquire script was cut short in flight (an
+        interrupt while its reply was awaited) and then released: the script
+        may still reach Redis after that release (sent on the connection the
+        interrupt dropped, the release on a new one, which a proxy or a
+        multi-threaded server may deliver first), and grant or queue the
+        request with nobody left to release it. The second release, one
+        heartbeat later, takes such a late grant or queue entry back. A
+        release already deferred (it failed) is left as it is.
+        """
+        with self._state.lock:
+            if token not in self._state.deferred:
+                self._state.deferred[token] = req
+                self._state.again.add(token)
 
     def drop_hold(self, lease: Lease, *, force: bool = False) -> None:
         """One fewer lease counts on ``lease``'s grant; at 0, release it in Redis."""
@@ -241,11 +259,15 @@ class Releaser(Part):
                 continue
             with state.lock:
                 state.deferred.pop(token, None)
+                again = token in state.again
+                state.again.discard(token)
             state.retries.pop(token, None)
-            log.info(
-                "release.retried token=%s failures=%d",
+            log.log(
+                logging.DEBUG if again and retry is None else logging.INFO,
+                "release.retried token=%s failures=%d again=%s",
                 token,
                 retry.failures if retry is not None else 0,
+                again,
             )
 
     @staticmethod

@@ -26,14 +26,42 @@ class Depth:
 
     ``count``: leases held (reentrant ones included); ``leases``: the leases
     with a grant of their own, which a nested acquire of the same thread or
-    greenlet may re-enter.
+    greenlet may re-enter, in the order they were taken; ``names``: how many
+    of them name each resource, so that a request naming none of them is
+    known not to re-enter anything without a look at every lease (a thread
+    holding thousands of locks acquires another at the same cost).
     """
 
-    __slots__ = ("count", "leases")
+    __slots__ = ("count", "leases", "names")
 
     def __init__(self) -> None:
         self.count = 0
-        self.leases: list[Lease] = []
+        self.leases: dict[Lease, None] = {}
+        self.names: dict[str, int] = {}
+
+    def add(self, lease: Lease) -> None:
+        """Count ``lease`` among the thread's leases."""
+        self.leases[lease] = None
+        names = self.names
+        for name in lease.request.resources:
+            names[name] = names.get(name, 0) + 1
+
+    def discard(self, lease: Lease) -> None:
+        """Stop counting ``lease`` (if it was counted)."""
+        if self.leases.pop(lease, 0) is not None:
+            return
+        names = self.names
+        for name in lease.request.resources:
+            left = names.get(name, 0) - 1
+            if left > 0:
+                names[name] = left
+            else:
+                names.pop(name, None)
+
+    def may_hold(self, names: tuple[str, ...]) -> bool:
+        """Whether some lease of the thread names one of ``names``."""
+        held = self.names
+        return any(name in held for name in names)
 
 
 class ReleaseRetry:
@@ -62,6 +90,9 @@ class ProcessState:
         deferred: token -> request, releases that failed on an exit path
             and are retried by the heartbeat.
         retries: token -> backoff of each deferred release.
+        again: tokens among ``deferred`` released once already, kept for a
+            second release because their acquire script was cut short in
+            flight (it may reach Redis after the first release).
         waiting: tokens of this process's requests blocked in a wait now.
         doomed: owners retired by their local deadline whose liveness key
             may still exist: the heartbeat force-cleans them.
@@ -80,6 +111,7 @@ class ProcessState:
         self.leases: dict[str, Lease] = {}
         self.deferred: dict[str, Request] = {}
         self.retries: dict[str, ReleaseRetry] = {}
+        self.again: set[str] = set()
         self.waiting: set[str] = set()
         self.doomed: set[str] = set()
         self.spilled: set[str] = set()

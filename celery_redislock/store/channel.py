@@ -287,6 +287,16 @@ class Channel:
         """The command sent on this thread's :meth:`conn` client completed."""
         self._conn_local.busy = False
 
+    def cut_short(self) -> bool:
+        """Whether this thread's last command may have been sent with its
+        reply never read (cut short by an exception, an interrupt, a killed
+        greenlet): it may still reach Redis. True when the thread holds no
+        connection of its own (nothing tracks it there)."""
+        local = self._conn_local
+        if getattr(local, "client", None) is None or local.pid != os.getpid():
+            return True
+        return bool(local.busy)
+
     def errors(self, sent: str) -> AbstractContextManager[None]:
         """:func:`mapped_errors` for this channel's URL."""
         return mapped_errors(self.url, sent)

@@ -40,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         help="share of requests taking a slot of the limited resource (default 0.25)",
     )
     ap.add_argument("--limited-slots", type=int, default=3, help="its limit N (default 3)")
+    ap.add_argument(
+        "--asyncio-every",
+        type=int,
+        default=4,
+        help="every N-th worker started is an asyncio service (AsyncLockManager); 0: none "
+        "(default 4)",
+    )
     ap.add_argument("--faults", default="all", help="comma-separated fault kinds, 'all' or 'none'")
     ap.add_argument(
         "--end",
@@ -136,6 +143,7 @@ def engine_run(
         long_timeout=(max(5.0, 3.3 * args.owner_ttl), max(8.0, 5.3 * args.owner_ttl)),
         limited_share=args.limited_share,
         limited_slots=args.limited_slots,
+        asyncio_every=args.asyncio_every,
         out=out,
         end=args.end,
     )

@@ -652,6 +652,8 @@ def stats_of(run: Run, violations: list[Violation]) -> dict[str, Any]:
         "acquire_errors": sum(o.outcome == "error" for o in ops),
         "sections": sum(o.cb_ok is not None for o in ops),
         "slot_sections": sum(o.cb_ok is not None for o in ops if o.l),
+        # An asyncio worker's coroutines are named A0, A1, ... (threads T0, ...).
+        "asyncio_sections": sum(o.cb_ok is not None for o in ops if o.th.startswith("A")),
         "most_slots_at_once": {
             res: most_at_once(secs) for res, secs in sorted(slot_sections(run).items())
         },

@@ -73,6 +73,9 @@ class Config:
     limited_share: float = 0.25
     limited_name: str = "lim"
     limited_slots: int = 3
+    #: Every ``asyncio_every``-th worker started (w3, w7, ... with 4) is an
+    #: asyncio service (``AsyncLockManager``, coroutines for threads); 0: none.
+    asyncio_every: int = 4
     namespace: str = "chaos"
     #: How the workers end: "term" (finish the current request, exit) or
     #: "kill" (SIGKILL mid-flight: reconcile must then clear everything).
@@ -211,7 +214,9 @@ class Runner(RunnerBase[Config]):
     def spawn_worker(self) -> str:
         label = f"w{self.spawned}"
         self.spawned += 1
-        self.workers[label] = self.popen(label)
+        every = self.cfg.asyncio_every
+        extra = ("--asyncio",) if every and self.spawned % every == 0 else ()
+        self.workers[label] = self.popen(label, *extra)
         return label
 
     def live_workers(self) -> list[str]:

@@ -33,6 +33,14 @@ Timeline events (besides ``ev``, ``p`` process label, ``pid``, ``th``,
 ``exit``        (clean exit after SIGTERM)
 ==============  ===========================================================
 
+With ``--asyncio`` the process is an asyncio service instead: one
+``AsyncLockManager`` (one owner for the process, as the asyncio front-end
+has), ``--threads`` coroutines on one event loop in place of the threads,
+the same requests from the same random streams, the same timeline (``th``
+is the coroutine's name), the store reached through ``asyncio.to_thread``
+(the fenced read and write stay inside the critical section). Its
+SIGUSR1 reconcile goes through a ``LockManager`` of its own.
+
 SIGTERM: finish the current operation and exit. SIGUSR1: run
 ``LockManager.reconcile()`` once, from a thread of its own. While the file
 named by ``--quiet-flag`` exists (the runner's calm between fault storms),
@@ -43,6 +51,7 @@ left alone long enough for the checker to prove a waiter was not blocked.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -52,6 +61,7 @@ import time
 from typing import Any
 
 from celery_redislock import LockManager, LockTimeout
+from celery_redislock.asyncio import AsyncLockManager
 
 from .store import Store
 
@@ -65,11 +75,12 @@ class Timeline:
         self.label = label
 
     def write(self, ev: str, **fields: Any) -> None:
+        task = _current_task()
         rec = {
             "ev": ev,
             "p": self.label,
             "pid": os.getpid(),
-            "th": threading.current_thread().name,
+            "th": task.get_name() if task is not None else threading.current_thread().name,
             "t": time.monotonic(),
             "w": time.time(),
             **fields,
@@ -82,16 +93,26 @@ class Timeline:
         self._file.close()
 
 
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop: a thread
+        return None
+
+
 class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tl = Timeline(args.timeline, args.label)
-        self.manager = LockManager(args.url, args.namespace, owner_ttl=args.owner_ttl)
+        self.manager = self.make_manager()
         self.store = Store(args.store_url)
         self.resources = [f"r{i}" for i in range(args.resources)]
         self.weights = [1.0 / (i + 1) for i in range(args.resources)]
         self.stopping = threading.Event()
         self.reconcile_now = threading.Event()
+
+    def make_manager(self) -> Any:
+        return LockManager(self.args.url, self.args.namespace, owner_ttl=self.args.owner_ttl)
 
     def run(self) -> None:
         self.tl.write("start", owner_ttl=self.args.owner_ttl, namespace=self.args.namespace)
@@ -231,6 +252,120 @@ class Worker:
             tl.write("released", op=op, lost=lease.lost)
 
 
+class AsyncWorker(Worker):
+    """The asyncio service: coroutines where :class:`Worker` has threads."""
+
+    def make_manager(self) -> Any:
+        return AsyncLockManager(self.args.url, self.args.namespace, owner_ttl=self.args.owner_ttl)
+
+    def run(self) -> None:
+        self.tl.write("start", owner_ttl=self.args.owner_ttl, namespace=self.args.namespace)
+        signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
+        signal.signal(signal.SIGUSR1, lambda *_: self.reconcile_now.set())
+        rec = threading.Thread(target=self.reconcile_loop, name="reconcile", daemon=True)
+        rec.start()
+        asyncio.run(self.main())
+        self.tl.write("exit")
+        self.tl.close()
+
+    def reconcile_loop(self) -> None:
+        manager: LockManager | None = None
+        while not self.stopping.is_set():
+            if not self.reconcile_now.wait(0.2):
+                continue
+            self.reconcile_now.clear()
+            if manager is None:
+                manager = LockManager(
+                    self.args.url, self.args.namespace, owner_ttl=self.args.owner_ttl
+                )
+            reconcile_into(self.tl, manager)
+        if manager is not None:
+            manager.close()
+
+    async def main(self) -> None:
+        coros = [asyncio.create_task(self.aloop(i), name=f"A{i}") for i in range(self.args.threads)]
+        try:
+            await asyncio.gather(*coros)
+        finally:
+            await self.manager.close()
+
+    async def aloop(self, index: int) -> None:
+        rng = random.Random(f"{self.args.seed}:{self.args.label}:{index}")
+        lrng = random.Random(f"{self.args.seed}:{self.args.label}:{index}:limited")
+        n = 0
+        while not self.stopping.is_set():
+            quiet = self.quiet()
+            if quiet and index > 0:
+                await asyncio.sleep(0.1)
+                continue
+            n += 1
+            if self.args.limited_share and lrng.random() < self.args.limited_share:
+                await self.aoperation(lrng, f"{self.args.label}.{index}.{n}", limited=True)
+            else:
+                await self.aoperation(rng, f"{self.args.label}.{index}.{n}")
+            await asyncio.sleep(rng.uniform(0.3, 1.5) if quiet else rng.uniform(0.0, 0.06))
+
+    async def aoperation(self, rng: random.Random, op: str, limited: bool = False) -> None:
+        tl = self.tl
+        lim: dict[str, int] = {}
+        owner = self.manager.owner_id
+        if limited:
+            ex, lim, timeout = self.pick_limited(rng)
+            sh: list[str] = []
+            tl.write("acq", op=op, x=ex, s=sh, l=lim, timeout=timeout, owner=owner)
+        else:
+            ex, sh, timeout = self.pick(rng)
+            tl.write("acq", op=op, x=ex, s=sh, timeout=timeout, owner=owner)
+        try:
+            lease = await self.manager.acquire(ex, sh, limited=lim or None, timeout=timeout)
+        except LockTimeout:
+            tl.write("timeout", op=op)
+            return
+        except Exception as exc:
+            tl.write("acq_error", op=op, err=repr(exc))
+            await asyncio.sleep(0.05)
+            return
+        fence = lease.fencing_token
+        tl.write("granted", op=op, fence=fence, owner=lease.owner_id)
+        hold = rng.uniform(0.0, 0.03)
+        store = self.store
+        try:
+            tc = time.monotonic()
+            ok = _check(lease)
+            tl.write("cs_begin", op=op, ok=ok, tc=tc)
+            if ok:
+                for res in ex:
+                    accepted, value = await asyncio.to_thread(store.read, res, fence, "x")
+                    tl.write(
+                        "store", op=op, res=res, kind="read", mode="x", ok=accepted, value=value
+                    )
+                    if not accepted:
+                        continue
+                    await asyncio.sleep(hold)
+                    accepted, before = await asyncio.to_thread(
+                        store.write, res, fence, value, value + 1, op
+                    )
+                    tl.write(
+                        "store", op=op, res=res, kind="write", mode="x", ok=accepted, value=before
+                    )
+                for res in sh:
+                    accepted, value = await asyncio.to_thread(store.read, res, fence, "s")
+                    tl.write(
+                        "store", op=op, res=res, kind="read", mode="s", ok=accepted, value=value
+                    )
+                await asyncio.sleep(hold + (rng.uniform(0.0, 0.05) if lim else 0.0))
+            tc = time.monotonic()
+            tl.write("cs_end", op=op, ok=_check(lease), tc=tc)
+        except Exception as exc:
+            tl.write("store_error", op=op, err=repr(exc))
+        try:
+            await lease.release()
+        except Exception as exc:
+            tl.write("release_error", op=op, lost=lease.lost, err=repr(exc))
+        else:
+            tl.write("released", op=op, lost=lease.lost)
+
+
 def _check(lease: Any) -> bool:
     try:
         lease.check()
@@ -284,9 +419,12 @@ def main() -> None:
     ap.add_argument("--limited-name", default="lim")
     ap.add_argument("--limited-slots", type=int, default=3)
     ap.add_argument("--reconcile-once", action="store_true")
+    ap.add_argument("--asyncio", action="store_true", help="an AsyncLockManager service")
     args = ap.parse_args()
     if args.reconcile_once:
         reconcile_once(args)
+    elif args.asyncio:
+        AsyncWorker(args).run()
     else:
         Worker(args).run()
 

@@ -600,8 +600,9 @@ def test_waiting_tasks_in_every_pool_slot_give_them_up_to_a_grant_in_transit(
     W2 (wait) is still in the broker. H ends: the lock is handed to D, whose
     message is published behind W2; the freed slot takes W2. Both slots
     would wait for D while D's message waits for a slot, until the grant
-    TTL. The waiters park in their places instead: D runs at once, then W1,
-    then W2, and D's grant is never handed on unadopted."""
+    TTL. A waiter parks in its place instead (which one is a matter of
+    timing): D runs at once, then W1, then W2, and D's grant is never
+    handed on unadopted."""
     c = pair
     h = _holding(c, "mix", "mix-h")
     d = _parked(c, "dwrite", "mix", "mix-d", what="D parked")
@@ -626,9 +627,15 @@ def test_waiting_tasks_in_every_pool_slot_give_them_up_to_a_grant_in_transit(
     # parked again (which only the grant TTL does).
     assert not worker.log_lines("defer.regrant"), worker.tail()
     assert c.lock_redis.hget(c.key("defer", d.id), "life") == "0"
-    # W2 met the grant in transit (or W1's, parked after it) on arrival.
-    for waiter in (w1, w2):
-        assert worker.log_lines("locked.wait-parked", waiter.id), worker.tail()
+    # A slot was freed for D by parking a waiter, not by the grant TTL. Which
+    # waiter parks depends on timing and both are correct: W2 meets the
+    # grant in transit on arrival and parks, and D takes its slot (W1 may
+    # then be served before it is ever nudged); or W1 is nudged first and
+    # parks, its slot takes W2 and H's takes D. Whichever parked, at least
+    # one did, or D's message would have waited for a slot until the grant
+    # TTL (the regrant checks above).
+    parked = [w for w in (w1, w2) if worker.log_lines("locked.wait-parked", w.id)]
+    assert parked, worker.tail()
     # Marked done once its result is stored (task_postrun, just after).
     wait_for(
         lambda: c.lock_redis.hget(c.key("defer", w1.id), "state") == "done",
