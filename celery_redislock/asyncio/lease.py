@@ -226,7 +226,7 @@ class AsyncLease:
 
     def count_in(self) -> None:
         """Count the lease as held by its task (which may re-enter it)."""
-        self.depth.leases.append(self)
+        self.depth.leases[self] = None
         self.depth.count += 1
 
     def mark_released(self) -> bool:
@@ -258,8 +258,7 @@ class AsyncLease:
 
     def uncount(self) -> None:
         """Stop counting the lease as one its task may re-enter."""
-        if self in self.depth.leases:
-            self.depth.leases.remove(self)
+        self.depth.leases.pop(self, None)
 
     async def __aenter__(self) -> AsyncLease:
         return self

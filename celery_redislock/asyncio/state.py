@@ -35,7 +35,8 @@ class TaskDepth:
 
     def __init__(self) -> None:
         self.count = 0
-        self.leases: list[AsyncLease] = []
+        #: In the order taken (a dict: no list removal on release).
+        self.leases: dict[AsyncLease, None] = {}
 
 
 class AsyncState:
