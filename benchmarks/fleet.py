@@ -299,7 +299,7 @@ class _TickDriver(threading.Thread):
             heapq.heappush(self._due, (first + 0.001, 2 * n + 1, dispatcher.upkeep))
 
     def _tick(self, node: Node) -> None:
-        node._ops_by_thread[threading.get_ident()] = self.ops
+        node.clients.by_thread[threading.get_ident()] = self.ops
         result = node.tick()
         if result.dead or result.lost or result.state != "owner":
             self.errors += 1
@@ -437,9 +437,9 @@ def heartbeats(
                 mgr = _manager(reg, ns, heartbeat_interval=interval, owner_ttl=interval * 3)
                 inc = new_incarnation()
                 node = Node(mgr, f"w{i}@fleet", inc)
-                node._ops_by_thread[threading.get_ident()] = drivers[0].ops
+                node.clients.by_thread[threading.get_ident()] = drivers[0].ops
                 node.start()
-                del node._ops_by_thread[threading.get_ident()]
+                del node.clients.by_thread[threading.get_ident()]
                 kids = _children(reg, ns, node.group_key, children, 0, f"n{i}", interval * 3)
                 held.extend(kids)
                 disp = Dispatcher(mgr, inc, publish=lambda *a: None, on_withdrawn=lambda *a: None)
@@ -591,7 +591,7 @@ def _dead_predecessor(
     kids = _children(client, ns, node.group_key, children, locks, name, SETUP_TTL)
     ms = int(time.time() * 1000) - 60_000
     client.hset(node.node_key, "hb_ms", str(ms))  # its last beat: a minute ago
-    for ops in node._ops_by_thread.values():
+    for ops in node.clients.by_thread.values():
         ops.client.close()
     return kids
 
@@ -619,7 +619,7 @@ def _worker_start(url: str, ns: str, names: list[str], go: threading.Barrier) ->
         out.append({"state": state, "after_tick": tick.state, "done": time.monotonic()})
     for mgr, node, disp in made:
         disp.manager.client.close()
-        for ops in node._ops_by_thread.values():
+        for ops in node.clients.by_thread.values():
             ops.client.close()
         mgr.client.close()
     return out
@@ -742,7 +742,7 @@ def _worker_with_dead_children(url: str, ns: str, name: str, locks: int, childre
 
 
 def _close_node(node: Node) -> None:
-    for ops in node._ops_by_thread.values():
+    for ops in node.clients.by_thread.values():
         ops.client.close()
     node.manager.client.close()
 

@@ -36,10 +36,9 @@ from ..engine.identity import pid_of_tag, read_proc_stat
 from ..engine.manager import LockManager
 from ..exceptions import LockError
 from ..protocol import calls as calls
-from ..protocol.calls import ScriptCall
 from ..protocol.keys import group_key, halt_key, node_key, text, tomb_key, validate_node_name
 from ..protocol.reports import CleanupReport
-from ..store.connect import clone_client
+from .clients import NodeClients
 
 log = logging.getLogger("celery_redislock.node")
 log_cleanup = logging.getLogger("celery_redislock.cleanup")
@@ -337,7 +336,8 @@ class Node:
         self._seen: tuple[str, str] | None = None
         self._duplicate_logged: str | None = None
         self._tick_lock = os_lock()
-        self._ops_by_thread: dict[int, LockManager] = {}
+        #: The node's own managers, one per OS thread (its scripts and clean-ups).
+        self.clients = NodeClients(manager)
         self._heartbeat = Heartbeat(manager.heartbeat_interval, self._safe_tick, "redislock-node")
         #: Failed ticks in the current run of failures, and when the last
         #: ``node.heartbeat-error`` line was logged (monotonic seconds).
@@ -345,31 +345,6 @@ class Node:
         self._error_logged_at = 0.0
 
     # -- plumbing ---------------------------------------------------------
-
-    def _ops(self) -> LockManager:
-        """A manager on a private connection pool for the calling OS thread.
-
-        Never registers an owner: used for the node scripts and for
-        ``cleanup_owner``. One per thread, because a gevent-patched socket
-        must not be shared between OS threads.
-        """
-        key = threading.get_ident() if not _gevent_patched() else _real_ident()
-        ops = self._ops_by_thread.get(key)
-        if ops is None:
-            ops = LockManager(
-                clone_client(self.manager.client),
-                self.manager.namespace,
-                owner_ttl=self.manager.owner_ttl,
-                heartbeat_interval=self.manager.heartbeat_interval,
-                queue_scan_limit=self.manager.queue_scan_limit,
-                heartbeat=False,
-                eviction_check="ignore",  # the bootstep checks at start-up
-            )
-            self._ops_by_thread[key] = ops
-        return ops
-
-    def _run(self, call: ScriptCall) -> Any:
-        return self._ops().channel.run(call)
 
     def _record_args(self) -> list[str]:
         return [str(self.pid), self.host, str(self.started)]
@@ -393,7 +368,7 @@ class Node:
             return self._start_locked()
 
     def _start_locked(self) -> str:
-        reply = self._run(
+        reply = self.clients.run(
             calls.node_start(
                 self.node_key,
                 self.incarnation,
@@ -455,7 +430,7 @@ class Node:
         self._evict(inc, hb, threshold, "evict" if fast else "takeover", result)
 
     def _evict(self, inc: str, hb: str, threshold: int, mode: str, result: TickResult) -> None:
-        reply = self._run(
+        reply = self.clients.run(
             calls.node_evict(
                 self.prefix,
                 self.node_key,
@@ -491,7 +466,7 @@ class Node:
             len(owners),
             mode,
         )
-        ops = self._ops()
+        ops = self.clients.ops()
         failed = 0
         reports: list[CleanupReport] = []
         for owner in owners:
@@ -565,7 +540,7 @@ class Node:
                 keys.append(self._adopt[0])
             else:
                 self._adopt = None
-        reply = self._run(
+        reply = self.clients.run(
             calls.node_heartbeat(
                 self.prefix,
                 keys,
@@ -610,7 +585,7 @@ class Node:
             and not mgr.liveness.confirm(ident, started, mgr.owner_ttl)
         ):
             mgr.liveness.owner_lost(ident, "deadline")
-        mgr.cleaner.bury_doomed(self._ops().client)
+        mgr.cleaner.bury_doomed(self.clients.ops().client)
         if owned:
             self.state = "owner"
             self._seen = None
@@ -634,8 +609,7 @@ class Node:
         # Redis lost data: the namespace's format key too, perhaps. Every
         # manager of this process checks (and re-creates) it on its next call.
         mgr.channel.format_pending = True
-        for ops in list(self._ops_by_thread.values()):
-            ops.channel.format_pending = True
+        self.clients.check_format_again()
         with mgr.state.lock:
             leases = [x for x in mgr.state.leases.values() if not x.grant_released]
         for lease in leases:
@@ -675,7 +649,7 @@ class Node:
         ident = self.manager.liveness.identity.peek()
         if ident is not None and ident.owner_id == owner:
             self.manager.liveness.owner_lost(ident, "node-heartbeat")
-        ops = self._ops()
+        ops = self.clients.ops()
         try:
             report = ops.cleanup_owner(owner, force=True)
         except (redis.RedisError, LockError) as exc:
@@ -744,7 +718,7 @@ class Node:
             # Releases deferred in this process (tasks of a threads, solo,
             # gevent or eventlet pool run here): nothing else retries them.
             # Never raises; backs off and logs once per release.
-            self.manager.releaser.retry_deferred(self._ops().client)
+            self.manager.releaser.retry_deferred(self.clients.ops().client)
 
     def _tick_failed(self, exc: LockError) -> None:
         """Log a failed tick: the first of a run, then one reminder a minute.
@@ -802,7 +776,7 @@ class Node:
         """
         self.manager.acquirer.halted = True
         try:
-            pipe = self._ops().client.pipeline(transaction=False)
+            pipe = self.clients.ops().client.pipeline(transaction=False)
             pipe.delete(self.halt_key)
             pipe.rpush(self.halt_key, "halt")
             pipe.pexpire(self.halt_key, self._record_ttl_ms)
@@ -846,7 +820,7 @@ class Node:
         ident = self.manager.liveness.identity.peek()
         if ident is not None:
             self.manager.liveness.identity.retire(ident)
-        ops = self._ops()
+        ops = self.clients.ops()
         reply = ops.channel.run(calls.node_stop(self.node_key, self.group_key, self.incarnation))
         owners = [text(o) for o in reply[1]]
         reports: list[CleanupReport] = []
@@ -868,21 +842,5 @@ class Node:
             bool(int(reply[0])),
             evicted,
         )
-        for ops_mgr in list(self._ops_by_thread.values()):
-            try:
-                ops_mgr.client.close()
-            except Exception:
-                pass
-        self._ops_by_thread.clear()
+        self.clients.close()
         return reports
-
-
-def _gevent_patched() -> bool:
-    monkey = sys.modules.get("gevent.monkey")
-    return bool(monkey is not None and monkey.is_module_patched("thread"))
-
-
-def _real_ident() -> int:
-    from gevent import monkey
-
-    return int(monkey.get_original("_thread", "get_ident")())
