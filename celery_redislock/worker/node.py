@@ -10,8 +10,9 @@ the design and its race analysis.
 - :class:`Node` claims ``{ns}:node:<nodename>`` at start, runs the node
   heartbeat (one round trip per tick refreshes every owner of the group),
   frees dead children's locks, evicts a same-name predecessor whose
-  heartbeat stopped (compare-and-set + tombstone), fences itself if it was
-  evicted, and releases everything at shutdown.
+  heartbeat stopped (compare-and-set + tombstone, in :mod:`.succession`),
+  fences itself if it was evicted, and releases everything at shutdown.
+  Its Redis calls go through its own clients (:mod:`.clients`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..protocol import calls as calls
 from ..protocol.keys import group_key, halt_key, node_key, text, tomb_key, validate_node_name
 from ..protocol.reports import CleanupReport
 from .clients import NodeClients
+from .succession import Succession
 
 log = logging.getLogger("celery_redislock.node")
 log_cleanup = logging.getLogger("celery_redislock.cleanup")
@@ -280,10 +282,11 @@ class Node:
     ``duplicate`` (that incarnation is beating: a live duplicate),
     ``evicted`` (a successor evicted us), ``stopped``.
 
-    The node's whole lifecycle (start and succession, tick, dead children,
-    fencing, shutdown) is one class of about 600 lines, because every step
-    changes the same few fields under one tick lock; the succession
-    (``start``, ``_decide``, ``_evict``) is the part to move out first.
+    The node keeps its state and the tick lock; the node record's
+    succession (claim, watch, evict a predecessor) is a
+    :class:`~celery_redislock.worker.succession.Succession` that sets the
+    state through the node, and every round trip goes through the node's
+    own clients (:class:`~celery_redislock.worker.clients.NodeClients`).
     """
 
     def __init__(
@@ -318,7 +321,6 @@ class Node:
         #: its late registrations are adopted by each tick).
         self._adopt: tuple[str, float] | None = None
         self._live_pids = live_pids
-        self.fast_restart_cleanup = fast_restart_cleanup
         self._on_evicted = on_evicted
         self._record_ttl_ms = int(record_ttl * 1000)
         self._iv_ms = int(manager.heartbeat_interval * 1000)
@@ -332,12 +334,20 @@ class Node:
         #: the bootstep runs the start-up checks it had to skip. Errors are
         #: logged, never raised into the heartbeat.
         self.on_late_start: Callable[[], None] | None = None
-        #: (inc, hb) of the other incarnation's record we watch.
-        self._seen: tuple[str, str] | None = None
-        self._duplicate_logged: str | None = None
         self._tick_lock = os_lock()
         #: The node's own managers, one per OS thread (its scripts and clean-ups).
         self.clients = NodeClients(manager)
+        self._succession = Succession(
+            manager,
+            self.clients,
+            nodename,
+            self._record_args,
+            self._set_state,
+            iv_ms=self._iv_ms,
+            ttl_ms=self._ttl_ms,
+            record_ttl_ms=self._record_ttl_ms,
+            fast_restart_cleanup=fast_restart_cleanup,
+        )
         self._heartbeat = Heartbeat(manager.heartbeat_interval, self._safe_tick, "redislock-node")
         #: Failed ticks in the current run of failures, and when the last
         #: ``node.heartbeat-error`` line was logged (monotonic seconds).
@@ -348,6 +358,15 @@ class Node:
 
     def _record_args(self) -> list[str]:
         return [str(self.pid), self.host, str(self.started)]
+
+    @property
+    def fast_restart_cleanup(self) -> bool:
+        """Whether a stale same-name predecessor is evicted at once (see Args)."""
+        return self._succession.fast_restart_cleanup
+
+    @fast_restart_cleanup.setter
+    def fast_restart_cleanup(self, value: bool) -> None:
+        self._succession.fast_restart_cleanup = value
 
     @property
     def threshold_ms(self) -> int:
@@ -368,121 +387,11 @@ class Node:
             return self._start_locked()
 
     def _start_locked(self) -> str:
-        reply = self.clients.run(
-            calls.node_start(
-                self.node_key,
-                self.incarnation,
-                self._record_args(),
-                self._iv_ms,
-                self._record_ttl_ms,
-            )
-        )
-        kind = text(reply[0])
-        if kind in ("new", "ours"):
-            self.state = "owner"
-            log.info("node.start node=%s inc=%s predecessor=none", self.nodename, self.incarnation)
-            return self.state
-        inc, hb, hb_ms, iv, now = (text(x) for x in reply[1:6])
-        self.state = "watching"
-        self._seen = (inc, hb)
-        log.info(
-            "node.start node=%s inc=%s predecessor=%s last_beat_ms_ago=%d",
-            self.nodename,
-            self.incarnation,
-            inc,
-            int(now) - int(hb_ms),
-        )
-        self._decide(inc, hb, int(hb_ms), int(iv), int(now), TickResult(self.state))
+        self._succession.claim(self.incarnation)
         return self.state
 
-    # -- the watch --------------------------------------------------------
-
-    def _decide(self, inc: str, hb: str, hb_ms: int, iv: int, now: int, result: TickResult) -> None:
-        """Given another incarnation's record, decide: wait, duplicate or evict."""
-        if not inc:
-            # The record vanished (expired or deleted): claim it afresh.
-            self._seen = None
-            self._start_locked()
-            return
-        seen = self._seen
-        if seen is not None and seen != (inc, hb):
-            if seen[0] == inc:
-                self.state = "duplicate"
-                if self._duplicate_logged != inc:
-                    self._duplicate_logged = inc
-                    log.error(
-                        "node.duplicate node=%s inc=%s other=%s: another live worker uses "
-                        "this node name; its locks are never freed by us. Give every "
-                        "worker a unique name (-n name@%%h)",
-                        self.nodename,
-                        self.incarnation,
-                        inc,
-                    )
-            else:
-                self.state = "watching"
-        self._seen = (inc, hb)
-        threshold = 2 * max(iv, self._iv_ms)
-        fast = self.fast_restart_cleanup
-        if not fast:
-            threshold = max(threshold, self._ttl_ms + self._iv_ms)
-        if now - hb_ms < threshold:
-            return
-        self._evict(inc, hb, threshold, "evict" if fast else "takeover", result)
-
-    def _evict(self, inc: str, hb: str, threshold: int, mode: str, result: TickResult) -> None:
-        reply = self.clients.run(
-            calls.node_evict(
-                self.prefix,
-                self.node_key,
-                inc,
-                hb,
-                threshold,
-                mode,
-                self.incarnation,
-                self._record_args(),
-                self._iv_ms,
-                self._record_ttl_ms,
-                self._ttl_ms,
-            )
-        )
-        kind = text(reply[0])
-        if kind == "changed":
-            log.info(
-                "node.evict-refused node=%s predecessor=%s reason=heartbeat-advanced",
-                self.nodename,
-                inc,
-            )
-            return
-        if kind == "not-yet":
-            return
-        owners = [text(o) for o in reply[1]]
-        self.state = "owner"
-        self._seen = None
-        result.predecessor = inc
-        log.warning(
-            "node.evicted-predecessor node=%s predecessor=%s owners=%d mode=%s",
-            self.nodename,
-            inc,
-            len(owners),
-            mode,
-        )
-        ops = self.clients.ops()
-        failed = 0
-        reports: list[CleanupReport] = []
-        for owner in owners:
-            try:
-                reports.append(ops.cleanup_owner(owner, force=(mode == "evict")))
-            except (redis.RedisError, LockError) as exc:
-                failed += 1
-                log_cleanup.error(
-                    "cleanup.owner-error owner=%s predecessor=%s error=%r", owner, inc, exc
-                )
-        result.cleaned.extend(reports)
-        freed = sum(1 for r in reports if r.status != "alive")
-        if self.manager.metrics is not None and freed:
-            self.manager.metrics.cleaned("startup", freed)
-        if not failed and all(r.status != "alive" for r in reports):
-            ops.channel.command("DEL", group_key(self.prefix, inc))
+    def _set_state(self, state: str) -> None:
+        self.state = state
 
     # -- heartbeat --------------------------------------------------------
 
@@ -588,9 +497,11 @@ class Node:
         mgr.cleaner.bury_doomed(self.clients.ops().client)
         if owned:
             self.state = "owner"
-            self._seen = None
+            self._succession.forget()
         else:
-            self._decide(inc, hb, int(hb_ms or 0), int(iv or 0), int(now), result)
+            self._succession.decide(
+                inc, hb, int(hb_ms or 0), int(iv or 0), int(now), self.incarnation, result
+            )
         result.state = self.state
         return result
 
@@ -628,7 +539,7 @@ class Node:
         # the next ticks move such owners into the new group (within owner_ttl,
         # after which an unrefreshed registration has expired anyway).
         self._adopt = (group_key(self.prefix, old), time.monotonic() + self.manager.owner_ttl)
-        self._seen = None
+        self._succession.forget()
         log.error(
             "node.state-lost node=%s inc=%s missing=%s leases_lost=%d: Redis lost this "
             "worker's %s (restart without persistence, FLUSHALL, a failover to a replica that "
