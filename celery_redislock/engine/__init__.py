@@ -1,7 +1,7 @@
 """The lock engine: :class:`~celery_redislock.engine.manager.LockManager` and its parts.
 
-Holds the facade (:mod:`.manager`) and the parts it builds, each owning its
-state: :mod:`.shared` (what every part shares), :mod:`.state` (what this
+Holds the facade (:mod:`.manager`) and the parts :mod:`.parts` builds for
+it, each owning its state: :mod:`.shared` (what every part shares), :mod:`.state` (what this
 process holds and owes), :mod:`.liveness` (identity, heartbeat, deadline,
 loss), :mod:`.release` (releases and deferred releases; the leases' host),
 :mod:`.watcher` (the lost-owner watcher thread), :mod:`.cleanup` (dead

@@ -69,6 +69,7 @@ from .heartbeat import Heartbeat
 from .lease import Lease
 from .liveness import Liveness
 from .metrics import MetricsHook, Telemetry
+from .parts import Parts
 from .release import Releaser
 from .shared import Shared
 from .state import ProcessState
@@ -114,6 +115,21 @@ class _Option(Generic[_T]):
     def __get__(self, manager: LockManager, cls: type | None = None) -> _T: ...
     def __get__(self, manager: LockManager | None, cls: type | None = None) -> Any:
         return self if manager is None else getattr(manager.options, self._name)
+
+
+class _Part(Generic[_T]):
+    """A manager attribute that is the part of its own name
+    (``manager.liveness`` is ``manager.parts.liveness``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, manager: None, cls: type) -> _Part[_T]: ...
+    @overload
+    def __get__(self, manager: LockManager, cls: type | None = None) -> _T: ...
+    def __get__(self, manager: LockManager | None, cls: type | None = None) -> Any:
+        return self if manager is None else getattr(manager.parts, self._name)
 
 
 class LockManager:
@@ -204,6 +220,12 @@ class LockManager:
     ``contenders()`` are one round trip each; nothing ever SCANs the keyspace.
     """
 
+    # A facade: the parts (engine/parts.py) do the work, each public method
+    # hands its call to one of them. The class stays longer than its parts
+    # (about 580 lines) because it carries the API reference of every public
+    # method, rendered in docs/api.md (about 340 lines); its code is the
+    # options, the construction and the hand-offs.
+
     owner_ttl = _Option[float]()
     heartbeat_interval = _Option[float]()
     queue_scan_limit = _Option[int]()
@@ -213,6 +235,22 @@ class LockManager:
     wait_policy = _Option[str]()
     #: Seconds the local liveness deadline keeps from owner_ttl.
     liveness_margin = _Option[float]()
+
+    # The parts (engine/parts.py), for the worker services built on the
+    # engine (node, defer): package-internal, not public API.
+    protocol = _Part[Protocol]()
+    channel = _Part[Channel]()
+    state = _Part[ProcessState]()
+    telemetry = _Part[Telemetry]()
+    core = _Part[Shared]()
+    context = _Part[ContextStack]()
+    requests = _Part[RequestCache]()
+    liveness = _Part[Liveness]()
+    releaser = _Part[Releaser]()
+    watcher = _Part[LostWatcher]()
+    cleaner = _Part[Cleaner]()
+    acquirer = _Part[Acquirer]()
+    tasks = _Part[TaskOwners]()
 
     def __init__(
         self,
@@ -256,47 +294,7 @@ class LockManager:
         self.keys = Keyspace(namespace)
         self.namespace = namespace
         self.client, self.url = made[0]
-        self._build_parts(opts, metrics)
-
-    def _build_parts(self, opts: EngineOptions, metrics: MetricsHook | None) -> None:
-        """The parts, each below the next (docs/architecture.md); named
-        without an underscore for the worker services built on the engine
-        (node, defer): package-internal, not public API."""
-        self.protocol = Protocol(self.keys, opts)
-        self.channel = Channel(self.client, self.url, self.protocol)
-        self.state = ProcessState()
-        self.telemetry = Telemetry(metrics)
-        self.core = core = Shared(opts, self.channel, self.state, self.telemetry)
-        #: What ``@locked`` and ``UniqueTask`` tell this thread's acquires
-        #: (``celery_redislock.context``): holder record, haltable wait, request id.
-        self.context = ContextStack()
-        self.requests = RequestCache(self.keys)
-        self.liveness = Liveness(core, self._after_fork_in_child)
-        self.liveness.upkeep = self.tend
-        self.releaser = Releaser(core, self.liveness)
-        self.watcher = LostWatcher(core, self.liveness, self.tend)
-        self.cleaner = Cleaner(core, self.liveness, self.releaser)
-        self.acquirer = Acquirer(
-            core, self.liveness, self.releaser, self.watcher, self.requests, self.context
-        )
-        self.tasks = TaskOwners(
-            core, self.liveness, self.releaser, self.cleaner, self.acquirer, self.requests
-        )
-
-    def _after_fork_in_child(self) -> None:
-        self.channel.after_fork_in_child()
-        self.state.after_fork_in_child()
-        self.context.reset()
-        self.liveness.after_fork_in_child()
-        self.watcher.after_fork_in_child()
-        self.acquirer.after_fork_in_child()
-
-    def tend(self, client: AnyRedis) -> None:
-        """The work of every heartbeat after its refresh (also the lost-owner
-        watcher's and the worker node's): put this process's retired owners
-        to death, retry its deferred releases."""
-        self.cleaner.bury_doomed(client)
-        self.releaser.retry_deferred(client)
+        self.parts = Parts(self.keys, opts, self.client, self.url, metrics)
 
     # -- identity ---------------------------------------------------------
 
