@@ -914,63 +914,82 @@ def format_(
     mgr = _manager(ctx, url, namespace)
 
     def run() -> None:
-        pipe = mgr.client.pipeline(transaction=False)
-        pipe.get(mgr.keys.format)
-        pipe.exists(mgr.keys.fence)
-        pipe.scard(mgr.keys.owners)
-        stored, fenced, owners = pipe.execute()
-        found = text(stored) if stored is not None else None
-        unversioned = found is None and bool(fenced)
-        if unversioned:
-            found = str(UNVERSIONED_FORMAT)
-        info = {
-            "namespace": mgr.namespace,
-            "format": int(found) if found is not None and found.isdigit() else found,
-            "unversioned": unversioned,
-            "release_format": FORMAT_VERSION,
-            "owners": int(owners),
-        }
+        info, found, unversioned = _format_info(mgr)
         if not switch:
             if as_json:
                 _emit_json(info)
                 return
-            shown = "- (never used)" if found is None else found
-            if unversioned:
-                shown += " (data from before format versioning)"
-            click.echo(f"namespace       {mgr.namespace}")
-            click.echo(f"format          {shown}")
-            click.echo(f"this release    {FORMAT_VERSION}")
-            if found is not None and found != str(FORMAT_VERSION):
-                click.echo(
-                    "MISMATCH: this release refuses the namespace; see `redislock format "
-                    "--help` and docs/operations.md, 'Upgrading across a data-format change'"
-                )
+            _print_format(mgr, found, unversioned)
             return
-        if found == str(FORMAT_VERSION) and not unversioned:
-            click.echo(f"namespace {mgr.namespace!r} already has format {FORMAT_VERSION}")
-            return
-        if int(owners):
-            raise _Refused(
-                f"refusing to switch namespace {mgr.namespace!r} from format {found} to "
-                f"{FORMAT_VERSION}: {int(owners)} owner(s) of the old release are left. Stop "
-                "its workers (warm shutdown frees their locks), run its `redislock reconcile` "
-                "for the dead ones, wait until `redislock owners` (old release) lists none, "
-                "then retry; or use a new namespace"
-            )
-        if not yes:
-            click.confirm(
-                f"Switch namespace {mgr.namespace!r} from format {found or '-'} to "
-                f"{FORMAT_VERSION}? Workers of the old release will refuse it afterwards",
-                abort=True,
-                err=True,
-            )
-        mgr.client.set(mgr.keys.format, str(FORMAT_VERSION))
-        log.info(
-            "cli.format-switch namespace=%s from=%s to=%d", mgr.namespace, found, FORMAT_VERSION
-        )
-        click.echo(f"namespace {mgr.namespace!r} now has format {FORMAT_VERSION}")
+        _switch_format(mgr, found, unversioned, info["owners"], yes)
 
     _guard(run)
+
+
+def _format_info(mgr: LockManager) -> tuple[dict[str, Any], str | None, bool]:
+    """What ``redislock format`` reports (one round trip), the stored format
+    (``UNVERSIONED_FORMAT`` for data from before versioning, None if never
+    used) and whether it is unversioned."""
+    pipe = mgr.client.pipeline(transaction=False)
+    pipe.get(mgr.keys.format)
+    pipe.exists(mgr.keys.fence)
+    pipe.scard(mgr.keys.owners)
+    stored, fenced, owners = pipe.execute()
+    found = text(stored) if stored is not None else None
+    unversioned = found is None and bool(fenced)
+    if unversioned:
+        found = str(UNVERSIONED_FORMAT)
+    info = {
+        "namespace": mgr.namespace,
+        "format": int(found) if found is not None and found.isdigit() else found,
+        "unversioned": unversioned,
+        "release_format": FORMAT_VERSION,
+        "owners": int(owners),
+    }
+    return info, found, unversioned
+
+
+def _print_format(mgr: LockManager, found: str | None, unversioned: bool) -> None:
+    """``redislock format`` without --switch, as text."""
+    shown = "- (never used)" if found is None else found
+    if unversioned:
+        shown += " (data from before format versioning)"
+    click.echo(f"namespace       {mgr.namespace}")
+    click.echo(f"format          {shown}")
+    click.echo(f"this release    {FORMAT_VERSION}")
+    if found is not None and found != str(FORMAT_VERSION):
+        click.echo(
+            "MISMATCH: this release refuses the namespace; see `redislock format "
+            "--help` and docs/operations.md, 'Upgrading across a data-format change'"
+        )
+
+
+def _switch_format(
+    mgr: LockManager, found: str | None, unversioned: bool, owners: int, yes: bool
+) -> None:
+    """``redislock format --switch``: refuses while ``owners`` are left, asks
+    unless ``yes``, then records this release's format."""
+    if found == str(FORMAT_VERSION) and not unversioned:
+        click.echo(f"namespace {mgr.namespace!r} already has format {FORMAT_VERSION}")
+        return
+    if owners:
+        raise _Refused(
+            f"refusing to switch namespace {mgr.namespace!r} from format {found} to "
+            f"{FORMAT_VERSION}: {owners} owner(s) of the old release are left. Stop "
+            "its workers (warm shutdown frees their locks), run its `redislock reconcile` "
+            "for the dead ones, wait until `redislock owners` (old release) lists none, "
+            "then retry; or use a new namespace"
+        )
+    if not yes:
+        click.confirm(
+            f"Switch namespace {mgr.namespace!r} from format {found or '-'} to "
+            f"{FORMAT_VERSION}? Workers of the old release will refuse it afterwards",
+            abort=True,
+            err=True,
+        )
+    mgr.client.set(mgr.keys.format, str(FORMAT_VERSION))
+    log.info("cli.format-switch namespace=%s from=%s to=%d", mgr.namespace, found, FORMAT_VERSION)
+    click.echo(f"namespace {mgr.namespace!r} now has format {FORMAT_VERSION}")
 
 
 #: Help of --url / --namespace for the standalone entry, which has no app
