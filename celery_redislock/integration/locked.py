@@ -401,6 +401,8 @@ def locked(
     child killed by a hard time limit or revoke-terminate has its locks freed
     by the worker's main process within one heartbeat tick.
     """
+    # Over 80 lines for its docstring only: the whole reference of @locked,
+    # rendered in docs/api.md. The work is in _options and _decorate.
     opts = _options(
         exclusive,
         shared,
