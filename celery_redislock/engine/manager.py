@@ -106,6 +106,9 @@ class _Option(Generic[_T]):
     """A manager attribute that reads the :class:`EngineOptions` field of
     its own name (``manager.owner_ttl`` is ``manager.options.owner_ttl``)."""
 
+    #: The manager's attribute that holds the field.
+    _holder = "options"
+
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
 
@@ -114,22 +117,14 @@ class _Option(Generic[_T]):
     @overload
     def __get__(self, manager: LockManager, cls: type | None = None) -> _T: ...
     def __get__(self, manager: LockManager | None, cls: type | None = None) -> Any:
-        return self if manager is None else getattr(manager.options, self._name)
+        return self if manager is None else getattr(getattr(manager, self._holder), self._name)
 
 
-class _Part(Generic[_T]):
+class _Part(_Option[_T]):
     """A manager attribute that is the part of its own name
     (``manager.liveness`` is ``manager.parts.liveness``)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, manager: None, cls: type) -> _Part[_T]: ...
-    @overload
-    def __get__(self, manager: LockManager, cls: type | None = None) -> _T: ...
-    def __get__(self, manager: LockManager | None, cls: type | None = None) -> Any:
-        return self if manager is None else getattr(manager.parts, self._name)
+    _holder = "parts"
 
 
 class LockManager:
