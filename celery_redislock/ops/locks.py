@@ -21,8 +21,7 @@ from ..protocol.keys import (
     text,
     validate_resource,
 )
-from .owners import OwnersView
-from .reader import Reader
+from .owners import OwnersBasedView
 from .records import (
     Holder,
     LockInfo,
@@ -32,17 +31,8 @@ from .records import (
 )
 
 
-class LocksView:
-    """Holders of resources (what ``redislock locks`` shows).
-
-    Holds no state of its own; liveness and registries come from the
-    :class:`~celery_redislock.ops.owners.OwnersView`.
-    """
-
-    def __init__(self, reader: Reader, owners: OwnersView) -> None:
-        self.reader = reader
-        self.keys = reader.keys
-        self.owners = owners
+class LocksView(OwnersBasedView):
+    """Holders of resources (what ``redislock locks`` shows)."""
 
     def holders(self, resource: str) -> list[Holder]:
         """Every grant on ``resource``, exclusive first, then by owner."""

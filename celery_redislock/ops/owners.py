@@ -227,3 +227,13 @@ class OwnersView:
                 out.append(o)
         out.sort(key=lambda o: (o.alive, o.node or "", o.owner_id))
         return out
+
+
+class OwnersBasedView:
+    """Base of the views that read liveness and registries through an
+    :class:`OwnersView`; like it, they hold no state of their own."""
+
+    def __init__(self, reader: Reader, owners: OwnersView) -> None:
+        self.reader = reader
+        self.keys = reader.keys
+        self.owners = owners

@@ -17,8 +17,7 @@ from ..protocol.keys import (
     text,
 )
 from ..store.checks import check_eviction
-from .owners import OwnersView
-from .reader import Reader
+from .owners import OwnersBasedView
 from .records import (
     LimitedInfo,
     Status,
@@ -38,17 +37,8 @@ def _limited_names(value: Any) -> list[str]:
     return [n for n, (m, _) in request_modes(parts[0], parts[1:]).items() if m == "l" and n]
 
 
-class SummaryView:
-    """Status and limited resources from one walk of the owners.
-
-    Holds no state of its own; spilled registries are read through the
-    :class:`~celery_redislock.ops.owners.OwnersView`.
-    """
-
-    def __init__(self, reader: Reader, owners: OwnersView) -> None:
-        self.reader = reader
-        self.keys = reader.keys
-        self.owners = owners
+class SummaryView(OwnersBasedView):
+    """Status and limited resources from one walk of the owners."""
 
     def summary(self, *, max_owners: int | None = None) -> Summary:
         """The status and the limited resources from one walk of the owners."""

@@ -22,8 +22,7 @@ from ..protocol.keys import (
     text,
     validate_resource,
 )
-from .owners import OwnersView
-from .reader import Reader
+from .owners import OwnersBasedView
 from .records import (
     QueueLength,
     Waiter,
@@ -51,17 +50,8 @@ def _task_name(raw: str | None) -> str | None:
     return name if isinstance(name, str) else None
 
 
-class WaitersView:
-    """Queued requests (what ``redislock waiters`` and ``queues`` show).
-
-    Holds no state of its own; liveness comes from the
-    :class:`~celery_redislock.ops.owners.OwnersView`.
-    """
-
-    def __init__(self, reader: Reader, owners: OwnersView) -> None:
-        self.reader = reader
-        self.keys = reader.keys
-        self.owners = owners
+class WaitersView(OwnersBasedView):
+    """Queued requests (what ``redislock waiters`` and ``queues`` show)."""
 
     def waiters(self, resource: str, *, limit: int = DEFAULT_WAITER_LIMIT) -> list[Waiter]:
         """At most ``limit`` queued requests of ``resource``, in serving order."""
