@@ -67,16 +67,12 @@ class Succession:
         record_ttl_ms: int,
         fast_restart_cleanup: bool,
     ) -> None:
-        self.manager = manager
-        self.clients = clients
-        self.nodename = nodename
+        self.manager, self.clients, self.nodename = manager, clients, nodename
         self.prefix = manager.keys.prefix
         self.node_key = node_key(self.prefix, nodename)
-        self.record_args = record_args
-        self.set_state = set_state
-        self.iv_ms = iv_ms
-        self.ttl_ms = ttl_ms
-        self.record_ttl_ms = record_ttl_ms
+        self.record_args, self.set_state = record_args, set_state
+        #: Milliseconds: the heartbeat interval, the owner TTL, the record's TTL.
+        self.iv_ms, self.ttl_ms, self.record_ttl_ms = iv_ms, ttl_ms, record_ttl_ms
         self.fast_restart_cleanup = fast_restart_cleanup
         #: (inc, hb) of the other incarnation's record we watch.
         self._seen: tuple[str, str] | None = None
