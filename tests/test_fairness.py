@@ -258,6 +258,21 @@ def test_one_process_leaving_keeps_the_other_processes_queued(
 # ------------------------------------------------------- cancelled waiters
 
 
+def _interrupt_attempt_after(mgr: LockManager, code: int) -> None:
+    """Make ``mgr``'s acquire attempts raise KeyboardInterrupt once their
+    script answered ``code`` (0: queued, 1: granted): an interrupt landing
+    after the script committed, before the caller saw its reply."""
+    real_attempt = mgr.acquirer.attempt
+
+    def attempt(*args, **kwargs):  # type: ignore[no-untyped-def]
+        reply = real_attempt(*args, **kwargs)
+        if int(reply[0]) == code:
+            raise KeyboardInterrupt
+        return reply
+
+    mgr.acquirer.attempt = attempt  # type: ignore[method-assign]
+
+
 def _assert_no_request_state(rs: redis.Redis, owner: str) -> None:
     """No queue entry at all, and no request state or wake list of ``owner``."""
     assert keys(rs, "q") == []
@@ -274,15 +289,7 @@ def test_waiter_interrupted_right_after_its_script_queued_it_leaves_no_entry(
     holder = make()
     lease = holder.acquire("R")
     waiter = make()
-    real_attempt = waiter.acquirer.attempt
-
-    def attempt(*args, **kwargs):  # type: ignore[no-untyped-def]
-        reply = real_attempt(*args, **kwargs)
-        if int(reply[0]) == 0:
-            raise KeyboardInterrupt  # the script has queued the request
-        return reply
-
-    waiter.acquirer.attempt = attempt  # type: ignore[method-assign]
+    _interrupt_attempt_after(waiter, 0)  # the script has queued the request
     with pytest.raises(KeyboardInterrupt):
         waiter.acquire("R", shared=["S"], timeout=30)
     _assert_no_request_state(rs, waiter.owner_id)
@@ -642,14 +649,6 @@ def test_grant_landing_as_the_waiter_gives_up_is_released_not_leaked(
     holder = make()
     lease = holder.acquire("R")
     quitter = make()
-    real_attempt = quitter.acquirer.attempt
-
-    def attempt(*args, **kwargs):  # type: ignore[no-untyped-def]
-        reply = real_attempt(*args, **kwargs)
-        if int(reply[0]) == 1:
-            raise KeyboardInterrupt  # gives up as the grant arrives
-        return reply
-
     real_block = quitter.acquirer.block
 
     def block(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -658,7 +657,7 @@ def test_grant_landing_as_the_waiter_gives_up_is_released_not_leaked(
             raise KeyboardInterrupt  # gives up as the handed-off grant arrives
         return fence
 
-    quitter.acquirer.attempt = attempt  # type: ignore[method-assign]
+    _interrupt_attempt_after(quitter, 1)  # gives up as the grant arrives
     quitter.acquirer.block = block  # type: ignore[method-assign]
     gives_up = ThreadWaiter(quitter, "R")
     wait_until(lambda: queue_len(rs, "R") == 1)
