@@ -33,3 +33,12 @@ def assert_heartbeat_outlived_the_blocked_hub(out: dict[str, Any]) -> None:
     assert out["ticks"] >= 2
     assert out["lost"] is False
     assert out["held"] is True
+
+
+def assert_limited_slots_kept_and_served_in_order(out: dict[str, Any]) -> None:
+    """The ``limited`` scenario: never more than its 3 slots held at once,
+    granted in arrival order, nothing left queued or locked after."""
+    assert 1 <= out["peak"] <= 3
+    assert out["fences_in_arrival_order"] is True
+    assert out["queued_after"] == 0
+    assert out["lock_exists"] == 0
