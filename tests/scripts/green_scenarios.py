@@ -42,6 +42,21 @@ class Green:
             self.sleep(0.005)
 
 
+def _spawn_in_queue_order(
+    mgr: LockManager, green: Green, resource: str, worker: Callable[[int], None]
+) -> list[Any]:
+    """Spawn ``worker(0)`` .. ``worker(5)``, each once the one before is
+    queued for ``resource`` (so that their arrival order is known)."""
+    threads = []
+    for i in range(6):
+        threads.append(green.spawn(worker, i))
+        green.wait(
+            lambda queued=i + 1: mgr.client.zcard(mgr.keys.queue(resource)) >= queued,
+            f"{green.thread_name} never queued",
+        )
+    return threads
+
+
 def contention(mgr: LockManager, green: Green) -> dict[str, object]:
     """Green threads contend for one lock; order and overlap are recorded."""
     resource = f"{green.prefix}:1"
@@ -59,14 +74,7 @@ def contention(mgr: LockManager, green: Green) -> dict[str, object]:
             inside[0] -= 1
 
     first = mgr.acquire(exclusive=resource, timeout=5)
-    threads = []
-    for i in range(6):
-        threads.append(green.spawn(worker, i))
-        # wait until thread i is queued before starting the next (FIFO check)
-        green.wait(
-            lambda queued=i + 1: mgr.client.zcard(mgr.keys.queue(resource)) >= queued,
-            f"{green.thread_name} never queued",
-        )
+    threads = _spawn_in_queue_order(mgr, green, resource, worker)
     first.release()
     green.join_all(threads)
     return {"order": order, "overlaps": overlaps[0]}
@@ -103,13 +111,7 @@ def limited(mgr: LockManager, green: Green) -> dict[str, object]:
             inside[0] -= 1
 
     held = [mgr.acquire(limited={resource: 3}, timeout=5, nested=False) for _ in range(3)]
-    threads = []
-    for i in range(6):
-        threads.append(green.spawn(worker, i))
-        green.wait(
-            lambda queued=i + 1: mgr.client.zcard(mgr.keys.queue(resource)) >= queued,
-            f"{green.thread_name} never queued",
-        )
+    threads = _spawn_in_queue_order(mgr, green, resource, worker)
     for lease in held:
         lease.release()
     green.join_all(threads)
