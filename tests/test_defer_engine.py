@@ -1087,6 +1087,15 @@ def _message(*res: str) -> dict[str, Any]:
     return {"name": "t.task", "args": [], "kwargs": {}, "options": {}, "resources": list(res)}
 
 
+def _take_over(
+    mgr: LockManager, task_id: str, req: Any, waiting: str, *res: str, **extra: Any
+) -> defer.ParkResult:
+    """Park ``task_id`` in the place of the queued request ``waiting``."""
+    return defer.park(
+        mgr, task_id, req, _message(*res), park_ttl=600, grant_ttl=60, waiting=waiting, **extra
+    )
+
+
 def _in_transit(managers: Managers, rs: redis.Redis, task_id: str, *res: str) -> LockManager:
     """Park ``task_id`` behind a holder, then release: its grant is in transit."""
     mgr = managers()
@@ -1164,30 +1173,12 @@ def test_a_waiting_request_taken_over_keeps_its_place_and_its_arrival_number(
     score = rs.zscore(f"{P}q:a", "x" + token)
     req = waiter.request(["a"], ["b"])
     # Not queued (a made-up token): nothing is written.
-    assert (
-        defer.park(
-            waiter,
-            "w1",
-            req,
-            _message("a", "b"),
-            park_ttl=600,
-            grant_ttl=60,
-            waiting=f"{waiter.owner_id}|nope",
-        ).outcome
-        == "not-queued"
+    assert _take_over(waiter, "w1", req, f"{waiter.owner_id}|nope", "a", "b").outcome == (
+        "not-queued"
     )
     assert not rs.exists(f"{P}defer:w1")
 
-    result = defer.park(
-        waiter,
-        "w1",
-        req,
-        _message("a", "b"),
-        park_ttl=600,
-        grant_ttl=60,
-        holder="t.task\nw1\nnode",
-        waiting=token,
-    )
+    result = _take_over(waiter, "w1", req, token, "a", "b", holder="t.task\nw1\nnode")
     assert result.outcome == "parked"
     new = "defer:w1|task:w1"
     assert rs.zrange(f"{P}q:a", 0, -1, withscores=True) == [
@@ -1204,9 +1195,7 @@ def test_a_waiting_request_taken_over_keeps_its_place_and_its_arrival_number(
     assert rs.hget(f"{P}defer:w1", "state") == "parked"
     # A second take-over (a copy of the message): the record holds the task.
     again, _ = _enqueue(managers(), ("a",), ("b",))
-    dup = defer.park(
-        managers(), "w1", req, _message("a", "b"), park_ttl=600, grant_ttl=60, waiting=again
-    )
+    dup = _take_over(managers(), "w1", req, again, "a", "b")
     assert (dup.outcome, dup.state) == ("duplicate", "parked")
 
     # FIFO: t1 runs, then the parked w1 (dispatched), then the waiter after it.
@@ -1237,9 +1226,7 @@ def test_a_waiting_task_behind_a_grant_in_transit_parks_in_its_place_and_a_plain
         parked: list[Any] = []
 
         def hook(token: str, req: Any) -> bool:
-            result = defer.park(
-                m, name, req, _message("a"), park_ttl=600, grant_ttl=60, waiting=token
-            )
+            result = _take_over(m, name, req, token, "a")
             parked.append(result)
             return result.outcome in ("parked", "granted")
 
