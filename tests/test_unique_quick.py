@@ -47,6 +47,14 @@ def app(quick_apps: Callable[..., Celery]) -> Celery:
     return quick_apps("uq")
 
 
+def _make_unique_task(app: Celery, fun: Callable[..., None], **options: Any) -> None:
+    """Make ``fun`` a UniqueTask of ``app`` (not shared with other apps) with
+    ``options``, at once: a task is a lazy proxy until first used, and what
+    its definition raises is raised here."""
+    task = app.task(base=UniqueTask, shared=False, **options)(fun)
+    _ = task.name
+
+
 def holders(r: redis.Redis, key: str) -> list[str]:
     return [t.decode() for t in r.hkeys(PREFIX + "lock:unique:" + key)]
 
@@ -188,13 +196,12 @@ def test_a_key_encoder_gives_uuid_decimal_and_datetime_the_key_of_their_text(
     with pytest.raises(TypeError, match="unique_key_encoder returned a UUID"):
         bad.unique_key_for((u,))
     other = Celery("bad", set_as_current=False)  # its refused task stays pending there
+
+    def notenc(x: Any) -> None:
+        pass
+
     with pytest.raises(ConfigurationError, match="uq.notenc.unique_key_encoder"):
-
-        @other.task(base=UniqueTask, unique_key_encoder="json", name="uq.notenc", shared=False)
-        def notenc(x: Any) -> None:
-            pass
-
-        _ = notenc.name  # a lazy proxy: make the task
+        _make_unique_task(other, notenc, unique_key_encoder="json", name="uq.notenc")
 
 
 def test_default_key_takes_mixed_dict_keys_and_refuses_a_value_only_a_memory_address_names(
@@ -225,27 +232,19 @@ def test_template_key_and_options_are_checked_at_import(app: Celery) -> None:
 
     assert report.unique_key_for((7,), {"fmt": "csv"}) == "report:7"
     app = Celery("bad", set_as_current=False)  # its refused tasks stay pending there
+
+    def bad1(user_id: int) -> None:
+        pass
+
+    def bad2() -> None:
+        pass
+
     with pytest.raises(TemplateError, match="^unique_key template 'r:{nope}'.*nope"):
-
-        @app.task(base=UniqueTask, unique_key="r:{nope}", name="uq.bad1", shared=False)
-        def bad1(user_id: int) -> None:
-            pass
-
-        _ = bad1.name  # a lazy proxy: make the task
+        _make_unique_task(app, bad1, unique_key="r:{nope}", name="uq.bad1")
     with pytest.raises(ConfigurationError, match="unique_on_duplicate"):
-
-        @app.task(base=UniqueTask, unique_on_duplicate="ignore", name="uq.bad2", shared=False)
-        def bad2() -> None:
-            pass
-
-        _ = bad2.name
+        _make_unique_task(app, bad2, unique_on_duplicate="ignore", name="uq.bad2")
     with pytest.raises(ConfigurationError, match="unique_ttl"):
-
-        @app.task(base=UniqueTask, unique_ttl=-1, name="uq.bad3", shared=False)
-        def bad3() -> None:
-            pass
-
-        _ = bad3.name
+        _make_unique_task(app, bad2, unique_ttl=-1, name="uq.bad3")
 
 
 @pytest.mark.parametrize("value", [-1, 0, "soon", 10**9])
