@@ -151,27 +151,23 @@ class Worker:
                 names.append(name)
         ex = [n for n in names if rng.random() < 0.6]
         sh = [n for n in names if n not in ex]
+        return ex, sh, self.pick_timeout(rng)
+
+    def pick_timeout(self, rng: random.Random) -> float:
+        """A request's timeout: 0 (a try) a fifth of the time, else short
+        (0.1 to 1.5 s) or, three times in ten, long (``--long-timeout``)."""
         roll = rng.random()
         if roll < 0.2:
-            timeout = 0.0
-        elif roll < 0.7:
-            timeout = round(rng.uniform(0.1, 1.5), 3)
-        else:
-            timeout = round(rng.uniform(*self.args.long_timeout), 3)
-        return ex, sh, timeout
+            return 0.0
+        if roll < 0.7:
+            return round(rng.uniform(0.1, 1.5), 3)
+        return round(rng.uniform(*self.args.long_timeout), 3)
 
     def pick_limited(self, rng: random.Random) -> tuple[list[str], dict[str, int], float]:
         """A request of one slot of the limited resource, alone or (half of
         them) with one exclusive resource, and its timeout."""
         ex = [rng.choices(self.resources, self.weights)[0]] if rng.random() < 0.5 else []
-        roll = rng.random()
-        if roll < 0.2:
-            timeout = 0.0
-        elif roll < 0.7:
-            timeout = round(rng.uniform(0.1, 1.5), 3)
-        else:
-            timeout = round(rng.uniform(*self.args.long_timeout), 3)
-        return ex, {self.args.limited_name: self.args.limited_slots}, timeout
+        return ex, {self.args.limited_name: self.args.limited_slots}, self.pick_timeout(rng)
 
     def quiet(self) -> bool:
         """The runner's calm: the file ``--quiet-flag`` exists."""
