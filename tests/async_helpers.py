@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from engine_helpers import met
+
 _T = TypeVar("_T")
 
 
@@ -22,22 +24,14 @@ def run(coro: Coroutine[Any, Any, _T], timeout: float = 60.0) -> _T:
 async def until(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
     """Yield to the loop until ``cond()`` is truthy (a condition, not a sleep)."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {what}")
+    while (value := met(cond(), deadline, timeout, what)) is None:
         await asyncio.sleep(0.002)
+    return value
 
 
 async def until_async(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 10.0) -> Any:
     """:func:`until` for a condition that is a coroutine."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = await cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {what}")
+    while (value := met(await cond(), deadline, timeout, what)) is None:
         await asyncio.sleep(0.002)
+    return value

@@ -54,13 +54,21 @@ def wait_until(
     quick Celery tests): it waits on a condition, never a fixed sleep.
     """
     deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {what or cond}")
+    while (value := met(cond(), deadline, timeout, what or cond)) is None:
         time.sleep(interval)
+    return value
+
+
+def met(value: Any, deadline: float, timeout: float, what: object) -> Any:
+    """``value`` when it is truthy, else None; fails the test once the
+    monotonic ``deadline`` (``timeout`` seconds after the wait began) has
+    passed. The one step of every wait on a condition (the asyncio tests'
+    ones await between steps)."""
+    if value:
+        return value
+    if time.monotonic() > deadline:
+        raise AssertionError(f"condition not met within {timeout}s: {what}")
+    return None
 
 
 class Managers:
