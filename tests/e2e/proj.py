@@ -587,55 +587,55 @@ def _limited_body(task: Any, partner: str, tag: str, block: bool, pause: float) 
         r.decr(f"e2e:lim-in:{partner}")
 
 
-@app.task(name="e2e.lim_wait", bind=True, acks_late=True)
-@locked(limited={"api:{partner}": 2}, on_busy="wait", timeout=120)
-def lim_wait(
-    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
-) -> dict[str, Any]:
-    """At most 2 at once on ``api:<partner>``, waiting in its pool slot."""
-    return _limited_body(self, partner, tag, block, pause)
+def _limited_task(name: str, doc: str, *, task_options: Any = None, **locked_options: Any) -> Any:
+    """The task ``e2e.<name>``: :func:`_limited_body` under
+    ``@locked(limited={"api:{partner}": 2}, **locked_options)``."""
+
+    def body(
+        self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
+    ) -> dict[str, Any]:
+        return _limited_body(self, partner, tag, block, pause)
+
+    body.__name__ = body.__qualname__ = name  # @locked's label in the log lines
+    body.__doc__ = doc
+    locked_body = locked(limited={"api:{partner}": 2}, **locked_options)(body)
+    return app.task(name=f"e2e.{name}", bind=True, acks_late=True, **(task_options or {}))(
+        locked_body
+    )
 
 
-@app.task(name="e2e.lim_defer", bind=True, acks_late=True)
-@locked(limited={"api:{partner}": 2}, on_busy="defer")
-def lim_defer(
-    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
-) -> dict[str, Any]:
-    """At most 2 at once on ``api:<partner>``, parked (no pool slot) when full."""
-    return _limited_body(self, partner, tag, block, pause)
-
-
-@app.task(name="e2e.lim_raise", bind=True, acks_late=True)
-@locked(limited={"api:{partner}": 2}, on_busy="raise", on_lost="ignore")
-def lim_raise(
-    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
-) -> dict[str, Any]:
-    """At most 2 at once on ``api:<partner>``; LockTimeout when full."""
-    return _limited_body(self, partner, tag, block, pause)
-
-
-@app.task(name="e2e.lim_skip", bind=True, acks_late=True)
-@locked(limited={"api:{partner}": 2}, on_busy="skip", on_lost="terminate")
-def lim_skip(
-    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
-) -> dict[str, Any]:
-    """At most 2 at once on ``api:<partner>``; skipped (None) when full."""
-    return _limited_body(self, partner, tag, block, pause)
-
-
-@app.task(name="e2e.lim_retry", bind=True, acks_late=True, max_retries=None)
-@locked(
-    limited={"api:{partner}": 2},
+lim_wait = _limited_task(
+    "lim_wait",
+    "At most 2 at once on ``api:<partner>``, waiting in its pool slot.",
+    on_busy="wait",
+    timeout=120,
+)
+lim_defer = _limited_task(
+    "lim_defer",
+    "At most 2 at once on ``api:<partner>``, parked (no pool slot) when full.",
+    on_busy="defer",
+)
+lim_raise = _limited_task(
+    "lim_raise",
+    "At most 2 at once on ``api:<partner>``; LockTimeout when full.",
+    on_busy="raise",
+    on_lost="ignore",
+)
+lim_skip = _limited_task(
+    "lim_skip",
+    "At most 2 at once on ``api:<partner>``; skipped (None) when full.",
+    on_busy="skip",
+    on_lost="terminate",
+)
+lim_retry = _limited_task(
+    "lim_retry",
+    "At most 2 at once on ``api:<partner>``; retried every 0.2 s when full.",
+    task_options={"max_retries": None},
     on_busy="retry",
     retry_countdown=0.2,
     retry_backoff=1,
     retry_jitter=False,
 )
-def lim_retry(
-    self: Any, partner: str, tag: str, block: bool = False, pause: float = 0.0
-) -> dict[str, Any]:
-    """At most 2 at once on ``api:<partner>``; retried every 0.2 s when full."""
-    return _limited_body(self, partner, tag, block, pause)
 
 
 # -- the head-of-line benchmark (benchmarks/defer.py) -------------------------
