@@ -20,6 +20,7 @@ import json
 import re
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -321,11 +322,20 @@ def restricted(server: RedisServer, admin: redis.Redis) -> Callable[..., str]:
     return make
 
 
+@contextmanager
+def _manager_at(url: str, **options: Any) -> Iterator[LockManager]:
+    """A manager of the namespace at ``url`` (a restricted user's), closed after."""
+    mgr = LockManager(url, NS, **options)
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+
+
 def test_acquire_without_evalsha_raises_permission_denied_naming_the_command(
     restricted: Callable[..., str],
 ) -> None:
-    mgr = LockManager(restricted(drop=("evalsha",)), NS)
-    try:
+    with _manager_at(restricted(drop=("evalsha",))) as mgr:
         with pytest.raises(PermissionDenied) as info:
             mgr.acquire("a", timeout=0)
         assert isinstance(info.value, LockError)
@@ -336,21 +346,16 @@ def test_acquire_without_evalsha_raises_permission_denied_naming_the_command(
         assert "docs/operations.md" in text and "partial" in text and "lock-user-pw" not in text
         with pytest.raises(PermissionDenied):
             mgr.cleanup_owner("someone")
-    finally:
-        mgr.close()
 
 
 def test_a_command_refused_inside_a_script_is_permission_denied(
     restricted: Callable[..., str],
 ) -> None:
-    mgr = LockManager(restricted(drop=("hset",)), NS)
-    try:
+    with _manager_at(restricted(drop=("hset",))) as mgr:
         with pytest.raises(PermissionDenied) as info:
             mgr.acquire("a", timeout=0)
         assert info.value.command == "EVALSHA acquire"  # format.lua needs no HSET
         assert "acquire" in str(info.value)
-    finally:
-        mgr.close()
 
 
 @pytest.mark.parametrize("drop", ["sscan", "exists", "evalsha"])
@@ -358,13 +363,10 @@ def test_reconcile_without_a_permission_raises_permission_denied(
     drop: str, restricted: Callable[..., str], redis_server_url: str
 ) -> None:
     dead_owner(redis_server_url, [(["a"], [])], namespace=NS)
-    mgr = LockManager(restricted(drop=(drop,)), NS)
-    try:
+    with _manager_at(restricted(drop=(drop,))) as mgr:
         with pytest.raises(PermissionDenied) as info:
             mgr.reconcile()
         assert drop in str(info.value).lower()
-    finally:
-        mgr.close()
 
 
 @pytest.mark.parametrize("drop", ["info", "get", "sscan", "exists", "hlen", "hkeys", "hrandfield"])
@@ -372,13 +374,10 @@ def test_inspector_status_without_a_permission_raises_permission_denied(
     drop: str, restricted: Callable[..., str], redis_server_url: str
 ) -> None:
     dead_owner(redis_server_url, [(["a"], [])], namespace=NS)
-    mgr = LockManager(restricted(drop=(drop,)), NS, heartbeat=False)
-    try:
+    with _manager_at(restricted(drop=(drop,)), heartbeat=False) as mgr:
         with pytest.raises(PermissionDenied) as info:
             Inspector(mgr).status()
         assert drop in str(info.value).lower()
-    finally:
-        mgr.close()
 
 
 @pytest.fixture
@@ -512,27 +511,21 @@ def test_release_without_pttl_never_plans_to_free_a_live_holder(
 def test_worker_eviction_check_without_info_says_the_acl_refused_it(
     restricted: Callable[..., str],
 ) -> None:
-    mgr = LockManager(restricted(drop=("info",)), NS, heartbeat=False)
-    try:
+    with _manager_at(restricted(drop=("info",)), heartbeat=False) as mgr:
         check = mgr.check_eviction()  # tolerated at worker start: the policy is unknown
         assert check.policy is None and check.may_evict
         assert "refused by the Redis user's ACL" in check.describe()
         assert "+info" in check.describe()
-    finally:
-        mgr.close()
 
 
 def test_wait_for_contender_without_xread_raises_permission_denied(
     restricted: Callable[..., str],
 ) -> None:
-    mgr = LockManager(restricted(drop=("xread",)), NS)
-    try:
+    with _manager_at(restricted(drop=("xread",))) as mgr:
         with mgr.lock("a", timeout=5) as lease:
             with pytest.raises(PermissionDenied) as info:
                 lease.wait_for_contender(5)
             assert info.value.command == "XREAD" and "xread" in str(info.value).lower()
-    finally:
-        mgr.close()
 
 
 def test_plain_commands_of_the_node_raise_permission_denied_not_redis_py_errors(
@@ -543,11 +536,8 @@ def test_plain_commands_of_the_node_raise_permission_denied_not_redis_py_errors(
     Its heartbeat catches LockError: a redis-py NoPermissionError escaping a
     tick would log a traceback per tick and skip the tick's release retries.
     """
-    mgr = LockManager(restricted(drop=("hdel",)), NS)
-    try:
+    with _manager_at(restricted(drop=("hdel",))) as mgr:
         with pytest.raises(PermissionDenied) as info:
             mgr.channel.command("HDEL", "{" + NS + "}:group:x", "owner")
         assert info.value.command == "HDEL"
         assert "hdel" in str(info.value).lower()
-    finally:
-        mgr.close()
