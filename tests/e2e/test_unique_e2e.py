@@ -60,13 +60,18 @@ class Producer:
 
 
 @pytest.fixture
-def setup(cluster: Callable[..., Cluster]) -> Iterator[tuple[Cluster, Producer]]:
+def setup(
+    cluster: Callable[..., Cluster], request: pytest.FixtureRequest
+) -> Iterator[tuple[Cluster, Producer]]:
+    """The cluster and a producer of unique tasks; prints how long the test took."""
     c = cluster(owner_ttl=60, heartbeat=1)
     p = Producer(c, unique_ttl=600)
+    t0 = time.monotonic()
     try:
         yield c, p
     finally:
         p.close()
+        print(f"{request.node.name} took {time.monotonic() - t0:.1f}s")
 
 
 def _holders(c: Cluster, tag: str) -> dict[str, str]:
@@ -88,7 +93,6 @@ def test_unique_task_key_lifecycle_with_a_prefork_worker(
     setup: tuple[Cluster, Producer],
 ) -> None:
     c, p = setup
-    t0 = time.monotonic()
     w = c.start_worker("uq", concurrency=2)
 
     # Queued (on a queue nobody consumes, with a short unique_ttl): a
@@ -159,14 +163,12 @@ def test_unique_task_key_lifecycle_with_a_prefork_worker(
     assert retaken.split("|")[0] not in (child_owner, f"task:{rk.id}")
     _freed(c, "kill", "the redelivered task's key")
     assert w.alive
-    print(f"unique e2e lifecycle took {time.monotonic() - t0:.1f}s")
 
 
 def test_a_sigkilled_worker_frees_its_unique_key_when_it_restarts(
     setup: tuple[Cluster, Producer],
 ) -> None:
     c, p = setup
-    t0 = time.monotonic()
     w = c.start_worker("uqk", concurrency=1)
     first = p.task.delay("gone")
     _started(c, "gone")
@@ -176,4 +178,3 @@ def test_a_sigkilled_worker_frees_its_unique_key_when_it_restarts(
     assert p.task.delay("gone").id == first.id
     c.start_worker("uqk", concurrency=1)
     _freed(c, "gone", "the dead worker's unique key, at its successor's start-up", 60)
-    print(f"unique e2e worker kill took {time.monotonic() - t0:.1f}s")
