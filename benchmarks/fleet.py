@@ -782,7 +782,7 @@ def cleanup(
                 ms = int(time.time() * 1000) - 60_000
                 admin.hset(node.node_key, "hb_ms", str(ms))  # it died a minute ago
                 succ = Node(_manager(_admin(url), ns), name, new_incarnation())
-                succ._ops().check_format()  # warm: connection and format check
+                succ.clients.ops().check_format()  # warm: connection and format check
                 a = snapshot(admin)
                 succ.start()
                 b = snapshot(admin)
