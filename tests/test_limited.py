@@ -53,6 +53,29 @@ def _leftovers(r: redis.Redis, namespace: str = "t") -> set[str]:
     return kinds(namespace_keys(r, namespace), namespace) - {"fence", "born", "format", "seq"}
 
 
+def _queue(mgr: LockManager, nested: bool = False, **request: Any) -> str:
+    """One acquire.lua run of ``mgr``'s owner that queues the request: a
+    waiter that never runs its script again by itself, so what a release
+    hands it (or the wake-up it pushes) stays there to read. Its token."""
+    ident = mgr.liveness.identity.current()
+    req = mgr.request(request.get("exclusive"), request.get("shared"), request.get("limited"))
+    token = f"{ident.owner_id}|{uuid.uuid4().hex}"
+    reply = mgr.acquirer.attempt(ident, token, req, True, nested)
+    assert int(reply[0]) == 0, reply
+    ident.registered = True
+    return token
+
+
+def _holders(r: redis.Redis, resource: str) -> set[str]:
+    """The tokens holding ``resource``."""
+    return {k.decode() for k in r.hkeys("{t}:lock:" + resource)}
+
+
+def _wakes(r: redis.Redis, token: str) -> list[str]:
+    """What releases pushed to the request's wake list ('g<fence>': a hand-off)."""
+    return [v.decode() for v in r.lrange("{t}:wake:" + token, 0, -1)]
+
+
 # -- validation, before any Redis call ---------------------------------------
 
 
@@ -340,6 +363,31 @@ def test_a_request_meeting_a_queued_entry_of_the_other_kind_is_refused(
     wait_until(lambda: order == [1], what="waiter served")
     w.finish()
     assert _leftovers(r) - {"alive", "owners"} == set()
+
+
+@pytest.mark.parametrize("kind", ["limited", "exclusive", "shared"])
+def test_a_nested_request_meeting_a_queued_entry_of_the_other_kind_is_refused(
+    managers: Managers, r: redis.Redis, kind: str
+) -> None:
+    """A nested request (its thread holds another lock) waits only for
+    holders, yet a name is still taken in one kind. W waits for A (free)
+    and B (held): a nested request of the other kind for A is refused, so
+    A never has W's exclusive grant (or a slot) next to the other kind."""
+    hold = managers().acquire(exclusive="B", timeout=0)
+    w_kind = "exclusive" if kind == "limited" else "limited"
+    w_request: dict[str, Any] = {"exclusive": "B"}
+    w_request.update({"exclusive": ["A", "B"]} if w_kind == "exclusive" else {"limited": {"A": 2}})
+    w = _queue(managers(), **w_request)
+    request: dict[str, Any] = {"limited": {"A": 2}} if kind == "limited" else {kind: "A"}
+    mgr = managers()
+    with mgr.lock("C", timeout=0):
+        with pytest.raises(InvalidResource, match=f"'A' is held or waited for .*{w_kind[:3]}"):
+            mgr.acquire(timeout=1, **request)  # nested: the thread holds C
+        assert _queue_len(r, "A") == 1
+    hold.release()  # W is handed B, and A
+    assert _holders(r, "A") == {w}
+    assert _wakes(r, w)[0].startswith("g")
+    assert_registry_truth(r)
 
 
 def test_a_thread_holding_a_slot_re_enters_it_and_may_not_take_it_exclusive(

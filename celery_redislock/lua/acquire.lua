@@ -91,7 +91,10 @@
 --      request is blocked unless its live holders, the live entries ahead
 --      and itself are at most its own limit (scan_slots).
 --      A resource held or queued for in the other kind (limited against
---      exclusive or shared) ends the script: reply {-2, name, mode}.
+--      exclusive or shared) ends the script: reply {-2, name, mode}. A
+--      nested request passes the queue but reads its head entry (one
+--      ZRANGE per resource): every entry of a queue is of one kind, so the
+--      head tells it, and the other kind is refused the same way.
 --   6. Not blocked: grant every lock (token -> mode and fence), add the
 --      resource names to the registry (one HSET; its buckets with flag 's'),
 --      each with the holder record (ARGV[10]) or '' as its value, SADD the
@@ -365,6 +368,16 @@ if not nested then
           stop = true
         end
       end
+    end
+  end
+else
+  -- A nested request waits only for holders, but never of the other kind
+  -- than the queue's: granted next to waiters of the other kind, it would
+  -- leave a hand-off to serve them both kinds at once.
+  for i = 1, n do
+    local head = redis.call('ZRANGE', probe[n + i], '0', '0')[1]
+    if head and mixed(string.sub(modes, i, i), string.sub(head, 1, 1)) then
+      return {-2, names[i], string.sub(head, 1, 1)}
     end
   end
 end
