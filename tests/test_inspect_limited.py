@@ -201,6 +201,24 @@ def test_status_and_limited_count_limited_resources_slots_and_waiters(
     assert insp.status().limited_resources == 0 and insp.limited() == []
 
 
+def test_limited_resources_are_listed_busiest_first(
+    insp: Inspector, managers: Callable[..., LockManager]
+) -> None:
+    """Most requests queued first, then most slots held, then by name."""
+    held = [managers().acquire(limited={"api:a": 3}, timeout=5) for _ in range(3)]
+    held += [managers().acquire(limited={"api:c": 2}, timeout=5), slot(managers(), 1)]
+    waiter = waiting_for_slot(managers(), 1)
+    wait_until(lambda: insp.status().limited_waiting == 1, what="the waiter queued")
+    assert [(x.resource, x.slots, x.waiting) for x in insp.limited()] == [
+        (API, 1, 1),
+        ("api:a", 3, 0),
+        ("api:c", 1, 0),
+    ]
+    for lease in held:
+        lease.release()
+    waiter.join(DEADLINE)
+
+
 def test_a_dead_holder_s_slot_counts_until_it_is_freed(
     insp: Inspector, managers: Callable[..., LockManager]
 ) -> None:

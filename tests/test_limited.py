@@ -305,6 +305,131 @@ def test_a_fresh_request_does_not_pass_waiters_that_a_release_woke(
     w.finish()
 
 
+def test_a_waiter_granted_by_its_own_run_hands_no_slot_to_the_next(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """N = 2, held by a live owner and one whose liveness is gone. W1's
+    own run frees the dead slot and takes it: the resource is full again,
+    so W2 behind it is handed nothing (and gets the next slot freed)."""
+    ghost = managers()
+    _hold_slots(ghost, "api", 1, 2)
+    live = managers().acquire(limited={"api": 2}, timeout=0, nested=False)
+    m1 = managers()
+    w1 = _queue(m1, limited={"api": 2})
+    w2 = _queue(managers(), limited={"api": 2})
+    r.delete("{t}:alive:" + ghost.liveness.identity.current().owner_id)
+    ident = m1.liveness.identity.current()
+    reply = m1.acquirer.attempt(ident, w1, m1.request(None, None, {"api": 2}), True, False)
+    assert int(reply[0]) == 1, reply
+    assert _holders(r, "api") == {live.token, w1}
+    assert _wakes(r, w2) == [] and _queue_len(r, "api") == 1
+    live.release()
+    assert _holders(r, "api") == {w1, w2}
+
+
+def test_a_hand_off_does_not_pass_a_waiter_of_a_smaller_limit(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """Two limits for one name (a rolling deploy): three hold it under N = 3;
+    a waiter of N = 2, then one of N = 3. A release leaves 2 holders: the
+    first waiter does not fit its own N, and the pass ends there, so the
+    later waiter is not handed the slot past it."""
+    leases = [managers().acquire(limited={"api": 3}, timeout=0, nested=False) for _ in range(3)]
+    small = _queue(managers(), limited={"api": 2})
+    large = _queue(managers(), limited={"api": 3})
+    leases[0].release()
+    assert _holders(r, "api") == {x.token for x in leases[1:]}
+    assert _wakes(r, small) == [] and _wakes(r, large) == []
+    leases[1].release()  # one holder left: the smaller limit fits now
+    assert _holders(r, "api") == {leases[2].token, small}
+    leases[2].release()
+
+
+def test_slots_freed_together_are_handed_to_as_many_waiters(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """A dead owner held two of three slots: its cleanup hands both to the
+    two first waiters in one pass, and the third waits on."""
+    ghost = managers()
+    _hold_slots(ghost, "api", 2, 3)
+    live = managers().acquire(limited={"api": 3}, timeout=0, nested=False)
+    w1, w2, w3 = (_queue(managers(), limited={"api": 3}) for _ in range(3))
+    owner = ghost.liveness.identity.current().owner_id
+    r.delete("{t}:alive:" + owner)
+    report = managers().cleanup_owner(owner)
+    assert report.status == "cleaned" and report.released == 2, report
+    assert _holders(r, "api") == {live.token, w1, w2}
+    assert _wakes(r, w1)[0].startswith("g") and _wakes(r, w2)[0].startswith("g")
+    assert _wakes(r, w3) == []
+    live.release()
+
+
+def test_a_pass_past_the_scan_limit_wakes_the_next_waiter_to_carry_on(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """Ten slots freed at once, queue_scan_limit 2: the pass hands two
+    waiters their slot and wakes the third, whose own run goes on."""
+    ghost = managers()
+    _hold_slots(ghost, "api", 10, 10)
+    mgr = managers(queue_scan_limit=2)
+    ws = [_queue(mgr, limited={"api": 10}) for _ in range(4)]
+    owner = ghost.liveness.identity.current().owner_id
+    r.delete("{t}:alive:" + owner)
+    mgr.cleanup_owner(owner)
+    assert _holders(r, "api") == set(ws[:2])
+    assert _wakes(r, ws[2]) == ["1"] and _wakes(r, ws[3]) == []
+
+
+def test_a_waiter_of_two_limited_resources_is_handed_each_by_its_own_limit(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """W asks for a slot of A (N = 5) and of B (N = 1), B held: another
+    waiter of B leaving wakes B's queue, and W does not fit B's limit of 1
+    (A's 5 is not B's)."""
+    b = managers().acquire(limited={"B": 1}, timeout=0, nested=False)
+    m = managers()
+    x = _queue(m, limited={"B": 1})
+    w = _queue(managers(), limited={"A": 5, "B": 1})
+    m.releaser.run_release(x.split("|")[0], x, m.request(None, None, {"B": 1}))
+    assert _holders(r, "B") == {b.token} and _holders(r, "A") == set()
+    b.release()
+    assert _holders(r, "B") == {w} and _holders(r, "A") == {w}
+
+
+def test_a_hand_off_takes_no_slot_of_another_full_limited_resource(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """A nested waiter (it skips the queue's entries, not the holders) of a
+    slot of A and of B, both full: A's release wakes it, and hands it
+    nothing while B is full."""
+    a = managers().acquire(limited={"A": 1}, timeout=0, nested=False)
+    b = managers().acquire(limited={"B": 1}, timeout=0, nested=False)
+    w = _queue(managers(), nested=True, limited={"A": 1, "B": 1})
+    a.release()
+    assert _holders(r, "B") == {b.token} and _holders(r, "A") == set()
+    assert _wakes(r, w) == ["1"]
+    b.release()
+    assert _holders(r, "A") == {w} and _holders(r, "B") == {w}
+
+
+def test_a_hand_off_takes_no_slot_an_earlier_waiter_of_another_resource_is_owed(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """V waits for a slot of B (N = 2, one held) and for C; W, later, for A
+    and a slot of B. A's release may not hand W the slot of B that V, ahead
+    of it there, is owed: V gets it once C is free."""
+    c = managers().acquire(exclusive="C", timeout=0)
+    a = managers().acquire(limited={"A": 1}, timeout=0, nested=False)
+    b = managers().acquire(limited={"B": 2}, timeout=0, nested=False)
+    v = _queue(managers(), exclusive="C", limited={"B": 2})
+    _queue(managers(), limited={"A": 1, "B": 2})
+    a.release()
+    assert _holders(r, "B") == {b.token}
+    c.release()
+    assert _holders(r, "B") == {b.token, v}
+    b.release()
+
+
 def test_dead_entries_ahead_do_not_take_a_slot(managers: Managers, r: redis.Redis) -> None:
     """Entries of an owner whose liveness is gone count for nothing: the
     request behind them is granted and removes them."""
@@ -326,6 +451,32 @@ def test_dead_entries_ahead_do_not_take_a_slot(managers: Managers, r: redis.Redi
     assert _queue_len(r, "api") == 0
     got.release()
     hold.release()
+
+
+def test_dead_entries_ahead_blocked_elsewhere_do_not_take_a_slot(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """Entries that fit A but wait for B, whose owner then died: a new
+    request for a slot of A is granted past them (and removes them)."""
+    hold = managers().acquire(exclusive="B", timeout=0)
+    ghost = managers()
+    for _ in range(2):
+        _queue(ghost, exclusive="B", limited={"api": 2})
+    r.delete("{t}:alive:" + ghost.liveness.identity.current().owner_id)
+    got = managers().try_acquire(limited={"api": 2})
+    assert got is not None
+    assert _queue_len(r, "api") == 0
+    got.release()
+    hold.release()
+
+
+def test_two_limits_of_one_name_from_one_manager_keep_their_own(managers: Managers) -> None:
+    mgr = managers()
+    with mgr.lock(limited={"api": 2}, timeout=0) as two:
+        assert two.limited == {"api": 2}
+    with mgr.lock(limited={"api": 3}, timeout=0) as three:
+        assert three.limited == {"api": 3}
+        assert [h.limit for h in mgr.holders("api")] == [3]
 
 
 # -- kinds do not mix --------------------------------------------------------
@@ -365,6 +516,19 @@ def test_a_request_meeting_a_queued_entry_of_the_other_kind_is_refused(
     assert _leftovers(r) - {"alive", "owners"} == set()
 
 
+def test_a_limited_request_meeting_a_queued_exclusive_entry_is_refused(
+    managers: Managers, r: redis.Redis
+) -> None:
+    """W waits for A (free) and B (held) exclusive: a request for a slot
+    of A meets W's entry, not a holder, and is refused by name."""
+    hold = managers().acquire(exclusive="B", timeout=0)
+    _queue(managers(), exclusive=["A", "B"])
+    with pytest.raises(InvalidResource, match="'A' is held or waited for exclusive"):
+        managers().acquire(limited={"A": 2}, timeout=DEADLINE)
+    assert _queue_len(r, "A") == 1
+    hold.release()
+
+
 @pytest.mark.parametrize("kind", ["limited", "exclusive", "shared"])
 def test_a_nested_request_meeting_a_queued_entry_of_the_other_kind_is_refused(
     managers: Managers, r: redis.Redis, kind: str
@@ -399,6 +563,17 @@ def test_a_thread_holding_a_slot_re_enters_it_and_may_not_take_it_exclusive(
             assert inner.fencing_token == outer.fencing_token
         with pytest.raises(InvalidResource, match="held limited"):
             mgr.acquire(exclusive="api", timeout=1)
+
+
+def test_a_nested_acquire_re_entering_a_slot_lists_every_resource_of_its_request(
+    managers: Managers,
+) -> None:
+    mgr = managers()
+    with mgr.lock(limited={"api": 2}, timeout=0) as outer:
+        with mgr.lock("db", limited={"api": 2}, timeout=1) as inner:
+            assert inner.exclusive == ("db",) and inner.limited == {"api": 2}
+            assert inner.resources == ("db", "api")
+            assert inner.fencing_token != outer.fencing_token
 
 
 # -- crash safety ------------------------------------------------------------

@@ -258,6 +258,34 @@ def test_a_parked_limited_task_keeps_its_limit_through_a_re_park_and_its_grant(
     assert not r.keys(PREFIX + "lock:*")
 
 
+def test_an_adopted_grant_of_exclusive_and_two_limited_resources_keeps_each_limit(
+    other: LockManager, third: LockManager, redis_url: str, r: redis.Redis
+) -> None:
+    """A parked task asks for ``db`` exclusive and slots of ``api:x``
+    (N = 2, full) and ``api:y`` (N = 5); a slot freed hands it all three,
+    and the lease its adoption makes has each limit in its place."""
+    mgr = LockManager(redis_url, NS, owner_ttl=30)
+    try:
+        holders = [m.acquire(limited={"api:x": 2}) for m in (other, third)]
+        req = mgr.request("db", None, {"api:x": 2, "api:y": 5})
+        message = {"name": "t.task", "args": [], "kwargs": {}, "options": {}}
+        message.update(modes=req.spec, resources=list(req.resources))
+        parked = defer.park(mgr, "t2", req, message, park_ttl=600, grant_ttl=30)
+        assert parked.outcome == "parked"
+        assert r.hget(PREFIX + "defer:t2", "modes") == b"xll:2,5"
+        holders[0].release()
+        assert r.hget(PREFIX + "defer:t2", "state") == b"granted"
+        outcome, leases = defer.adopt(mgr, "t2", 0)
+        assert outcome == "adopted" and len(leases) == 1
+        assert leases[0].exclusive == ("db",)
+        assert leases[0].limited == {"api:x": 2, "api:y": 5}
+        for lease in [*leases, holders[1]]:
+            lease.release()
+    finally:
+        mgr.close()
+    assert not r.keys(PREFIX + "lock:*")
+
+
 def test_a_re_attempt_refused_for_a_resource_of_the_other_kind_fails_the_task_once(
     app: Celery, other: LockManager, redis_url: str, r: redis.Redis
 ) -> None:

@@ -597,8 +597,9 @@ class ProtocolMachine(RuleBasedStateMachine):
     def acquire_other_kind(self, data: st.DataObject, extra: str, mode: str) -> None:
         """A name taken limited asked for exclusive or shared, or one taken
         exclusive or shared asked for limited (with or without another
-        resource of its own kind): ``{-2, name, mode}``, nothing granted or
-        queued, and the exit path's release finds nothing."""
+        resource of its own kind), nested or not (a nested request passes
+        the queue's entries, not their kind): ``{-2, name, mode}``, nothing
+        granted or queued, and the exit path's release finds nothing."""
         res = data.draw(st.sampled_from(self.mixable()), label="resource")
         oid = data.draw(st.sampled_from(self.registered_owners()), label="owner")
         if res == LIMITED:
@@ -613,11 +614,12 @@ class ProtocolMachine(RuleBasedStateMachine):
             holders = self.view.lock(res)
             met = next(iter(holders.values()))[0] if holders else self.view.queue(res)[0][0][0]
         assert mixed(shape[res], met), (shape, met)
-        q = self.make_request(f"{oid}|r{self._next()}", oid, shape)
+        nested = data.draw(st.booleans(), label="nested")
+        q = self.make_request(f"{oid}|r{self._next()}", oid, shape, nested)
         reply = self.mgr.acquirer.attempt(
-            self.idents[oid], q.token, self.reqs[q.token], True, False, "", True
+            self.idents[oid], q.token, self.reqs[q.token], True, nested, "", True
         )
-        assert list(reply) == [-2, res, met], (q, reply, met)
+        assert list(reply) == [-2, res, met], (q, nested, reply, met)
         q.state = "ended"
         reply = self.mgr.releaser.run_release(oid, q.token, self.reqs[q.token])
         assert [int(x) for x in reply] == [0, 0], (q.token, reply)
