@@ -114,10 +114,18 @@ class Worker:
     def make_manager(self) -> Any:
         return LockManager(self.args.url, self.args.namespace, owner_ttl=self.args.owner_ttl)
 
-    def run(self) -> None:
+    def begin(self) -> None:
+        """The timeline's start and the signals (SIGTERM: stop, SIGUSR1: reconcile)."""
         self.tl.write("start", owner_ttl=self.args.owner_ttl, namespace=self.args.namespace)
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGUSR1, lambda *_: self.reconcile_now.set())
+
+    def end(self) -> None:
+        self.tl.write("exit")
+        self.tl.close()
+
+    def run(self) -> None:
+        self.begin()
         threads = [
             threading.Thread(target=self.loop, args=(i,), name=f"T{i}", daemon=True)
             for i in range(self.args.threads)
@@ -130,8 +138,7 @@ class Worker:
             for th in threads:
                 th.join(0.1)  # short joins: signal handlers run in this thread
         self.manager.close()
-        self.tl.write("exit")
-        self.tl.close()
+        self.end()
 
     def reconcile_loop(self) -> None:
         while not self.stopping.is_set():
@@ -173,10 +180,38 @@ class Worker:
         """The runner's calm: the file ``--quiet-flag`` exists."""
         return bool(self.args.quiet_flag) and os.path.exists(self.args.quiet_flag)
 
+    def streams(self, index: int) -> tuple[random.Random, random.Random]:
+        """Loop ``index``'s random streams: its requests', and the limited
+        requests' own (so that the others stay as without them)."""
+        base = f"{self.args.seed}:{self.args.label}:{index}"
+        return random.Random(base), random.Random(f"{base}:limited")
+
+    def next_op(self, index: int, n: int, rng: random.Random, lrng: random.Random) -> Any:
+        """Operation ``n`` of loop ``index``: (its stream, its name, limited?)."""
+        op = f"{self.args.label}.{index}.{n}"
+        if self.args.limited_share and lrng.random() < self.args.limited_share:
+            return lrng, op, True
+        return rng, op, False
+
+    @staticmethod
+    def pause(rng: random.Random, quiet: bool) -> float:
+        """The pause after an operation: long in a calm, short in a storm."""
+        return rng.uniform(0.3, 1.5) if quiet else rng.uniform(0.0, 0.06)
+
+    def draw(self, rng: random.Random, op: str, limited: bool) -> Any:
+        """The request of operation ``op`` (exclusive, shared, limited,
+        timeout), written to the timeline as its ``acq``."""
+        owner = self.manager.owner_id
+        if limited:
+            ex, lim, timeout = self.pick_limited(rng)
+            self.tl.write("acq", op=op, x=ex, s=[], l=lim, timeout=timeout, owner=owner)
+            return ex, [], lim, timeout
+        ex, sh, timeout = self.pick(rng)
+        self.tl.write("acq", op=op, x=ex, s=sh, timeout=timeout, owner=owner)
+        return ex, sh, {}, timeout
+
     def loop(self, index: int) -> None:
-        rng = random.Random(f"{self.args.seed}:{self.args.label}:{index}")
-        # The limited requests' own stream: the others stay as without them.
-        lrng = random.Random(f"{self.args.seed}:{self.args.label}:{index}:limited")
+        rng, lrng = self.streams(index)
         n = 0
         while not self.stopping.is_set():
             quiet = self.quiet()
@@ -184,22 +219,12 @@ class Worker:
                 time.sleep(0.1)  # in a calm only thread 0 works, and slowly
                 continue
             n += 1
-            if self.args.limited_share and lrng.random() < self.args.limited_share:
-                self.operation(lrng, f"{self.args.label}.{index}.{n}", limited=True)
-            else:
-                self.operation(rng, f"{self.args.label}.{index}.{n}")
-            time.sleep(rng.uniform(0.3, 1.5) if quiet else rng.uniform(0.0, 0.06))
+            self.operation(*self.next_op(index, n, rng, lrng))
+            time.sleep(self.pause(rng, quiet))
 
     def operation(self, rng: random.Random, op: str, limited: bool = False) -> None:
         tl = self.tl
-        lim: dict[str, int] = {}
-        if limited:
-            ex, lim, timeout = self.pick_limited(rng)
-            sh: list[str] = []
-            tl.write("acq", op=op, x=ex, s=sh, l=lim, timeout=timeout, owner=self.manager.owner_id)
-        else:
-            ex, sh, timeout = self.pick(rng)
-            tl.write("acq", op=op, x=ex, s=sh, timeout=timeout, owner=self.manager.owner_id)
+        ex, sh, lim, timeout = self.draw(rng, op, limited)
         try:
             lease = self.manager.acquire(ex, sh, limited=lim or None, timeout=timeout)
         except LockTimeout:
@@ -255,14 +280,11 @@ class AsyncWorker(Worker):
         return AsyncLockManager(self.args.url, self.args.namespace, owner_ttl=self.args.owner_ttl)
 
     def run(self) -> None:
-        self.tl.write("start", owner_ttl=self.args.owner_ttl, namespace=self.args.namespace)
-        signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
-        signal.signal(signal.SIGUSR1, lambda *_: self.reconcile_now.set())
+        self.begin()
         rec = threading.Thread(target=self.reconcile_loop, name="reconcile", daemon=True)
         rec.start()
         asyncio.run(self.main())
-        self.tl.write("exit")
-        self.tl.close()
+        self.end()
 
     def reconcile_loop(self) -> None:
         manager: LockManager | None = None
@@ -286,8 +308,7 @@ class AsyncWorker(Worker):
             await self.manager.close()
 
     async def aloop(self, index: int) -> None:
-        rng = random.Random(f"{self.args.seed}:{self.args.label}:{index}")
-        lrng = random.Random(f"{self.args.seed}:{self.args.label}:{index}:limited")
+        rng, lrng = self.streams(index)
         n = 0
         while not self.stopping.is_set():
             quiet = self.quiet()
@@ -295,23 +316,12 @@ class AsyncWorker(Worker):
                 await asyncio.sleep(0.1)
                 continue
             n += 1
-            if self.args.limited_share and lrng.random() < self.args.limited_share:
-                await self.aoperation(lrng, f"{self.args.label}.{index}.{n}", limited=True)
-            else:
-                await self.aoperation(rng, f"{self.args.label}.{index}.{n}")
-            await asyncio.sleep(rng.uniform(0.3, 1.5) if quiet else rng.uniform(0.0, 0.06))
+            await self.aoperation(*self.next_op(index, n, rng, lrng))
+            await asyncio.sleep(self.pause(rng, quiet))
 
     async def aoperation(self, rng: random.Random, op: str, limited: bool = False) -> None:
         tl = self.tl
-        lim: dict[str, int] = {}
-        owner = self.manager.owner_id
-        if limited:
-            ex, lim, timeout = self.pick_limited(rng)
-            sh: list[str] = []
-            tl.write("acq", op=op, x=ex, s=sh, l=lim, timeout=timeout, owner=owner)
-        else:
-            ex, sh, timeout = self.pick(rng)
-            tl.write("acq", op=op, x=ex, s=sh, timeout=timeout, owner=owner)
+        ex, sh, lim, timeout = self.draw(rng, op, limited)
         try:
             lease = await self.manager.acquire(ex, sh, limited=lim or None, timeout=timeout)
         except LockTimeout:
