@@ -15,7 +15,7 @@ import time
 
 from ..exceptions import LockError
 from ..protocol.calls import Protocol
-from ..protocol.causes import KEY_GONE, cause_text, explain, loss_code
+from ..protocol.causes import KEY_GONE, loss_code, lost_line
 from ..protocol.owner import Owner, confirmed_until
 from .channel import AsyncChannel
 from .state import AsyncState
@@ -189,15 +189,6 @@ class AsyncLiveness:
         lost = [x for x in state.leases.values() if x.owner is owner]
         if where == "deadline" and owner.registered:
             state.doomed.add(owner.owner_id)
-        reason = cause_text(cause)
-        log_hb.error(
-            'heartbeat.lost owner=%s leases=%d where=%s cause="%s": %s; continuing under a '
-            "new identity",
-            owner.owner_id,
-            len(lost),
-            where,
-            reason,
-            explain(reason, where),
-        )
+        log_hb.error(*lost_line(owner.owner_id, len(lost), where, cause))
         for lease in lost:
             lease.mark_lost(cause)

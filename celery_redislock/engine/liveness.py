@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.calls import text
-from ..protocol.causes import KEY_GONE, cause_text, explain, loss_code
+from ..protocol.causes import KEY_GONE, loss_code, lost_line
 from ..protocol.owner import confirmed_until
 from ..store.connect import AnyRedis, clone_client
 from .heartbeat import Heartbeat
@@ -201,18 +201,9 @@ class Liveness(Part):
                 # Its key may still live (the pause was shorter in Redis's eyes,
                 # or another process refreshes it): put it to death in Redis too.
                 self._state.doomed.add(ident.owner_id)
-        reason = cause_text(cause)
         # Logged before the leases are marked: whatever the loss sets off
         # (a task failing, a child killed by on_lost="terminate") comes after.
-        log.error(
-            'heartbeat.lost owner=%s leases=%d where=%s cause="%s": %s; continuing under a '
-            "new identity",
-            ident.owner_id,
-            len(lost),
-            where,
-            reason,
-            explain(reason, where),
-        )
+        log.error(*lost_line(ident.owner_id, len(lost), where, cause))
         for lease in lost:
             lease.mark_lost(cause)
         if where == "deadline":

@@ -91,6 +91,19 @@ def explain(cause: str | None, where: str) -> str:
     return _LOSS_DETAIL.get(cause or "", _LOSS_CAUSES.get(where, _GONE))
 
 
+#: The ``heartbeat.lost`` log line of an owner found lost (both front-ends).
+LOST_LINE = (
+    'heartbeat.lost owner=%s leases=%d where=%s cause="%s": %s; continuing under a new identity'
+)
+
+
+def lost_line(owner_id: str, leases: int, where: str, cause: str | None) -> tuple[object, ...]:
+    """The arguments of the :data:`LOST_LINE` log call for an owner whose
+    ``leases`` were lost at ``where`` for ``cause`` (a loss code or cause)."""
+    reason = cause_text(cause)
+    return (LOST_LINE, owner_id, leases, where, reason, explain(reason, where))
+
+
 def metric_label(cause: str | None) -> str:
     """The ``cause`` label of ``redislock_leases_lost_total`` for a cause."""
     return LOST_CAUSE_LABELS.get(cause or "", "unknown")
