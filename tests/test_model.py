@@ -104,6 +104,7 @@ from hypothesis.stateful import (
 )
 
 from celery_redislock import FORMAT_VERSION, LockManager
+from celery_redislock.asyncio.acquire import acquire_call
 from celery_redislock.asyncio.channel import AsyncChannel
 from celery_redislock.engine.identity import OwnerIdentity
 from celery_redislock.protocol.keys import holder_record
@@ -287,9 +288,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             self.aloop.close()
 
     def async_attempt(self, ident: OwnerIdentity, q: Request, queue: bool) -> Any:
-        """acquire.lua for ``q`` as ``AsyncLockManager`` sends it, through its
-        channel (the same protocol core): never 'f' (an asyncio resend must
-        look), no group, no holder record."""
+        """acquire.lua for ``q`` as ``AsyncLockManager`` sends it
+        (``asyncio.acquire.acquire_call``), through its channel."""
         assert _server is not None
         if self.aloop is None:
             import redis.asyncio
@@ -298,14 +298,13 @@ class ProtocolMachine(RuleBasedStateMachine):
             client = redis.asyncio.Redis.from_url(_server.url, decode_responses=True)
             self.achannel = AsyncChannel(client, _server.url, self.mgr.channel.protocol)
         assert self.achannel is not None
-        call = self.mgr.channel.protocol.acquire(
+        call = acquire_call(
+            self.mgr.channel.protocol,
             q.token,
             self.reqs[q.token],
+            ident,
             queue=queue,
             nested=q.nested,
-            liveness_ms=self.mgr.options.ttl_arg,
-            register="" if ident.registered else f"{ident.pid}@model asyncio",
-            listed=ident.listed,
             spill=self.mgr.state.spill(ident.owner_id),
         )
         reply = self.aloop.run_until_complete(self.achannel.run(call))

@@ -33,7 +33,34 @@ from .liveness import AsyncLiveness
 from .release import AsyncReleaser
 from .state import AsyncState, TaskDepth
 
-__all__ = ["AsyncAcquirer"]
+__all__ = ["AsyncAcquirer", "acquire_call"]
+
+
+def acquire_call(
+    protocol: Protocol,
+    token: str,
+    req: Request,
+    owner: Owner,
+    *,
+    queue: bool,
+    nested: bool,
+    spill: bool,
+) -> ScriptCall:
+    """The acquire.lua call this front-end sends for ``token``: never the
+    first-send flag (a resend must look for an earlier grant), no group, no
+    holder record; registering ``owner`` until it is registered."""
+    options = protocol.options
+    return protocol.acquire(
+        token,
+        req,
+        queue=queue,
+        nested=nested,
+        liveness_ms=options.ttl_arg,
+        register="" if owner.registered else owner_description(owner.pid, options.name),
+        listed=owner.listed,
+        spill=spill,
+    )
+
 
 log = logging.getLogger("celery_redislock.acquire")
 
@@ -229,14 +256,13 @@ class AsyncAcquirer:
         every send must look for an earlier grant of the token).
         """
         owner = t.owner
-        call = self.protocol.acquire(
+        call = acquire_call(
+            self.protocol,
             t.token,
             t.req,
+            owner,
             queue=t.timeout != 0,
             nested=t.nested,
-            liveness_ms=self.options.ttl_arg,
-            register="" if owner.registered else owner_description(owner.pid, self.options.name),
-            listed=owner.listed,
             spill=self.state.spill(owner),
         )
         t.inflight = asyncio.ensure_future(self._send(call))
